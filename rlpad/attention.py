@@ -1,0 +1,130 @@
+"""Varlen attention for the packed (1, nnz) row.
+
+On CUDA with flash-attn installed the model uses transformers' ``flash_attention_2``, which reads
+``cu_seq_lens_q/k`` directly. Everywhere else rlpad registers its own implementation,
+``rlpad_varlen``, through transformers' ``AttentionInterface``: a causal attention run per
+sequence (GQA, optional sliding window), so no token ever attends across a sequence boundary
+and no nnz x nnz mask is built. With a padding mask (the padded path) it defers to sdpa.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+VARLEN_ATTENTION = "rlpad_varlen"
+VARLEN_IMPLEMENTATIONS = frozenset({VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3"})
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "VARLEN_IMPLEMENTATIONS",
+    "flash_attention_available",
+    "sequence_bounds",
+    "set_varlen_attention",
+    "varlen_attention_forward",
+    "varlen_implementation",
+]
+
+
+def flash_attention_available(device: torch.device | str | None = None) -> bool:
+    """True when flash-attn is installed and ``device`` (default: any) is CUDA."""
+    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return on_cuda and importlib.util.find_spec("flash_attn") is not None
+
+
+def varlen_implementation(device: torch.device | str) -> str:
+    """The attention implementation rlpad uses on ``device``: flash_attention_2 or rlpad_varlen."""
+    return "flash_attention_2" if flash_attention_available(device) else VARLEN_ATTENTION
+
+
+def set_varlen_attention(model: PreTrainedModel) -> str:
+    """Switch ``model`` to the varlen attention for its device; returns the implementation name."""
+    name = varlen_implementation(next(model.parameters()).device)
+    model.set_attn_implementation(name)
+    return name
+
+
+def sequence_bounds(
+    cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None, total: int
+) -> list[int]:
+    """Boundaries ``[0, e1, e2, ..., total]`` of the sequences in a packed row.
+
+    Taken from ``cu_seqlens`` when given, else from the restarts of ``position_ids`` to 0.
+    """
+    if cu_seqlens is not None:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"cu_seqlens must run from 0 to {total} (the packed length), got {bounds[:3]}..{bounds[-1]}")
+        return bounds
+    if position_ids is None:
+        return [0, total]
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    return [*starts, total]
+
+
+def _causal_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean (L, L) mask: causal, and key within ``window`` tokens of the query (transformers' rule)."""
+    i = torch.arange(length, device=device)
+    diff = i[:, None] - i[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def _sdpa(q, k, v, *, scale, dropout, window):
+    """Causal sdpa on (B, H, L, D) tensors, with a sliding-window mask when it bites."""
+    length = q.shape[2]
+    if window is not None and length > window:
+        mask = _causal_window_mask(length, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Per-sequence causal attention; ``query/key/value`` are (B, H, S, D), output (B, S, H, D)."""
+    if attention_mask is not None:  # padded batch: the mask already encodes padding and windows
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("rlpad_varlen attention supports neither logit soft-capping nor attention sinks")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # GQA: expand the key/value heads once for the whole row
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    window = sliding_window if sliding_window else None
+    if query.shape[0] > 1:  # an unpadded batch: each row is one sequence
+        out = _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window)
+        return out.transpose(1, 2).contiguous(), None
+    bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])
+    outs = [
+        _sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling, dropout=dropout, window=window)
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """No mask for a packed or unpadded row (the attention reads bounds); sdpa's mask otherwise."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)

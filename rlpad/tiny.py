@@ -1,0 +1,114 @@
+"""Small random causal LMs and a character-level tokenizer, built locally (no model hub).
+
+Used by the tests, ``rlpad check``, the benchmarks and the embedded default recipe.
+Head sizes are multiples of 32 so the same models run in vLLM's CPU attention.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
+
+# Each architecture exercises a different attention detail.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # GQA (4 query heads share 2 key/value heads), qkv bias, tied embeddings.
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Plain multi-head attention (no GQA), untied LM head.
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    # GQA with a sliding window shorter than the test sequences.
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                    tie_word_embeddings=False),
+    # GQA with per-head RMSNorm on queries and keys.
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
+
+
+def tiny_config(
+    arch: str = "qwen2",
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    intermediate_size: int | None = None,
+    head_dim: int = 32,
+    max_position_embeddings: int = 2048,
+    **overrides: Any,
+) -> PretrainedConfig:
+    """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    fields = dict(ARCHITECTURES[arch])
+    model_type = fields.pop("model_type")
+    fields.update(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        attention_dropout=0.0,
+        rms_norm_eps=1e-6,
+    )
+    if arch in ("qwen2", "qwen3"):
+        fields.setdefault("use_sliding_window", False)
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(
+    arch: str = "qwen2",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``)."""
+    from rlpad.attention import VARLEN_ATTENTION  # registers the varlen attention
+
+    config = tiny_config(arch, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation or VARLEN_ATTENTION
+        )
+    return model.eval()
+
+
+def build_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over :data:`CHARSET` with pad/eos/unk and a chat template.
+
+    Ids: 0 pad, 1 eos, 2 unk, then one id per character. Saved with ``save_pretrained`` when
+    ``save_dir`` is given, which vLLM and ``AutoTokenizer`` load offline.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {SPECIAL_TOKENS["pad"]: 0, SPECIAL_TOKENS["eos"]: 1, SPECIAL_TOKENS["unk"]: 2}
+    for ch in CHARSET:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=SPECIAL_TOKENS["pad"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        unk_token=SPECIAL_TOKENS["unk"],
+        padding_side="left",
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if save_dir is not None:
+        tokenizer.save_pretrained(str(save_dir))
+    return tokenizer

