@@ -1,0 +1,272 @@
+"""Rule-based rewards: final-answer exact match, dispatch by ``data_source``, and token placement.
+
+A reward function has verl's signature, called with keywords::
+
+    fn(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float | {"score": float, ...}
+
+``solution_str`` is the decoded response without special tokens. :func:`compute_score` is the
+default; ``reward.fn: pkg.module:function`` (or ``path/to/file.py:function``) picks another,
+loaded by :func:`load_reward_fn`.
+
+Answers are compared after numeric normalisation (:func:`normalize_answer`): spaces, ``$``,
+thousands commas, a leading ``+`` and a trailing period are dropped; numbers compare by value,
+exactly, so ``1,000`` = ``1000`` = ``1000.0``, ``-3`` = ``-3.00``, ``0.5`` = ``1/2`` =
+``\\frac{1}{2}``. Non-numeric answers compare as text with spaces removed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from rlpad.batch import Batch
+
+__all__ = [
+    "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
+    "extract_gsm8k_answer", "gsm8k_score", "load_reward_fn", "normalize_answer", "place_scores",
+    "score_batch", "score_responses",
+]
+
+RewardFn = Callable[..., Any]
+
+_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?$")
+_FRACTION = re.compile(r"^([-+]?\d+)/(\d+)$")
+_LATEX_FRAC = re.compile(r"^([-+]?)\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}$")
+_LEADING_NUMBER = re.compile(r"^[-+]?(\d[\d,]*(\.\d+)?|\.\d+)(/\d+)?(?=[\s,.;:!?)]|$)")
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The answer after the last ``####`` (GSM8K style), up to the end of its line; None if absent."""
+    pos = text.rfind("####")
+    if pos < 0:
+        return None
+    answer = text[pos + 4:].split("\n", 1)[0].strip()
+    return answer or None
+
+
+def extract_boxed_answer(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None  # unbalanced: the response was cut off
+
+
+def _number(text: str) -> Fraction | None:
+    if _NUMBER.match(text):
+        return Fraction(text)
+    m = _FRACTION.match(text) or _LATEX_FRAC.match(text)
+    if m is None:
+        return None
+    sign, num, den = ("", *m.groups()) if len(m.groups()) == 2 else m.groups()
+    if int(den) == 0:
+        return None
+    value = Fraction(int(num), int(den))
+    return -value if sign == "-" else value
+
+
+def normalize_answer(text: Any) -> Fraction | str | None:
+    """An answer as an exact number (``Fraction``) when it reads as one, else as compact text.
+
+    ``"$1,000.50."`` -> ``Fraction(2001, 2)``; ``"42 apples"`` -> 42 (the leading number of a
+    longer answer); ``"x + 1"`` -> ``"x+1"``; empty -> None.
+    """
+    if text is None:
+        return None
+    s = str(text).strip().replace("\u2212", "-")
+    for junk in ("\\$", "$", "\\!", "\\,", " "):
+        s = s.replace(junk, "")
+    s = s.removesuffix(".").removesuffix("\\%").removesuffix("%")
+    if not s:
+        return None
+    if (n := _number(s.replace(",", ""))) is not None:
+        return n
+    m = _LEADING_NUMBER.match(str(text).strip().replace("$", "").replace("\u2212", "-"))
+    if m and (n := _number(m.group(0).replace(",", ""))) is not None:
+        return n
+    return s
+
+
+def answers_match(prediction: Any, ground_truth: Any) -> bool:
+    """True if both normalise to the same number, or to the same text."""
+    p, g = normalize_answer(prediction), normalize_answer(ground_truth)
+    return p is not None and p == g
+
+
+def _truth(ground_truth: Any) -> Any:
+    """A GSM8K ground truth may be the full solution; keep its final answer."""
+    if isinstance(ground_truth, str):
+        return extract_gsm8k_answer(ground_truth) or extract_boxed_answer(ground_truth) or ground_truth
+    return ground_truth
+
+
+def gsm8k_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the answer after the last ``####`` (else in the last ``\\boxed{}``) matches, else 0.0."""
+    answer = extract_gsm8k_answer(solution_str)
+    if answer is None:
+        answer = extract_boxed_answer(solution_str)
+    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+
+
+def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1.0 if the last ``\\boxed{}`` (else the answer after ``####``) matches, else 0.0."""
+    answer = extract_boxed_answer(solution_str)
+    if answer is None:
+        answer = extract_gsm8k_answer(solution_str)
+    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+
+
+def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    from rlpad.toy import toy_score
+
+    return toy_score(solution_str, ground_truth, extra_info)
+
+
+SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
+    "openai/gsm8k": gsm8k_score,
+    "gsm8k": gsm8k_score,
+    "lighteval/MATH": boxed_score,
+    "DigitalLearningGmbH/MATH-lighteval": boxed_score,
+    "HuggingFaceH4/MATH-500": boxed_score,
+    "math": boxed_score,
+    "rlpad/toy_add": _toy,
+}
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """The default reward: the scorer registered for ``data_source`` (see ``SCORERS``).
+
+    Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` :func:`boxed_score`.
+    """
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        name = str(data_source).lower()
+        scorer = gsm8k_score if "gsm8k" in name else boxed_score if "math" in name else None
+    if scorer is None:
+        raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
+                         "(or set reward.fn=package.module:function)")
+    return scorer(solution_str, ground_truth, extra_info)
+
+
+# ----------------------------------------------------------------------------- custom functions
+
+
+def load_reward_fn(spec: str | None) -> RewardFn:
+    """The function named by ``"pkg.module:function"`` or ``"path/to/file.py:function"`` (None: default)."""
+    if spec is None or spec == "rlpad.rewards:compute_score":
+        return compute_score
+    module_name, sep, func_name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"reward.fn={spec!r} must name a function as 'package.module:function'")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise ValueError(f"reward.fn={spec!r}: file {module_name!r} does not exist")
+            file_spec = importlib.util.spec_from_file_location(f"rlpad_custom_reward_{abs(hash(module_name))}",
+                                                               module_name)
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward.fn={spec!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        close = difflib.get_close_matches(func_name, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"reward.fn={spec!r}: module {module_name!r} has no function {func_name!r}{hint}")
+    if not callable(fn):
+        raise ValueError(f"reward.fn={spec!r}: {func_name!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def decode_responses(tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Each row's valid response tokens (``response_mask == 1``) decoded without special tokens."""
+    if responses.shape != response_mask.shape or responses.dim() != 2:
+        raise ValueError(f"responses {tuple(responses.shape)} and response_mask {tuple(response_mask.shape)} "
+                         "must be the same (B, R) shape")
+    valid = response_mask.bool().cpu()
+    rows = [r[m].tolist() for r, m in zip(responses.cpu(), valid)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def place_scores(scores: Sequence[float] | torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, R)`` float32 zeros with each row's score on its last valid response token (column 0 if none)."""
+    scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1)
+    B, R = response_mask.shape
+    if scores.numel() != B:
+        raise ValueError(f"{scores.numel()} scores for {B} responses")
+    cols = torch.arange(R, device=response_mask.device).expand(B, R)
+    last = torch.where(response_mask.bool(), cols, -1).amax(dim=-1).clamp(min=0)
+    out = torch.zeros(B, R, dtype=torch.float32, device=response_mask.device)
+    out[torch.arange(B, device=response_mask.device), last] = scores.to(response_mask.device)
+    return out
+
+
+def _as_score(value: Any, row: int, data_source: Any) -> float:
+    raw = value.get("score") if isinstance(value, Mapping) else value
+    try:
+        score = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward function returned {value!r} for row {row} (data_source {data_source!r}); "
+                         "expected a number or a dict with 'score'") from None
+    if not math.isfinite(score):
+        raise ValueError(f"reward for row {row} (data_source {data_source!r}) is {score}; rewards must be finite")
+    return score
+
+
+def score_responses(
+    tokenizer: Any,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    data_sources: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[Any] | None = None,
+    reward_fn: RewardFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode, score each row with ``reward_fn`` (default :func:`compute_score`), place the scores.
+
+    Returns ``(token_level_scores (B, R), scores (B,))``; ValueError naming the row on NaN/inf.
+    """
+    reward_fn = reward_fn or compute_score
+    texts = decode_responses(tokenizer, responses, response_mask)
+    if not len(data_sources) == len(ground_truths) == len(texts):
+        raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")
+    extra_infos = [None] * len(texts) if extra_infos is None else extra_infos
+    scores = [
+        _as_score(reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei), i, ds)
+        for i, (text, ds, gt, ei) in enumerate(zip(texts, data_sources, ground_truths, extra_infos))
+    ]
+    seq = torch.tensor(scores, dtype=torch.float32)
+    return place_scores(seq, response_mask), seq
+
+
+def score_batch(batch: Batch, tokenizer: Any, reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`score_responses` on a rollout batch (``responses``, ``response_mask``, ``data_source``,
+    ``ground_truth``, optional ``extra_info``)."""
+    batch.require("responses", "response_mask", "data_source", "ground_truth", who="reward")
+    extra = batch["extra_info"] if "extra_info" in batch else None
+    return score_responses(tokenizer, batch["responses"], batch["response_mask"], batch["data_source"],
+                           batch["ground_truth"], extra, reward_fn)

@@ -1,0 +1,182 @@
+"""Config loading: recipe YAML + overrides, key/type errors naming the key, semantic checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlpad.config import Config
+from rlpad.config_loader import (
+    KL_TYPES, LOSS_AGG_MODES, config_from_dict, config_to_dict, load_config, parse_override, save_config, to_yaml,
+)
+
+RECIPE = os.path.join(os.path.dirname(__file__), "fixtures", "grpo_recipe.yaml")
+GRPO = ["actor_rollout_ref.rollout.n=2"]  # the bare defaults are GRPO with n=1, which is rejected
+
+
+def test_recipe_merges_onto_defaults():
+    cfg = load_config(RECIPE)
+    assert isinstance(cfg, Config)
+    assert cfg.data.train_files == ["data/toy/train.parquet"]
+    assert cfg.data.val_files == ["data/toy/val.parquet"]
+    assert cfg.data.train_batch_size == 8
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-4)
+    assert isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.trainer.default_local_dir == "outputs/toy"  # interpolation resolved
+    # untouched keys keep the dataclass defaults
+    assert cfg.actor_rollout_ref.actor.clip_ratio == Config().actor_rollout_ref.actor.clip_ratio
+    assert cfg.critic == Config().critic
+
+
+def test_overrides_win_and_are_typed():
+    cfg = load_config(RECIPE, [
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "data.train_files=[a.parquet,b.parquet]",
+        "data.val_batch_size=4",
+        "actor_rollout_ref.actor.optim.lr=3e-6",
+        "trainer.experiment_name=no",  # a str field keeps the text ("no" is not False)
+        "reward.fn=my_pkg.rewards:score",
+        "trainer.total_training_steps=null",
+        "actor_rollout_ref.actor.optim={lr: 0.5, weight_decay: 0.0}",
+    ])
+    assert cfg.actor_rollout_ref.model.use_remove_padding is False
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.data.val_batch_size == 4
+    assert cfg.trainer.experiment_name == "no"
+    assert cfg.trainer.default_local_dir == "outputs/no"
+    assert cfg.reward.fn == "my_pkg.rewards:score"
+    assert cfg.trainer.total_training_steps is None
+    assert cfg.actor_rollout_ref.actor.optim.lr == 0.5 and cfg.actor_rollout_ref.actor.optim.weight_decay == 0.0
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.9, 0.999]  # section override merges, not replaces
+
+
+def test_no_recipe_uses_defaults():
+    cfg = load_config(None, GRPO)
+    assert cfg.data == Config().data
+
+
+def test_parse_override():
+    assert parse_override("data.train_batch_size=32") == ("data.train_batch_size", "32")
+    assert parse_override("data.val_files=[x.jsonl]") == ("data.val_files", ["x.jsonl"])
+    assert parse_override("actor_rollout_ref.model.path=tiny:qwen2") == ("actor_rollout_ref.model.path", "tiny:qwen2")
+    assert parse_override("data.val_batch_size=null") == ("data.val_batch_size", None)
+    with pytest.raises(ValueError, match="key=value"):
+        parse_override("data.train_batch_size")
+
+
+@pytest.mark.parametrize("override, wanted", [
+    ("actor_rollout_ref.actor.ppo_mini_batchsize=4", "did you mean actor_rollout_ref.actor.ppo_mini_batch_size?"),
+    ("actor_rollout_ref.ppo_mini_batch_size=4", "did you mean actor_rollout_ref.actor.ppo_mini_batch_size?"),
+    ("data.train_batch=4", "did you mean data.train_batch_size?"),
+    ("algorithm.adv_estimater=gae", "did you mean algorithm.adv_estimator?"),
+])
+def test_unknown_override_key_suggests(override, wanted):
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, [override])
+    assert repr(override.split("=")[0]) in str(e.value) and wanted in str(e.value)
+
+
+def test_unknown_key_in_recipe(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\n    temprature: 0.7\n")
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "'actor_rollout_ref.rollout.temprature'" in msg
+    assert "did you mean actor_rollout_ref.rollout.temperature?" in msg
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("data.train_batch_size=abc", "data.train_batch_size", "expects int, got 'abc'"),
+    ("data.train_batch_size=1.5", "data.train_batch_size", "expects int"),
+    ("actor_rollout_ref.model.use_remove_padding=maybe", "actor_rollout_ref.model.use_remove_padding", "expects bool"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr", "expects float"),
+    ("data.max_prompt_length=null", "data.max_prompt_length", "expects int"),
+    ("data.train_files=[a,{b: 1}]", "data.train_files", "expects a list of str"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,x]", "actor_rollout_ref.actor.optim.betas[1]", "expects float"),
+    ("actor_rollout_ref.actor=3", "actor_rollout_ref.actor", "must be a mapping"),
+])
+def test_wrong_type_names_the_key(override, key, expected):
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, [override])
+    assert key in str(e.value) and expected in str(e.value)
+
+
+def test_wrong_type_in_recipe(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\ndata:\n  max_response_length: [1, 2]\n")
+    with pytest.raises(ValueError, match=r"'data.max_response_length' expects int, got \[1, 2\]"):
+        load_config(path)
+    path.write_text("data:\n  truncation: {mode: left}\n")
+    with pytest.raises(ValueError, match=r"'data.truncation' expects str"):
+        load_config(path)
+    path.write_text("data:\n  max_prompt_length: 12.5\n")
+    with pytest.raises(ValueError, match=r"'data.max_prompt_length' expects int, got 12.5"):
+        load_config(path)
+
+
+def test_missing_or_malformed_recipe(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("data: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo' is not valid; choose one of grpo, gae"),
+    (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode='mean'"),
+    (["actor_rollout_ref.actor.kl_loss_type=k9"], "actor_rollout_ref.actor.kl_loss_type='k9'"),
+    (["algorithm.kl_penalty=kl2"], "algorithm.kl_penalty='kl2'"),
+    (["data.truncation=middle"], "data.truncation='middle' is not valid; choose one of error, left, right"),
+    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name='sglang'"),
+    (["actor_rollout_ref.rollout.n=1"], "GRPO compares responses within a group and needs n >= 2"),
+    (["actor_rollout_ref.rollout.n=0", "algorithm.adv_estimator=gae"], "actor_rollout_ref.rollout.n=0 must be >= 1"),
+    (["data.train_batch_size=0"], "data.train_batch_size=0 must be > 0"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=-2"], "actor_rollout_ref.actor.ppo_mini_batch_size=-2 must be > 0"),
+    (["data.val_batch_size=0"], "data.val_batch_size=0 must be > 0"),
+    (["data.train_batch_size=6"], "must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3"),
+    (["trainer.n_gpus_per_node=3"], "must split evenly over 3 workers"),
+    (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature=0.0 must be > 0"),
+    (["actor_rollout_ref.rollout.top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+    (["trainer.logger=[console,wandbb]"], "'wandbb' is not valid"),
+    (["actor_rollout_ref.model.dtype=float64"], "actor_rollout_ref.model.dtype='float64'"),
+])
+def test_semantic_checks(overrides, wanted):
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, overrides)
+    assert wanted in str(e.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, ["algorithm.adv_estimator=ppo", "data.truncation=middle"])
+    assert "algorithm.adv_estimator" in str(e.value) and "data.truncation" in str(e.value)
+
+
+def test_valid_variants():
+    load_config(RECIPE, ["actor_rollout_ref.actor.kl_loss_type=k3+", "algorithm.adv_estimator=gae",
+                         "actor_rollout_ref.rollout.n=1", "critic.ppo_mini_batch_size=8", "data.truncation=left",
+                         "actor_rollout_ref.rollout.name=hf"])
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(RECIPE, ["data.seed=7", "data.val_batch_size=4"])
+    path = tmp_path / "run" / "config.yaml"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert "ppo_mini_batch_size: 4" in to_yaml(cfg)
+    assert config_to_dict(cfg)["actor_rollout_ref"]["rollout"]["n"] == 4
+
+
+def test_constants_match_algos():
+    algos = pytest.importorskip("rlpad.algos")
+    assert tuple(algos.LOSS_AGG_MODES) == LOSS_AGG_MODES
+    assert tuple(algos.KL_KINDS) == KL_TYPES
