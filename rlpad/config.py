@@ -78,7 +78,7 @@ class ValidationSamplingConfig:
 @dataclass
 class RolloutConfig:
     name: str = "vllm"  # vllm | hf
-    n: int = 1
+    n: int = 4  # responses per prompt (GRPO needs >= 2)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

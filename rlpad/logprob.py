@@ -1,13 +1,13 @@
 """Per-token log-probabilities and entropies, from logits or chunk by chunk from hidden states.
 
-The chunked path runs the LM head on ``chunk_size`` tokens at a time under activation
-checkpointing, so the (N, V) fp32 logits never exist whole; backward recomputes each chunk.
+The chunked path runs the LM head on ``chunk_size`` tokens at a time and recomputes each chunk
+in backward (activation checkpointing with a closed-form gradient), so the (N, V) fp32 logits
+never exist whole.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 __all__ = ["entropy_from_logits", "log_probs_and_entropy", "chunked_log_probs_and_entropy", "log_probs_from_logits"]
 
@@ -39,10 +39,74 @@ def log_probs_and_entropy(
     return log_probs, entropy
 
 
-def _head_chunk(hidden, weight, bias, labels, temperature, calculate_entropy):
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    log_probs, entropy = log_probs_and_entropy(logits, labels, temperature, calculate_entropy)
-    return (log_probs, entropy) if calculate_entropy else (log_probs,)
+def _chunk_stats(hidden, weight, bias, labels, temperature):
+    """fp32 scaled logits z (n, V), softmax p, logsumexp and E_p[z] of one chunk."""
+    z = torch.nn.functional.linear(hidden, weight, bias)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if temperature != 1.0:
+        z.div_(temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    mean_z = (p.unsqueeze(1) @ z.unsqueeze(-1)).view(-1)  # E_p[z] without an (n, V) temporary
+    return z, p, lse, mean_z
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Log-prob and entropy through the LM head, one chunk of tokens at a time.
+
+    Nothing of size (N, V) is saved: backward recomputes each chunk's logits and forms the
+    gradient in closed form, d logp/dz = onehot(y) - p and dH/dz = -p (z - E_p[z]), writing the
+    weight gradient into one buffer with addmm_.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy):
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        log_probs = hidden.new_empty(hidden.shape[0], dtype=acc)
+        entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = s + chunk_size
+            z, p, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, labels[s:e], temperature)
+            log_probs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
+            entropy[s:e] = lse - mean_z
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if not calculate_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
+        for s in range(0, hidden.shape[0], chunk):
+            e = s + chunk
+            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, labels[s:e], temperature)
+            g_lp = grad_log_probs[s:e, None] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
+            # g = -p * (g_lp + g_H * (z - E_p[z])) + g_lp * onehot(y), built in z's buffer
+            if grad_entropy is not None:
+                z.sub_(mean_z[:, None]).mul_(grad_entropy[s:e, None]).add_(g_lp)
+            else:
+                z.copy_(g_lp.expand_as(z))
+            g = z.mul_(p).neg_()
+            del p
+            g.scatter_add_(-1, labels[s:e, None], g_lp)
+            if temperature != 1.0:
+                g.div_(temperature)
+            if grad_h is not None:
+                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), hidden[s:e].to(acc))
+            if grad_b is not None:
+                grad_b.add_(g.sum(dim=0))
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def chunked_log_probs_and_entropy(
@@ -57,22 +121,13 @@ def chunked_log_probs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and entropy through the LM head ``weight (V, H)``, chunk by chunk.
 
-    ``hidden`` is (N, H) final hidden states and ``labels`` (N,). Exact, differentiable with
-    respect to ``hidden``, ``weight`` and ``bias``; peak extra memory ~ chunk_size x V.
+    ``hidden`` is (N, H) final hidden states and ``labels`` (N,). Exact and differentiable with
+    respect to ``hidden``, ``weight`` and ``bias``; the (N, V) logits never exist whole: peak
+    extra memory is a few ``chunk_size x V`` fp32 buffers plus one weight-sized gradient buffer.
     """
     if chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1, got {chunk_size}")
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    log_probs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start : start + chunk_size], weight, bias, labels[start : start + chunk_size], temperature, calculate_entropy)
-        out = checkpoint(_head_chunk, *args, use_reentrant=False) if needs_grad else _head_chunk(*args)
-        log_probs.append(out[0])
-        if calculate_entropy:
-            entropies.append(out[1])
-    log_probs_all = torch.cat(log_probs) if log_probs else hidden.new_zeros(0, dtype=torch.float32)
-    if not calculate_entropy:
-        return log_probs_all, None
-    return log_probs_all, torch.cat(entropies) if entropies else hidden.new_zeros(0, dtype=torch.float32)
+    log_probs, entropy = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy)
+    return log_probs, entropy if calculate_entropy else None

@@ -1,0 +1,1 @@
+"""Benchmarks behind `rlpad bench`: each prints a table and returns/writes JSON."""

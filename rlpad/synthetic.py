@@ -1,0 +1,60 @@
+"""Synthetic rollout-shaped batches (left-padded prompts, right-padded responses).
+
+Used by ``rlpad check``, the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpad.forward import position_ids_from_mask
+
+__all__ = ["rollout_batch"]
+
+
+def rollout_batch(
+    batch: int,
+    prompt_length: int,
+    response_length: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    valid_fraction: float = 0.5,
+    pad_id: int = 0,
+    edge_rows: bool = True,
+) -> dict[str, torch.Tensor]:
+    """A (batch, prompt_length + response_length) rollout batch with random lengths.
+
+    Prompt and response lengths are drawn so that about ``valid_fraction`` of the tokens are
+    valid. With ``edge_rows`` row 0 is full length (no padding) and row 1 has a 1-token response.
+    Returns ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``.
+    """
+    if batch < 1 or prompt_length < 1 or response_length < 1:
+        raise ValueError("batch, prompt_length and response_length must be >= 1")
+    if not 0 < valid_fraction <= 1:
+        raise ValueError(f"valid_fraction must be in (0, 1], got {valid_fraction}")
+    gen = torch.Generator().manual_seed(seed)
+    # Uniform lengths in [lo, hi] have mean (lo + hi) / 2 = valid_fraction * full length.
+    def lengths(full: int) -> torch.Tensor:
+        lo = max(1, round(full * max(0.0, 2 * valid_fraction - 1)))
+        hi = max(lo, min(full, round(2 * valid_fraction * full) - lo))
+        return torch.randint(lo, hi + 1, (batch,), generator=gen)
+
+    prompt_lens, response_lens = lengths(prompt_length), lengths(response_length)
+    if edge_rows:
+        prompt_lens[0], response_lens[0] = prompt_length, response_length
+        if batch > 1:
+            response_lens[1] = 1
+    seqlen = prompt_length + response_length
+    input_ids = torch.randint(pad_id + 1, vocab_size, (batch, seqlen), generator=gen)
+    cols = torch.arange(seqlen)
+    start = prompt_length - prompt_lens
+    end = prompt_length + response_lens
+    attention_mask = ((cols >= start[:, None]) & (cols < end[:, None])).long()
+    input_ids = torch.where(attention_mask.bool(), input_ids, pad_id)
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        response_mask=attention_mask[:, prompt_length:],
+    )
