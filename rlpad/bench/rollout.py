@@ -1,0 +1,83 @@
+"""``rlpad bench rollout``: generation throughput and live weight-sync time on a tiny model.
+
+A random tiny Qwen2 (tied embeddings) is saved to a temporary directory, the backend starts on
+it, one warm-up generate runs, then ``reps`` timed generates (``batch_size`` prompts x ``n``
+samples; random weights rarely emit EOS, so responses run near full length) and ``reps`` pushes
+of the full state dict.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from rlpad.batch import Batch
+from rlpad.config import DataConfig, RolloutConfig
+from rlpad.rollout import build_rollout
+from rlpad.tiny import build_tokenizer, tiny_model
+
+__all__ = ["run_rollout_bench"]
+
+
+def _prompts(batch_size: int, prompt_length: int, vocab: int, seed: int) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt_length // 2, prompt_length + 1, (batch_size,), generator=gen)
+    mask = (torch.arange(prompt_length) >= prompt_length - lengths.unsqueeze(1)).long()
+    ids = torch.randint(3, vocab, (batch_size, prompt_length), generator=gen) * mask
+    return Batch({"input_ids": ids, "attention_mask": mask}, {"uid": [str(i) for i in range(batch_size)]})
+
+
+def run_rollout_bench(
+    *,
+    backend: str = "vllm",
+    batch_size: int = 16,
+    n: int = 4,
+    prompt_length: int = 32,
+    response_length: int = 128,
+    reps: int = 3,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    vocab_size: int = 128,
+    cpu_kv_cache_gb: float = 0.5,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Measure one rollout backend; returns a JSON-ready dict (tokens/s, sync seconds, ...)."""
+    model = tiny_model("qwen2", hidden_size=hidden_size, head_dim=32, num_hidden_layers=num_hidden_layers,
+                       vocab_size=vocab_size, seed=seed)
+    rollout = RolloutConfig(name=backend, n=n, temperature=1.0, seed=seed, cpu_kv_cache_gb=cpu_kv_cache_gb)
+    data = DataConfig(max_prompt_length=prompt_length, max_response_length=response_length)
+    prompts = _prompts(batch_size, prompt_length, vocab_size, seed)
+    with tempfile.TemporaryDirectory(prefix="rlpad-bench-rollout-") as path:
+        model.save_pretrained(path)
+        build_tokenizer(path)
+        start = time.perf_counter()
+        engine = build_rollout(path, rollout, data)
+        startup = time.perf_counter() - start
+        engine.generate(prompts)  # warm-up
+        gen_s, tokens = [], []
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = engine.generate(prompts)
+            gen_s.append(time.perf_counter() - start)
+            tokens.append(int(out["response_mask"].sum()))
+        state = model.state_dict()
+        sync_s = [engine.update_weights(state) for _ in range(reps)]
+        del engine
+    return {
+        "backend": backend,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "batch_size": batch_size,
+        "n": n,
+        "prompt_length": prompt_length,
+        "response_length": response_length,
+        "startup_s": startup,
+        "gen_s": statistics.median(gen_s),
+        "response_tokens": statistics.median(tokens),
+        "gen_tokens_per_s": sum(tokens) / sum(gen_s),
+        "sync_s": statistics.median(sync_s),
+        "sync_s_all": sync_s,
+    }

@@ -1,0 +1,74 @@
+"""The Hugging Face rollout backend (``rollout.name: hf``): ``model.generate``, same layout as vLLM.
+
+For machines without vLLM, and as an independent reference for the vLLM backend in tests.
+Log-probs come from generate's processed scores (after temperature and top-k/top-p), the same
+quantity as vLLM's ``processed_logprobs``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from rlpad.config import DataConfig, RolloutConfig
+from rlpad.models import load_causal_lm, load_tokenizer
+from rlpad.rollout import NamedTensors, RolloutBackend, Sampling, _eos_ids, _pairs
+
+__all__ = ["HFRollout"]
+
+
+class HFRollout(RolloutBackend):
+    """Rollout with ``model.generate`` on a local checkpoint path, ``tiny:<arch>``, or a loaded model."""
+
+    def __init__(self, model_path: str | PreTrainedModel, rollout: RolloutConfig, data: DataConfig, *,
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu"):
+        super().__init__(rollout, data)
+        if isinstance(model_path, PreTrainedModel):
+            self.model = model_path
+            if tokenizer_path is None:
+                raise ValueError("HFRollout with a model object needs tokenizer_path")
+        else:
+            self.model = load_causal_lm(model_path, dtype=rollout.dtype, device=device,
+                                        trust_remote_code=trust_remote_code)
+        self.model.eval()
+        tokenizer = load_tokenizer(tokenizer_path or model_path)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(_eos_ids(tokenizer.eos_token_id, self.model.config.eos_token_id))
+        self._calls = 0
+
+    @torch.no_grad()
+    def _sample(self, prompts, sampling: Sampling):
+        rows = [p for p in prompts for _ in range(sampling.n)]  # prompt-major, interleaved
+        width = max(len(r) for r in rows)
+        device = next(self.model.parameters()).device
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        config = GenerationConfig(
+            do_sample=not sampling.greedy, max_new_tokens=sampling.max_tokens,
+            temperature=sampling.temperature if not sampling.greedy else None,
+            top_p=sampling.top_p if not sampling.greedy else None,
+            top_k=max(sampling.top_k, 0) if not sampling.greedy else None,
+            eos_token_id=sorted(self.eos_token_ids), pad_token_id=self.pad_token_id,
+            output_scores=True, return_dict_in_generate=True,
+        )
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.rollout.seed + self._calls)
+            self._calls += 1
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # (rows, steps, V), processed
+        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        return new.cpu().tolist(), log_probs.cpu().tolist()
+
+    def update_weights(self, named_tensors: NamedTensors) -> float:
+        """Copy full weights (HF names) into the model; returns the seconds taken."""
+        start = time.perf_counter()
+        _, unexpected = self.model.load_state_dict(dict(_pairs(named_tensors)), strict=False)
+        if unexpected:
+            raise ValueError(f"update_weights: unknown parameter name(s) {unexpected[:8]}")
+        return time.perf_counter() - start

