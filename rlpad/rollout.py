@@ -69,20 +69,24 @@ class RolloutBackend(ABC):
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
 
-    def generate(self, batch: Batch) -> Batch:
-        """B prompt rows -> B*n rollout rows sampled with the rollout config."""
-        return self._generate(batch, self.sampling)
+    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
+        """B prompt rows -> B*n rollout rows sampled with the rollout config.
+
+        With ``seed`` the samples depend only on (seed, prompt position): the trainer passes
+        ``rollout.seed + step`` so a resumed run samples exactly what an uninterrupted one did.
+        """
+        return self._generate(batch, self.sampling, seed)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout: greedy, or ``rollout.val_kwargs`` sampling when ``do_sample``."""
         return self._generate(batch, self.val_sampling)
 
-    def _generate(self, batch: Batch, sampling: Sampling) -> Batch:
+    def _generate(self, batch: Batch, sampling: Sampling, seed: int | None = None) -> Batch:
         batch.require("input_ids", "attention_mask", who="rollout.generate")
         prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
         start = time.perf_counter()
-        responses, log_probs = self._sample(prompts, sampling)
+        responses, log_probs = self._sample(prompts, sampling, seed)
         seconds = time.perf_counter() - start
         out = build_rollout_batch(
             batch, prompts, responses, log_probs, n=sampling.n, prompt_width=batch["input_ids"].shape[1],
@@ -93,7 +97,8 @@ class RolloutBackend(ABC):
         return out
 
     @abstractmethod
-    def _sample(self, prompts: list[list[int]], sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(self, prompts: list[list[int]], sampling: Sampling,
+                seed: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
 
     @abstractmethod
@@ -138,15 +143,19 @@ class VLLMRollout(RolloutBackend):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = frozenset(_eos_ids(tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)))
 
-    def _sample(self, prompts, sampling):
+    def _sample(self, prompts, sampling, seed=None):
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=sorted(self.eos_token_ids),
-            detokenize=False,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        def params(request_seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=sorted(self.eos_token_ids),
+                detokenize=False, seed=request_seed,
+            )
+
+        # One seed per prompt (distinct, so different prompts do not share random draws).
+        per_prompt = params(None) if seed is None else [params(seed * 1_000_003 + i) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda c: c.index):

@@ -39,7 +39,7 @@ class HFRollout(RolloutBackend):
         self._calls = 0
 
     @torch.no_grad()
-    def _sample(self, prompts, sampling: Sampling):
+    def _sample(self, prompts, sampling: Sampling, seed: int | None = None):
         rows = [p for p in prompts for _ in range(sampling.n)]  # prompt-major, interleaved
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device
@@ -57,7 +57,7 @@ class HFRollout(RolloutBackend):
             output_scores=True, return_dict_in_generate=True,
         )
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(self.rollout.seed + self._calls)
+            torch.manual_seed(self.rollout.seed + self._calls if seed is None else seed)
             self._calls += 1
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
         new = out.sequences[:, width:]

@@ -14,17 +14,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 __all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
 
-# Each architecture exercises a different attention detail.
+# Each architecture exercises a different attention detail. ``gqa``: key/value heads are half
+# the query heads (grouped-query attention); otherwise one key/value head per query head.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    # GQA (4 query heads share 2 key/value heads), qkv bias, tied embeddings.
-    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # GQA, qkv bias, tied embeddings.
+    "qwen2": dict(model_type="qwen2", gqa=True, tie_word_embeddings=True),
     # Plain multi-head attention (no GQA), untied LM head.
-    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama": dict(model_type="llama", gqa=False, tie_word_embeddings=False),
     # GQA with a sliding window shorter than the test sequences.
-    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-                    tie_word_embeddings=False),
+    "mistral": dict(model_type="mistral", gqa=True, sliding_window=8, tie_word_embeddings=False),
     # GQA with per-head RMSNorm on queries and keys.
-    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", gqa=True, tie_word_embeddings=True),
 }
 
 CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -42,11 +42,20 @@ def tiny_config(
     max_position_embeddings: int = 2048,
     **overrides: Any,
 ) -> PretrainedConfig:
-    """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`)."""
+    """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`).
+
+    Query heads = ``hidden_size // head_dim`` (vLLM derives the head size that way), so
+    ``head_dim`` must divide ``hidden_size``; explicit head counts in ``overrides`` win.
+    """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    if hidden_size % head_dim:
+        raise ValueError(f"head_dim={head_dim} must divide hidden_size={hidden_size}")
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
+    heads = hidden_size // head_dim
+    fields["num_attention_heads"] = heads
+    fields["num_key_value_heads"] = max(1, heads // 2) if fields.pop("gqa") else heads
     fields.update(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

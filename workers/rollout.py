@@ -29,9 +29,9 @@ class RolloutWorker:
     def ready(self) -> bool:
         return True
 
-    def generate(self, batch: Batch) -> Batch:
+    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
         """B left-padded prompt rows -> B*n rollout rows (shared/design.md layout)."""
-        return self.backend.generate(batch)
+        return self.backend.generate(batch, seed=seed)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
