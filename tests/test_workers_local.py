@@ -1,0 +1,158 @@
+"""FSDP2 workers in this process (world 1, gloo): critic, bad input, weight export, resume."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlpad.batch import Batch
+from rlpad.config import ActorRolloutRefConfig, CriticConfig
+from rlpad.forward import compute_log_probs
+from rlpad.models import load_causal_lm
+from workers.actor import ActorWorker
+from workers.bench import ppo_batch
+from workers.critic import CriticWorker
+
+P, R, VOCAB = 8, 10, 128  # tiny:qwen2 has vocab 128, hidden 64, 2 layers
+
+
+def actor_config(**actor) -> ActorRolloutRefConfig:
+    cfg = ActorRolloutRefConfig()
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = 8, 2
+    cfg.actor.optim.lr, cfg.rollout.n = 1e-2, 1
+    for k, v in actor.items():
+        setattr(cfg.actor, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def actor():
+    w = ActorWorker(actor_config(use_kl_loss=True, entropy_coeff=0.01))
+    w.init_model()
+    return w
+
+
+@pytest.fixture
+def batch():
+    return ppo_batch(8, P, R, vocab_size=VOCAB, seed=1)
+
+
+# ---------------------------------------------------------------- critic
+
+
+def test_critic_rmpad_matches_padded_and_update_lowers_loss(batch):
+    cfg = CriticConfig()
+    cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, cfg.optim.lr = 8, 3, 1e-3
+    critic = CriticWorker(cfg)
+    critic.init_model()
+    rmpad = critic.compute_values(batch)["values"]
+    critic.set_config({"model.use_remove_padding": False})
+    padded = critic.compute_values(batch)["values"]
+    assert rmpad.shape == (8, R)
+    assert (rmpad - padded).abs().max() <= 1e-5
+    assert rmpad.abs().sum() > 0 and (rmpad[batch["response_mask"] == 0] == 0).all()
+
+    batch["values"] = rmpad
+    critic.set_config({"model.use_remove_padding": True})
+    losses = [critic.update_critic(batch)["critic/vf_loss"] for _ in range(4)]
+    assert losses[-1] < losses[0] * 0.9, losses
+    metrics = critic.update_critic(batch)
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr"} <= set(metrics)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_key_is_named(actor, batch):
+    del batch.tensors["advantages"]
+    with pytest.raises(ValueError, match="advantages"):
+        actor.update_actor(batch)
+    with pytest.raises(ValueError, match="responses"):
+        actor.compute_log_prob(Batch({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}))
+
+
+def test_mismatched_rows_are_named(actor, batch):
+    with pytest.raises(ValueError, match="mismatched row counts"):
+        Batch({"input_ids": batch["input_ids"], "advantages": batch["advantages"][:5]})
+    batch.tensors["advantages"] = batch["advantages"][:5]  # bypass Batch's own check
+    with pytest.raises(ValueError, match="mismatched row counts.*advantages"):
+        actor.update_actor(batch)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("key", ["advantages", "old_log_probs", "ref_log_probs"])
+def test_non_finite_inputs_are_named(actor, batch, key, bad):
+    batch[key][3, 0] = bad
+    with pytest.raises(ValueError, match=rf"{key} contains NaN or inf \(rows \[3\]\)"):
+        actor.update_actor(batch)
+
+
+def test_wrong_shapes_and_roles(actor, batch):
+    batch.tensors["advantages"] = batch["advantages"][:, :-1]
+    with pytest.raises(ValueError, match="advantages has shape"):
+        actor.update_actor(batch)
+    ref = ActorWorker(ActorRolloutRefConfig(), role="ref")
+    ref.init_model()
+    with pytest.raises(RuntimeError, match="update_actor called on a 'ref' worker"):
+        ref.update_actor(batch)
+    assert ref.optimizer is None
+    with pytest.raises(ValueError, match="role must be one of"):
+        ActorWorker(ActorRolloutRefConfig(), role="critic")
+    with pytest.raises(ValueError, match="unknown config field 'actor.nope'"):
+        actor.set_config({"actor.nope": 1})
+
+
+def test_mini_batch_must_divide(batch):
+    w = ActorWorker(actor_config(ppo_mini_batch_size=3))
+    w.init_model()
+    with pytest.raises(ValueError, match="per-rank mini-batch 3"):
+        w.update_actor(batch)
+
+
+# ---------------------------------------------------------------- weights out, resume
+
+
+def test_full_state_dict_and_save_hf(tmp_path, batch):
+    w = ActorWorker(actor_config())
+    w.init_model()
+    w.update_actor(batch)  # move away from the seed-0 weights
+    state = w.full_state_dict()
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state  # tied in qwen2: both present
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    fresh = load_causal_lm("tiny:qwen2")
+    assert set(state) == set(fresh.state_dict())
+    fresh.load_state_dict(state)
+    lp_worker = w.compute_log_prob(batch)["old_log_probs"]
+    lp_ref, _ = compute_log_probs(fresh, batch["input_ids"], batch["attention_mask"], batch["position_ids"], R,
+                                  use_remove_padding=True)  # fmt: skip
+    assert (lp_worker - lp_ref).abs().max() <= 1e-5
+
+    w.save_hf(str(tmp_path / "hf"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, state[name]), name
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_resume_in_a_fresh_worker_equals_uninterrupted(tmp_path):
+    b1, b2 = (ppo_batch(8, P, R, vocab_size=VOCAB, seed=s) for s in (2, 3))
+    kw = dict(ppo_mini_batch_size=4, ppo_epochs=2, shuffle=True, use_kl_loss=True)
+    first = ActorWorker(actor_config(**kw), seed=7)
+    first.config.actor.optim.lr_warmup_steps = 3
+    first.init_model()
+    first.update_actor(b1)
+    first.save_checkpoint(str(tmp_path / "ck"))
+    torch.manual_seed(123)  # the checkpoint must restore the RNG, not rely on it
+    m_uninterrupted = first.update_actor(b2)
+    s_uninterrupted = first.full_state_dict()
+
+    second = ActorWorker(actor_config(**kw), seed=7)
+    second.config.actor.optim.lr_warmup_steps = 3
+    second.init_model()
+    second.load_checkpoint(str(tmp_path / "ck"))
+    assert second.update_steps == 1 and torch.equal(torch.get_rng_state(), torch.load(
+        tmp_path / "ck" / "extra_rank0.pt", weights_only=False)["rng"]["torch"])  # fmt: skip
+    m_resumed = second.update_actor(b2)
+    assert m_resumed == m_uninterrupted
+    assert m_resumed["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # warm-up step 2 of 3
+    for name, t in second.full_state_dict().items():
+        assert torch.equal(t, s_uninterrupted[name]), name

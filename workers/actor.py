@@ -1,0 +1,193 @@
+"""The FSDP2 actor / reference worker: log-probs, the PPO/GRPO policy update, weight export.
+
+One class serves both roles; the reference (``role="ref"``) has no optimizer. Usable in a plain
+process (world 1) or as one rank of a Ray worker group (:mod:`workers.group`).
+
+Batch keys (see shared/design.md): ``input_ids``, ``attention_mask`` (B, P+R), optional
+``position_ids``, ``responses`` (B, R); ``update_actor`` also needs ``response_mask``,
+``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
+from rlpad.batch import Batch
+from rlpad.config import ActorRolloutRefConfig
+from rlpad.forward import LogProbModel
+from rlpad.models import load_causal_lm, load_tokenizer
+from workers.fsdp import FSDPWorker, check_rollout_batch
+
+__all__ = ["ActorWorker"]
+
+ROLES = ("actor", "ref")
+FORWARD_KEYS = ["input_ids", "attention_mask", "responses"]
+
+
+class ActorWorker(FSDPWorker):
+    """FSDP2 worker of the ``actor`` or ``ref`` role (one rank); see the module docstring."""
+
+    def __init__(self, config: ActorRolloutRefConfig, role: str = "actor", **dist_kwargs: Any):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        super().__init__(config, role=role, **dist_kwargs)
+        self.model = None  # the HF causal LM inside the FSDP root
+
+    def init_model(self) -> None:
+        """Join the process group, load the model, shard it (FSDP2), build AdamW + warm-up (actor only)."""
+        self._init_distributed()
+        mcfg = self.config.model
+        model = load_causal_lm(
+            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code
+        )
+        if self.role == "actor" and mcfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.role == "ref":
+            model.requires_grad_(False)
+        self.model = model
+        self.root = self._shard(LogProbModel(model), model)
+        if self.role == "actor":
+            self._build_optimizer(self.config.actor.optim)
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _forward_keys(self, batch: Batch) -> list[str]:
+        return FORWARD_KEYS + (["position_ids"] if "position_ids" in batch else [])
+
+    def _log_probs(self, piece: Batch, temperature: float, calculate_entropy: bool):
+        mcfg = self.config.model
+        return self.root(
+            piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
+            int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
+            temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
+        )  # fmt: skip
+
+    def _temperature(self, batch: Batch) -> float:
+        return float(batch.meta.get("temperature", self.config.rollout.temperature))
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and ``entropy`` (B, R) of the response tokens, under the current weights.
+
+        Micro-batches follow ``rollout.log_prob_*`` (verl's names); temperature from ``batch.meta``.
+        """
+        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_log_prob"))
+        rcfg = self.config.rollout
+        t = self._temperature(batch)
+        log_probs, entropy = self._forward_all(
+            batch, self._forward_keys(batch), rcfg.log_prob_micro_batch_size_per_gpu,
+            rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None,
+            lambda piece: self._log_probs(piece, t, True),
+        )  # fmt: skip
+        return Batch({"old_log_probs": log_probs, "entropy": entropy}, meta={"temperature": t})
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``."""
+        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_ref_log_prob"))
+        rcfg = self.config.ref
+        t = self._temperature(batch)
+        (log_probs,) = self._forward_all(
+            batch, self._forward_keys(batch), rcfg.log_prob_micro_batch_size_per_gpu,
+            rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None,
+            lambda piece: self._log_probs(piece, t, False)[:1],
+        )  # fmt: skip
+        return Batch({"ref_log_probs": log_probs}, meta={"temperature": t})
+
+    # ------------------------------------------------------------------ update
+
+    def _policy_loss(self, piece: Batch, norms: dict[str, float], temperature: float):
+        acfg = self.config.actor
+        mask = piece["response_mask"]
+        log_prob, entropy = self._log_probs(piece, temperature, acfg.entropy_coeff != 0)
+        low = acfg.clip_ratio if acfg.clip_ratio_low is None else acfg.clip_ratio_low
+        high = acfg.clip_ratio if acfg.clip_ratio_high is None else acfg.clip_ratio_high
+        pg_loss, shares = compute_policy_loss(
+            piece["old_log_probs"], log_prob, piece["advantages"], mask, low, high, acfg.clip_ratio_c,
+            acfg.loss_agg_mode, **norms,
+        )  # fmt: skip
+        shares["pg_loss"] = pg_loss
+        loss = pg_loss
+        if acfg.entropy_coeff != 0:
+            shares["entropy"] = agg_loss(entropy, mask, acfg.loss_agg_mode, **norms)
+            loss = loss - acfg.entropy_coeff * shares["entropy"]
+        if acfg.use_kl_loss:
+            kld = kl_penalty(log_prob, piece["ref_log_probs"], acfg.kl_loss_type)
+            shares["kl_loss"] = agg_loss(kld, mask, acfg.loss_agg_mode, **norms)
+            loss = loss + acfg.kl_loss_coef * shares["kl_loss"]
+        return loss, shares
+
+    def update_actor(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
+        """PPO/GRPO policy update on this rank's rows; returns metrics equal on every rank.
+
+        ``ppo_epochs`` x mini-batches of ``ppo_mini_batch_size * rollout.n`` rows (all ranks
+        together) x micro-batches (``ppo_micro_batch_size_per_gpu`` rows, or
+        ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``), one AdamW step per mini-batch,
+        one LR-schedule step per call. ``return_grads``: add ``"grads"``, the full gradients of the
+        last mini-batch (HF names) taken before clipping and the optimizer step.
+        """
+        if self.role != "actor":
+            raise RuntimeError(f"update_actor called on a {self.role!r} worker")
+        acfg = self.config.actor
+        keys = FORWARD_KEYS + ["response_mask", "old_log_probs", "advantages"]
+        keys += ["ref_log_probs"] if acfg.use_kl_loss else []
+        finite = ["old_log_probs", "advantages"] + (["ref_log_probs"] if acfg.use_kl_loss else [])
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, "update_actor"))
+        t = self._temperature(batch)
+        metrics = self._ppo_update(
+            batch, keys=keys + (["position_ids"] if "position_ids" in batch else []),
+            mini_rows=acfg.ppo_mini_batch_size * self.config.rollout.n, epochs=acfg.ppo_epochs,
+            shuffle=acfg.shuffle, micro_rows=acfg.ppo_micro_batch_size_per_gpu,
+            max_tokens=acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None,
+            grad_clip=acfg.grad_clip, loss_fn=lambda piece, norms: self._policy_loss(piece, norms, t),
+            prefix="actor", return_grads=return_grads,
+        )  # fmt: skip
+        if return_grads:
+            metrics["grads"] = {_hf_name(k): v for k, v in metrics["grads"].items()}
+        return metrics
+
+    # ------------------------------------------------------------------ weights out
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied.
+
+        A collective: every rank must iterate it to the end.
+        """
+        seen = False
+        for name, tensor in self.iter_full_tensors(prefix="model."):
+            seen |= name == "lm_head.weight"
+            yield name, tensor
+        if not seen and getattr(self.model.config, "tie_word_embeddings", False):
+            yield "lm_head.weight", self.model.get_input_embeddings().weight.full_tensor().detach()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+        """Full weights by HF name, on CPU, for the rollout sync (``None`` off rank 0 if ``rank0_only``)."""
+        keep = self.rank == 0 or not rank0_only
+        out = {}
+        for name, tensor in self.iter_hf_tensors():
+            if keep:
+                out[name] = tensor.cpu()
+        return out if keep else None
+
+    def save_hf(self, path: str) -> None:
+        """Write a ``save_pretrained`` directory (config, safetensors, tokenizer) from rank 0."""
+        state = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
+            mcfg = self.config.model
+            try:
+                load_tokenizer(mcfg.tokenizer_path or mcfg.path).save_pretrained(path)
+            except (OSError, ValueError):
+                pass  # no tokenizer next to the weights: the weights alone are still loadable
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def _hf_name(fsdp_name: str) -> str:
+    return fsdp_name[len("model."):] if fsdp_name.startswith("model.") else fsdp_name

@@ -1,0 +1,134 @@
+"""``rlpad bench workers``: tokens/s of the worker group's compute_log_prob and update_actor,
+remove-padding on vs off on the same batch, and their ratio. Also the synthetic PPO batch
+the worker tests use. Ray is imported lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from rlpad.batch import Batch
+from rlpad.synthetic import rollout_batch
+
+__all__ = ["ppo_batch", "run_worker_bench"]
+
+
+def ppo_batch(
+    rows: int, prompt_length: int, response_length: int, *, vocab_size: int, seed: int = 0, valid_fraction: float = 0.5
+) -> Batch:
+    """A rollout-shaped :class:`Batch` with every key the workers read.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` (random
+    lengths, see :func:`rlpad.synthetic.rollout_batch`), ``advantages``, ``returns``, ``values``
+    ~ N(0, 1) and ``old_log_probs`` / ``ref_log_probs`` = log(1/V) + N(0, 0.2) noise (near a random
+    model's own log-probs, so PPO ratios straddle the clip range); zeros on padding.
+    """
+    d = rollout_batch(
+        rows, prompt_length, response_length, vocab_size=vocab_size, seed=seed, valid_fraction=valid_fraction
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = d["response_mask"].float()
+    d["responses"] = d["input_ids"][:, prompt_length:]
+
+    def noise(scale: float) -> torch.Tensor:
+        return torch.randn(rows, response_length, generator=gen) * scale * mask
+
+    base = -math.log(vocab_size) * mask
+    d.update(advantages=noise(1.0), returns=noise(1.0), values=noise(1.0),
+             old_log_probs=base + noise(0.2), ref_log_probs=base + noise(0.2))  # fmt: skip
+    return Batch(d)
+
+
+def _timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _vocab_size(path: str) -> int:
+    if path.startswith("tiny:"):
+        from rlpad.tiny import tiny_config
+
+        return int(tiny_config(path.split(":", 1)[1]).vocab_size)
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path).vocab_size)
+
+
+def run_worker_bench(
+    *,
+    model: str = "tiny",
+    world_size: int = 2,
+    rows: int = 16,
+    prompt_length: int = 128,
+    response_length: int = 128,
+    reps: int = 3,
+    logits_chunk_size: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Median tokens/s (valid tokens) of ``compute_log_prob`` and ``update_actor`` on a real Ray group.
+
+    ``model``: a key of :data:`rlpad.bench.logprob.MODELS` (saved to a temp dir) or a model path.
+    Returns ``{"config", "rmpad": {...}, "padded": {...}, "speedup": {"compute_log_prob", "update_actor"}}``.
+    Starts a local Ray (127.0.0.1) if none is running and shuts it down afterwards.
+    """
+    import ray
+
+    from rlpad.bench.logprob import MODELS
+    from rlpad.config import ActorRolloutRefConfig
+    from rlpad.tiny import build_tokenizer, tiny_model
+    from workers.actor import ActorWorker
+    from workers.group import WorkerGroup
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+    tmp = tempfile.TemporaryDirectory(prefix="rlpad-bench-")
+    group = None
+    try:
+        path = model
+        if model in MODELS:
+            spec = dict(MODELS[model])
+            path = os.path.join(tmp.name, model)
+            tiny_model(spec.pop("arch"), seed=seed, **spec).save_pretrained(path)
+            build_tokenizer(path)
+        cfg = ActorRolloutRefConfig()
+        cfg.model.path, cfg.model.logits_chunk_size = path, logits_chunk_size
+        cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = rows, rows // world_size
+        cfg.rollout.log_prob_micro_batch_size_per_gpu, cfg.rollout.n = rows // world_size, 1
+        cfg.actor.optim.lr = 0.0  # timing only: keep the weights fixed
+        group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=world_size, seed=seed)
+        vocab = _vocab_size(path)
+        batch = ppo_batch(rows, prompt_length, response_length, vocab_size=vocab, seed=seed)
+        tokens = int(batch["attention_mask"].sum())
+        setup = dict(model=model, world_size=world_size, rows=rows, prompt_length=prompt_length,
+                     response_length=response_length, valid_tokens=tokens,
+                     padded_tokens=batch["input_ids"].numel(), reps=reps)  # fmt: skip
+        result: dict[str, Any] = {"config": setup}
+        for name, rmpad in (("rmpad", True), ("padded", False)):
+            group.call("set_config", {"model.use_remove_padding": rmpad})
+            group.call_batch("compute_log_prob", batch)  # warm-up
+            t_lp = _timed(lambda: group.call_batch("compute_log_prob", batch), reps)
+            t_up = _timed(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
+            result[name] = {"compute_log_prob_s": t_lp, "update_actor_s": t_up,
+                            "compute_log_prob_tok_s": tokens / t_lp, "update_actor_tok_s": tokens / t_up}
+        result["speedup"] = {k: result["rmpad"][f"{k}_tok_s"] / result["padded"][f"{k}_tok_s"]
+                             for k in ("compute_log_prob", "update_actor")}  # fmt: skip
+        return result
+    finally:
+        if group is not None:
+            group.shutdown()
+        tmp.cleanup()
+        if started:
+            ray.shutdown()

@@ -1,0 +1,85 @@
+"""The FSDP2 critic worker: PPO value model (causal LM backbone + scalar head, rlpad.value).
+
+Batch keys: ``input_ids``, ``attention_mask``, optional ``position_ids``, ``responses``;
+``update_critic`` also needs ``response_mask``, ``values`` (from the rollout) and ``returns``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlpad.algos import compute_value_loss, masked_sum
+from rlpad.batch import Batch
+from rlpad.config import CriticConfig
+from rlpad.models import load_causal_lm
+from rlpad.value import ValueModel
+from workers.fsdp import FSDPWorker, check_rollout_batch
+
+__all__ = ["CriticWorker"]
+
+FORWARD_KEYS = ["input_ids", "attention_mask", "responses"]
+
+
+class CriticWorker(FSDPWorker):
+    """FSDP2 worker of the ``critic`` role (one rank). ``rollout_n``: samples per prompt (mini-batch rows)."""
+
+    role = "critic"
+
+    def __init__(self, config: CriticConfig, role: str = "critic", rollout_n: int = 1, **dist_kwargs: Any):
+        super().__init__(config, role=role, **dist_kwargs)
+        self.rollout_n = rollout_n
+
+    def init_model(self) -> None:
+        """Join the process group, build and shard the value model, build AdamW + warm-up."""
+        self._init_distributed()
+        mcfg = self.config.model
+        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code)
+        if mcfg.enable_gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        value_model = ValueModel(lm, seed=self.seed)
+        del lm  # the LM head is not part of the critic
+        self.root = self._shard(value_model, value_model.backbone)
+        self._build_optimizer(self.config.optim)
+
+    def _values(self, piece: Batch):
+        return self.root(
+            piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
+            int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
+        )  # fmt: skip
+
+    def _keys(self, batch: Batch, extra: list[str]) -> list[str]:
+        return FORWARD_KEYS + extra + (["position_ids"] if "position_ids" in batch else [])
+
+    def _micro(self) -> tuple[int | None, int | None]:
+        c = self.config
+        return c.ppo_micro_batch_size_per_gpu, (c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values`` (B, R) of the response tokens (0 on padding)."""
+        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_values"))
+        (values,) = self._forward_all(batch, self._keys(batch, []), *self._micro(), lambda p: (self._values(p),))
+        return Batch({"values": values})
+
+    def _value_loss(self, piece: Batch, norms: dict[str, float]):
+        mask = piece["response_mask"]
+        vpreds = self._values(piece)
+        loss, shares = compute_value_loss(
+            vpreds, piece["values"], piece["returns"], mask, self.config.cliprange_value, self.config.loss_agg_mode,
+            **norms,
+        )  # fmt: skip
+        shares["vf_loss"] = loss
+        shares["vpred_mean"] = (masked_sum(vpreds, mask) / norms["global_tokens"]).detach()
+        return loss, shares
+
+    def update_critic(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
+        """Clipped value-loss update (same epochs / mini / micro-batch rules and loss scaling as the actor)."""
+        c = self.config
+        keys = FORWARD_KEYS + ["response_mask", "values", "returns"]
+        self._agree(lambda: check_rollout_batch(batch, keys, ["values", "returns"], "update_critic"))
+        micro_rows, max_tokens = self._micro()
+        return self._ppo_update(
+            batch, keys=self._keys(batch, ["response_mask", "values", "returns"]),
+            mini_rows=c.ppo_mini_batch_size * self.rollout_n, epochs=c.ppo_epochs, shuffle=False,
+            micro_rows=micro_rows, max_tokens=max_tokens, grad_clip=c.grad_clip, loss_fn=self._value_loss,
+            prefix="critic", return_grads=return_grads,
+        )  # fmt: skip

@@ -1,0 +1,396 @@
+"""FSDP2 plumbing shared by the actor/reference and critic workers.
+
+One worker = one rank of a torch.distributed group. It works in a plain process (world 1, or
+launched by torchrun) and as a Ray actor (see :mod:`workers.group`); this module never imports Ray.
+
+Loss scaling: a mini-batch's loss is normalised by counts of the WHOLE mini-batch (tokens or
+sequences, all-reduced over the ranks before the micro-batch loop), so every micro-batch on every
+rank contributes its exact share and the shares sum to the mini-batch loss. FSDP2 AVERAGES
+gradients over the ranks in its reduce-scatter, so each share is multiplied by the world size
+before ``backward``: the reduced gradient is then the gradient of the mini-batch loss, whatever
+the micro-batch count, token budget or world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlpad.algos import batch_normalizers
+from rlpad.batch import Batch
+from rlpad.optim import build_lr_scheduler, build_optimizer
+from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
+
+__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]
+
+LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDPWorker:
+    """Base of the FSDP2 workers: process group, sharding, micro-batching, optimizer step, checkpoints."""
+
+    role = "worker"
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        role: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        seed: int = 1,
+        timeout_s: float = 1800.0,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, {world_size})")
+        self.config = config
+        self.role = role or self.role
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.seed, self.timeout_s = seed, timeout_s
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.root: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.update_steps = 0  # completed update calls (= LR scheduler steps)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _init_distributed(self) -> None:
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+                raise RuntimeError(
+                    f"{self.role}: a process group (rank {dist.get_rank()}/{dist.get_world_size()}) already exists, "
+                    f"this worker is rank {self.rank}/{self.world_size}"
+                )
+        else:
+            if self.master_port is None:
+                if self.world_size > 1:
+                    raise ValueError(f"{self.role}: master_port is required when world_size > 1")
+                self.master_port = free_port(self.master_addr)
+            if self.master_addr in ("127.0.0.1", "localhost") and os.path.exists("/sys/class/net/lo"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo traffic on the loopback
+            cuda = self.device.type == "cuda"
+            dist.init_process_group(
+                "cpu:gloo,cuda:nccl" if cuda else "gloo",
+                init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s),
+            )  # fmt: skip
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    def _shard(self, root: nn.Module, inner: nn.Module) -> nn.Module:
+        """``fully_shard`` each decoder layer of ``inner``, then ``root`` (embeddings, norm, heads)."""
+        # rlpad.forward returns views of its outputs; nothing modifies them in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        layer_types = set(getattr(inner, "_no_split_modules", None) or [])
+        for module in inner.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, mesh=self.mesh)
+        fully_shard(root, mesh=self.mesh)
+        return root
+
+    def _build_optimizer(self, optim_cfg: Any) -> None:
+        self.optimizer = build_optimizer(self.root.parameters(), optim_cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
+
+    def _require_model(self) -> None:
+        if self.root is None:
+            raise RuntimeError(f"{self.role}: call init_model() first")
+
+    def set_config(self, overrides: dict[str, Any]) -> None:
+        """Change config fields read at call time, by dotted name (``{"actor.use_dynamic_bsz": True}``).
+
+        For micro-batching, remove-padding and loss knobs; optimizer settings are fixed at init_model().
+        """
+        for dotted, value in overrides.items():
+            *parents, leaf = dotted.split(".")
+            node = self.config
+            for name in parents:
+                node = getattr(node, name, None)
+            known = {f.name for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else set()
+            if leaf not in known:
+                raise ValueError(f"{self.role}: unknown config field {dotted!r}")
+            setattr(node, leaf, value)
+
+    # ------------------------------------------------------------------ collectives
+
+    def _all_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the ranks (float64, on CPU)."""
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device).reshape(-1)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def _all_max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _agree(self, check: Callable[[], None]) -> None:
+        """Run ``check`` here; if it raised ValueError on ANY rank, raise it on every rank.
+
+        Every rank stops before the first collective of the work, so none is left waiting.
+        """
+        try:
+            check()
+            error = None
+        except ValueError as e:
+            error = str(e)
+        if self.world_size > 1:
+            errors: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+        else:
+            errors = [error]
+        for r, e in enumerate(errors):
+            if e is not None:
+                raise ValueError(e if r == self.rank else f"{self.role} rank {r}: {e}")
+
+    # ------------------------------------------------------------------ micro-batching
+
+    def _micro_splits(self, lengths: torch.Tensor, micro_rows: int | None, max_tokens: int | None) -> list[list[int]]:
+        """Row indices per micro-batch (by token budget when ``max_tokens``, else ``micro_rows`` rows).
+
+        The count is the MAX over the ranks; a rank with fewer pieces gets empty lists, which the
+        caller runs as zero-weight dummies so every rank joins every collective.
+        """
+        lengths = lengths.tolist()
+        if max_tokens is not None:
+            count = self._all_max(count_micro_batches(lengths, max_tokens))
+            return split_by_token_budget(lengths, max_tokens, count)
+        if micro_rows is None or micro_rows < 1:
+            raise ValueError(f"{self.role}: micro-batch size must be >= 1, got {micro_rows}")
+        parts = [list(range(i, min(i + micro_rows, len(lengths)))) for i in range(0, len(lengths), micro_rows)]
+        count = self._all_max(len(parts))
+        return parts + [[] for _ in range(count - len(parts))]
+
+    def _pieces(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None):
+        """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch (an empty
+        split becomes a dummy copy of row 0), and the index lists of the real splits."""
+        parts = self._micro_splits(batch["attention_mask"].sum(-1), micro_rows, max_tokens)
+        sub = batch.select(*keys)
+        pieces = ((sub.index(p or [0]).to(self.device), bool(p)) for p in parts)
+        return pieces, [p for p in parts if p]
+
+    def _forward_all(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None,
+                     fn: Callable[[Batch], tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """``fn`` on every micro-batch without gradients; outputs concatenated in the batch's row order."""
+        self._require_model()
+        self.root.eval()
+        pieces, real = self._pieces(batch, keys, micro_rows, max_tokens)
+        outs: list[tuple[torch.Tensor, ...]] = []
+        with torch.no_grad():
+            for piece, is_real in pieces:
+                out = fn(piece)
+                if is_real:
+                    outs.append(tuple(o.float().cpu() for o in out))
+        return [restore_order(torch.cat([o[i] for o in outs]), real) for i in range(len(outs[0]))]
+
+    # ------------------------------------------------------------------ training loop
+
+    def _ppo_update(
+        self, batch: Batch, *, keys: list[str], mini_rows: int, epochs: int, shuffle: bool,
+        micro_rows: int | None, max_tokens: int | None, grad_clip: float, loss_fn: LossFn, prefix: str,
+        return_grads: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Epochs x mini-batches x micro-batches with global normalisers; mean metrics over mini-batches.
+
+        ``mini_rows`` counts rows of the GLOBAL mini-batch (all ranks). ``loss_fn(piece, norms)``
+        returns the piece's SHARE of the mini-batch loss and metric shares (summed over pieces and ranks).
+        """
+        self._require_model()
+        local_mini = mini_rows // self.world_size
+
+        def check() -> None:
+            if mini_rows < 1 or mini_rows % self.world_size:
+                raise ValueError(f"{prefix}: a mini-batch of {mini_rows} rows does not split over {self.world_size} ranks")
+            if len(batch) == 0 or len(batch) % local_mini:
+                raise ValueError(
+                    f"{prefix}: this rank holds {len(batch)} rows, not a multiple of the per-rank mini-batch "
+                    f"{local_mini} (ppo_mini_batch_size * rollout.n / world_size)"
+                )
+
+        self._agree(check)
+        self.root.train()
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR of this call's steps
+        history: dict[str, list[float]] = {}
+        grads: dict[str, torch.Tensor] = {}
+        for epoch in range(epochs):
+            order = torch.arange(len(batch))
+            if shuffle:
+                key = ((self.seed * 1_000_003 + self.update_steps) * 1009 + epoch) * 131 + self.rank
+                gen = torch.Generator().manual_seed(key)
+                order = torch.randperm(len(batch), generator=gen)
+            for start in range(0, len(batch), local_mini):
+                mini = batch.index(order[start : start + local_mini])
+                norms = self._all_sum(list(batch_normalizers(mini["response_mask"]).values()))
+                norms = {"global_tokens": max(float(norms[0]), 1.0), "global_seqs": max(float(norms[1]), 1.0)}
+                pieces, _ = self._pieces(mini, keys, micro_rows, max_tokens)
+                sums: dict[str, torch.Tensor] = {}
+                for piece, is_real in pieces:
+                    loss, shares = loss_fn(piece, norms)
+                    (loss * (self.world_size if is_real else 0.0)).backward()
+                    if is_real:
+                        for k, v in shares.items():
+                            sums[k] = sums.get(k, 0.0) + v.detach().double().cpu()
+                names = sorted(sums)
+                totals = self._all_sum(torch.stack([torch.as_tensor(sums[k]) for k in names])) if names else []
+                stats = {f"{prefix}/{k}": float(v) for k, v in zip(names, totals)}
+                if return_grads:
+                    grads = self._full_grads()
+                stats[f"{prefix}/grad_norm"] = self._optimizer_step(grad_clip)
+                for k, v in stats.items():
+                    history.setdefault(k, []).append(v)
+        self.scheduler.step()
+        self.update_steps += 1
+        metrics: dict[str, Any] = {k: sum(v) / len(v) for k, v in history.items()}
+        metrics[f"{prefix}/lr"] = lr
+        if return_grads:
+            metrics["grads"] = grads
+        return metrics
+
+    def _optimizer_step(self, grad_clip: float) -> float:
+        """Clip to ``grad_clip`` (if > 0) and step; skip the step on a non-finite norm. Returns the norm."""
+        params = [p for p in self.root.parameters() if p.grad is not None]
+        norm = _full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if torch.isfinite(norm):
+            if grad_clip and grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _full_grads(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) gradients by parameter name; a collective: every rank must call it."""
+        return {
+            name: _full(p.grad).detach().float().cpu().clone()
+            for name, p in self.root.named_parameters() if p.grad is not None
+        }  # fmt: skip
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def iter_full_tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for every state-dict entry, ``prefix`` stripped; a collective."""
+        self._require_model()
+        for name, t in self.root.state_dict().items():
+            full = _full(t).detach()
+            yield (name[len(prefix):] if prefix and name.startswith(prefix) else name), full
+
+    def _state_dicts(self) -> tuple[dict, dict]:
+        optims = [self.optimizer] if self.optimizer is not None else []
+        return get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded checkpoint (torch.distributed.checkpoint) of weights, optimizer, LR schedule, step and RNG."""
+        self._require_model()
+        model_sd, optim_sd = self._state_dicts()
+        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
+        os.makedirs(path, exist_ok=True)
+        dcp.save(state, checkpoint_id=path)
+        extra = {
+            "update_steps": self.update_steps,
+            "world_size": self.world_size,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": {
+                "torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            },
+        }  # fmt: skip
+        torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (weights reshard to this world size; RNG per rank)."""
+        self._require_model()
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise ValueError(f"{self.role}: {path!r} is not a checkpoint directory (no .metadata)")
+        model_sd, optim_sd = self._state_dicts()
+        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
+        dcp.load(state, checkpoint_id=path)
+        optims = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        own = os.path.join(path, f"extra_rank{self.rank}.pt")
+        extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+        self.update_steps = int(extra["update_steps"])
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if os.path.exists(own) and extra["world_size"] == self.world_size:
+            rng = extra["rng"]
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        if self.world_size > 1:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        """Destroy the process group (the worker is unusable afterwards)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def finite_check(batch: Batch, keys: list[str], who: str) -> None:
+    """ValueError naming the first of ``keys`` holding NaN/inf (rows listed)."""
+    for key in keys:
+        x = batch[key]
+        bad = ~torch.isfinite(x.float())
+        if bool(bad.any()):
+            rows = bad.reshape(x.shape[0], -1).any(-1).nonzero().flatten().tolist()
+            raise ValueError(f"{who}: {key} contains NaN or inf (rows {rows[:8]})")
+
+
+def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: str) -> int:
+    """Required keys, equal row counts, (B, R) response tensors, finite values; returns R."""
+    if not isinstance(batch, Batch):
+        raise ValueError(f"{who}: expected an rlpad.batch.Batch, got {type(batch).__name__}")
+    batch.require(*keys, who=who)
+    rows = {k: int(batch[k].shape[0]) if isinstance(batch[k], torch.Tensor) else len(batch[k]) for k in batch.keys()}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"{who}: mismatched row counts in batch: {rows}")
+    if len(batch) == 0:
+        raise ValueError(f"{who}: empty batch")
+    response_length = int(batch["responses"].shape[1])
+    seqlen = int(batch["input_ids"].shape[1])
+    for k in keys:
+        x = batch[k]
+        if k in ("input_ids", "attention_mask", "position_ids") and tuple(x.shape) != (len(batch), seqlen):
+            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, input_ids {(len(batch), seqlen)}")
+        if k not in ("input_ids", "attention_mask", "position_ids") and tuple(x.shape) != (len(batch), response_length):
+            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
+                             f"{(len(batch), response_length)}")
+    finite_check(batch, finite, who)
+    return response_length
+

@@ -1,0 +1,142 @@
+"""N Ray actors of one role forming ONE torch.distributed group, driven from the trainer.
+
+``WorkerGroup(ActorWorker, config, role="actor", world_size=2)`` reserves a placement group
+(one bundle per rank, packed on one node), starts the actors with RANK / WORLD_SIZE /
+MASTER_ADDR=127.0.0.1 / a free MASTER_PORT, and calls ``init_model`` on all of them (gloo on
+CPU, nccl on CUDA). ``call_batch`` splits a batch across the ranks with equal row counts and
+balanced token work (rlpad.seqlen), runs the method on every rank and merges the results back
+in the caller's row order. A rank whose actor died raises ``RuntimeError`` naming role and rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlpad.batch import Batch
+from rlpad.seqlen import balance_across_ranks, reverse_index
+from workers.fsdp import free_port
+
+__all__ = ["WorkerGroup"]
+
+
+class WorkerGroup:
+    """Ray actors ``worker_cls(config, role=role, rank=r, world_size=N, ...)``, r = 0..N-1."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        config: Any,
+        *,
+        role: str,
+        world_size: int,
+        num_cpus_per_worker: float = 1,
+        num_gpus_per_worker: float | None = None,
+        init_model: bool = True,
+        ready_timeout_s: float = 300.0,
+        **worker_kwargs: Any,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if num_gpus_per_worker is None:
+            num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= world_size else 0
+        self.role, self.world_size = role, world_size
+        bundle = {"CPU": num_cpus_per_worker} | ({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})
+        self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"{role}: could not reserve {world_size} x {bundle} on one node within {ready_timeout_s:.0f} s "
+                f"(cluster has {ray.cluster_resources()})"
+            ) from e
+        port = free_port()
+        remote_cls = ray.remote(worker_cls)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=num_cpus_per_worker,
+                num_gpus=num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(config, role=role, rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                     master_port=port, **worker_kwargs)  # fmt: skip
+            for rank in range(world_size)
+        ]
+        if init_model:
+            self.call("init_model")
+
+    def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Results per rank; the first failure is raised as soon as it arrives (others may be stuck
+        in a collective waiting for the failed rank)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except RayActorError as e:  # ActorDiedError / ActorUnavailableError included
+                raise self._died(rank, e) from e
+            except Exception as e:
+                # A dead peer often shows first as a collective error on a survivor: name the dead rank.
+                for ref in ray.wait(pending, num_returns=len(pending), timeout=5.0)[0] if pending else []:
+                    try:
+                        ray.get(ref)
+                    except RayActorError as dead:
+                        raise self._died(rank_of[ref], dead) from e
+                    except Exception:
+                        pass
+                raise
+        return results
+
+    def _died(self, rank: int, error: Exception) -> RuntimeError:
+        return RuntimeError(f"{self.role} worker rank {rank} of {self.world_size} died or is unreachable: {error}")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args, **kwargs)`` on every rank (same arguments); results by rank."""
+        return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def split(self, batch: Batch, chunk_rows: int | None = None) -> list[list[int]]:
+        """Row indices per rank: equal counts, token work balanced; with ``chunk_rows`` each
+        consecutive chunk (e.g. a mini-batch) is balanced on its own, so chunks stay whole per rank."""
+        if not isinstance(batch, Batch):
+            raise ValueError(f"{self.role}: expected an rlpad.batch.Batch, got {type(batch).__name__}")
+        batch.require("attention_mask", who=self.role)
+        if len(batch) < self.world_size:
+            raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {self.world_size} ranks")
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        size = chunk_rows or len(batch)
+        parts: list[list[int]] = [[] for _ in range(self.world_size)]
+        for start in range(0, len(batch), size):
+            chunk = lengths[start : start + size]
+            for rank, idx in enumerate(balance_across_ranks(chunk, min(self.world_size, len(chunk)))):
+                parts[rank].extend(start + i for i in idx)
+        return parts
+
+    def call_batch(self, method: str, batch: Batch, *, chunk_rows: int | None = None, **kwargs: Any) -> Any:
+        """``method(shard, **kwargs)`` on every rank with its shard of ``batch`` (see :meth:`split`).
+
+        Batch results are merged in the caller's row order; any other result is returned from rank 0
+        (metrics are all-reduced by the workers, so every rank returns the same).
+        """
+        parts = self.split(batch, chunk_rows)
+        refs = [getattr(w, method).remote(batch.index(p), **kwargs) for w, p in zip(self.workers, parts)]
+        results = self._gather(refs)
+        if all(isinstance(r, Batch) for r in results):
+            return Batch.concat(results).index(reverse_index(parts))
+        return results[0]
+
+    def shutdown(self) -> None:
+        """Kill the actors and release the placement group."""
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already gone
+                pass
+        self.workers = []
+        remove_placement_group(self._pg)
