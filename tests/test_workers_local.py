@@ -156,3 +156,23 @@ def test_resume_in_a_fresh_worker_equals_uninterrupted(tmp_path):
     assert m_resumed["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # warm-up step 2 of 3
     for name, t in second.full_state_dict().items():
         assert torch.equal(t, s_uninterrupted[name]), name
+
+
+def test_checkpointing_chunking_and_budget_keep_results(batch):
+    """Gradient checkpointing, a chunked LM head and token-budget log-prob micro-batches change
+    memory and scheduling, never the numbers."""
+    results = []
+    for ckpt, chunk, budget in ((False, None, False), (True, 3, True)):
+        cfg = actor_config(use_kl_loss=True, entropy_coeff=0.01)
+        cfg.model.enable_gradient_checkpointing, cfg.model.logits_chunk_size = ckpt, chunk
+        cfg.rollout.log_prob_use_dynamic_bsz, cfg.rollout.log_prob_max_token_len_per_gpu = budget, 30
+        w = ActorWorker(cfg)
+        w.init_model()
+        results.append((w.compute_log_prob(batch), w.update_actor(batch, return_grads=True)))
+    (out_a, m_a), (out_b, m_b) = results
+    for key in ("old_log_probs", "entropy"):
+        assert (out_a[key] - out_b[key]).abs().max() <= 1e-5
+    grads_a, grads_b = m_a.pop("grads"), m_b.pop("grads")
+    for k, g in grads_a.items():
+        assert float((grads_b[k] - g).norm() / g.norm()) <= 1e-5, k
+    assert m_b == pytest.approx(m_a, rel=1e-5)
