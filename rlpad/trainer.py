@@ -1,0 +1,222 @@
+"""The single-controller GRPO/PPO loop.
+
+One step: prompts -> rollout (n per prompt) -> reward -> old log-probs (actor) -> ref log-probs
+-> values (PPO) -> advantages (GRPO or GAE) -> critic and actor updates -> weight sync ->
+validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
+
+The trainer talks to the workers only through :class:`Workers`; ``workers/launcher.py``
+implements it with Ray actors, and anything else with the same methods (a test double, a
+single-process stack) can drive the same loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rlpad.algos import compute_gae_advantages, compute_grpo_advantages, kl_penalty, masked_mean
+from rlpad.batch import Batch
+from rlpad.checkpoint import CheckpointDir
+from rlpad.config import Config
+from rlpad.data import PromptDataset, PromptLoader, val_batches
+from rlpad.metrics import MetricsLogger, plot_reward_curve
+from rlpad.rewards import score_batch
+
+__all__ = ["Trainer", "Workers"]
+
+
+class Workers(Protocol):
+    """What the trainer needs from the worker side (see workers/launcher.py)."""
+
+    def generate(self, batch: Batch, seed: int) -> Batch: ...
+    def generate_validation(self, batch: Batch) -> Batch: ...
+    def compute_log_prob(self, batch: Batch) -> Batch: ...
+    def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
+    def compute_values(self, batch: Batch) -> Batch: ...
+    def update_actor(self, batch: Batch) -> dict[str, float]: ...
+    def update_critic(self, batch: Batch) -> dict[str, float]: ...
+    def sync_weights(self) -> float: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+@contextmanager
+def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def _check_finite(name: str, value: Any, step: int) -> None:
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    if not torch.isfinite(tensor).all():
+        raise FloatingPointError(f"step {step}: {name} is not finite ({value}); stopping before it reaches the weights")
+
+
+class Trainer:
+    """Runs ``config.trainer.total_training_steps`` steps of GRPO or PPO over ``train_loader``."""
+
+    def __init__(self, config: Config, workers: Workers, tokenizer: Any, train_loader: PromptLoader,
+                 val_dataset: PromptDataset | None, reward_fn: Callable[..., Any] | None = None):
+        self.config, self.workers, self.tokenizer = config, workers, tokenizer
+        self.train_loader, self.val_dataset, self.reward_fn = train_loader, val_dataset, reward_fn
+        self.total_steps = config.trainer.total_training_steps or len(train_loader) * config.trainer.total_epochs
+        self.checkpoints = CheckpointDir(config.trainer.default_local_dir)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.last_checkpoint: str | None = None
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to ``total_steps``; returns the per-step metric records."""
+        cfg = self.config.trainer
+        self._maybe_resume()
+        logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
+                               project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
+        try:
+            if self.step == 0 and cfg.val_before_train and self.val_dataset is not None:
+                record = {"step": 0, **self.validate()}
+                self.history.append(record)
+                logger.log(0, record)
+            while self.step < self.total_steps:
+                self.step += 1
+                metrics = self.train_step(self.train_loader.next_batch())
+                last = self.step == self.total_steps
+                if self.val_dataset is not None and ((cfg.test_freq > 0 and self.step % cfg.test_freq == 0) or last):
+                    metrics.update(self.validate())
+                self.history.append({"step": self.step, **metrics})
+                logger.log(self.step, metrics)
+                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or (last and cfg.save_freq > 0):
+                    self.save_checkpoint()
+        finally:
+            logger.close()
+        plot_reward_curve(self.history, f"{cfg.default_local_dir}/reward_curve.png")
+        return self.history
+
+    def train_step(self, prompts: Batch) -> dict[str, float]:
+        """One GRPO/PPO step on a batch of prompts; returns its metrics."""
+        cfg, algo = self.config, self.config.algorithm
+        actor_cfg = cfg.actor_rollout_ref.actor
+        gae = algo.adv_estimator == "gae"
+        timing: dict[str, float] = {}
+        with _timed(timing, "gen"):
+            batch = self.workers.generate(prompts, seed=cfg.actor_rollout_ref.rollout.seed + self.step)
+        with _timed(timing, "reward"):
+            scores, seq_scores = score_batch(batch, self.tokenizer, self.reward_fn)
+            _check_finite("reward", seq_scores, self.step)
+            batch["token_level_scores"] = scores
+        with _timed(timing, "old_log_prob"):
+            batch.update(self.workers.compute_log_prob(batch))
+        if actor_cfg.use_kl_loss or algo.use_kl_in_reward:
+            with _timed(timing, "ref"):
+                batch.update(self.workers.compute_ref_log_prob(batch))
+        if gae:
+            with _timed(timing, "values"):
+                batch.update(self.workers.compute_values(batch))
+        mask = batch["response_mask"].float()
+        rewards = scores
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward:
+            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo.kl_penalty) * mask
+            rewards = scores - algo.kl_coef * kl
+            metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
+        batch["token_level_rewards"] = rewards
+        with _timed(timing, "adv"):
+            if gae:
+                adv, returns = compute_gae_advantages(rewards, batch["values"], mask, algo.gamma, algo.lam)
+            else:
+                adv, returns = compute_grpo_advantages(
+                    rewards, mask, batch["uid"], norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+                    expected_group_size=cfg.actor_rollout_ref.rollout.n)
+            batch["advantages"], batch["returns"] = adv, returns
+        if gae:
+            with _timed(timing, "update_critic"):
+                metrics.update(self.workers.update_critic(batch))
+        with _timed(timing, "update_actor"):
+            actor_metrics = self.workers.update_actor(batch)
+        metrics.update(actor_metrics)
+        # The workers skip the optimizer step on a non-finite gradient norm; stop here so the
+        # run ends with the weights of the last good step.
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+            if key in metrics:
+                _check_finite(key, metrics[key], self.step)
+        with _timed(timing, "sync"):
+            self.workers.sync_weights()
+        metrics.update(self._batch_metrics(batch, seq_scores, timing))
+        return metrics
+
+    def _batch_metrics(self, batch: Batch, seq_scores: torch.Tensor, timing: dict[str, float]) -> dict[str, float]:
+        mask = batch["response_mask"].float()
+        attention = batch["attention_mask"]
+        valid, response_tokens = float(attention.sum()), float(mask.sum())
+        epochs = self.config.actor_rollout_ref.actor.ppo_epochs
+        out = {
+            "reward/mean": float(seq_scores.mean()), "reward/std": float(seq_scores.std()) if len(seq_scores) > 1 else 0.0,
+            "response_length/mean": float(mask.sum(1).mean()), "response_length/max": float(mask.sum(1).max()),
+            "padding_ratio": 1.0 - valid / attention.numel(),
+        }
+        out.update({f"timing_s/{k}": v for k, v in timing.items()})
+        throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
+                      "update_actor": valid * epochs, "update_critic": valid * epochs}
+        out.update({f"tokens_per_s/{k}": throughput[k] / t for k, t in timing.items() if k in throughput and t > 0})
+        out["timing_s/step"] = sum(timing.values())
+        return out
+
+    # ---- validation --------------------------------------------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise)."""
+        scores = []
+        for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
+            batch = self.workers.generate_validation(prompts)
+            scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
+        all_scores = torch.cat(scores)
+        return {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> str:
+        staging = self.checkpoints.staging(self.step)
+        self.workers.save_checkpoint(staging)
+        state = {"step": self.step, "loader": self.train_loader.state_dict(), "history": self.history}
+        self.last_checkpoint = self.checkpoints.publish(self.step, state)
+        return self.last_checkpoint
+
+    def _maybe_resume(self) -> None:
+        mode = self.config.trainer.resume_mode
+        if mode == "disable":
+            return
+        path = self.checkpoints.latest() if mode == "auto" else mode
+        if path is None:
+            return
+        state = CheckpointDir.read_state(path)
+        self.workers.load_checkpoint(path)
+        self.workers.sync_weights()  # the rollout engine starts from the initial weights
+        self.train_loader.load_state_dict(state["loader"])
+        self.step, self.history = int(state["step"]), list(state["history"])
+        self.last_checkpoint = path
+        print(f"resumed from {path} at step {self.step}")
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Initial/final validation reward and mean per-phase throughput of a run."""
+    val = [r["val/reward"] for r in history if "val/reward" in r]
+    steps = [r for r in history if "reward/mean" in r]
+    out: dict[str, float] = {}
+    if val:
+        out["val_reward_initial"], out["val_reward_final"] = val[0], val[-1]
+    for key in sorted({k for r in steps for k in r if k.startswith("tokens_per_s/")}):
+        values = [r[key] for r in steps if key in r and math.isfinite(r[key])]
+        if values:
+            out[key] = float(np.median(values))
+    if steps:
+        out["padding_ratio"] = float(np.mean([r["padding_ratio"] for r in steps]))
+        out["step_s"] = float(np.median([r["timing_s/step"] for r in steps]))
+    return out
