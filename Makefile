@@ -15,12 +15,13 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlpad check
+	$(VENV)/bin/python -m rlpad.train --config recipes/grpo_tiny.yaml
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(VENV)/bin/rlpad bench logprob
+	$(VENV)/bin/rlpad bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

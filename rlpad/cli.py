@@ -1,18 +1,45 @@
-"""The ``rlpad`` command: ``check``, ``bench``, ``train``."""
+"""The ``rlpad`` command: ``check``, ``bench``, ``train``, ``toy-data``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 
+def _write(result: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "logprob":
+    if args.what == "all":
+        from rlpad.bench.report import run_all
+
+        run_all(args.out or "results", reps=args.reps)
+    elif args.what == "logprob":
         from rlpad.bench.logprob import run
 
         run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
-        return 0
-    raise ValueError(f"unknown benchmark {args.what!r}")
+    elif args.what == "workers":
+        from workers.bench import run_worker_bench  # the Ray side
+
+        result = run_worker_bench(model=(args.models or ["40m"])[0], reps=args.reps)
+        print(f"worker group ({result['config']['world_size']} ranks, {result['config']['model']}): rmpad/padded "
+              f"compute_log_prob {result['speedup']['compute_log_prob']:.2f}x, "
+              f"update_actor {result['speedup']['update_actor']:.2f}x")
+        _write(result, args.out or "results/bench_workers.json")
+    else:
+        from rlpad.bench.rollout import run_rollout_bench
+
+        result = run_rollout_bench(reps=args.reps)
+        print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
+              f"weight sync {result['sync_s'] * 1e3:.1f} ms")
+        _write(result, args.out or "results/bench_rollout.json")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,17 +47,29 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
-    bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    bench.add_argument("what", choices=["logprob"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: model sizes (tiny, 40m)")
+    bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout"])
+    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
-    bench.add_argument("--out", default=None, help="JSON output path")
+    bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
+    train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.toy)", add_help=False)
+    toy.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "check":
         from rlpad.check import run_check
 
         return 0 if run_check(reps=args.reps) else 1
+    if args.command == "train":
+        from rlpad.train import main as train_main
+
+        return train_main(args.rest)
+    if args.command == "toy-data":
+        from rlpad.toy import main as toy_main
+
+        return toy_main(args.rest)
     return _bench(args)
 
 

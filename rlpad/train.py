@@ -76,9 +76,6 @@ def run(config: Config) -> dict[str, float]:
     trainer = Trainer(config, workers, tokenizer, train_loader, val_dataset, reward_fn)
     try:
         history = trainer.fit()
-    except RuntimeError as e:
-        where = trainer.last_checkpoint or "none yet"
-        raise RuntimeError(f"{e}\ntraining stopped at step {trainer.step}; last checkpoint to resume from: {where}") from e
     finally:
         workers.shutdown()
     summary = summarize(history) | {"wall_s": time.perf_counter() - start}

@@ -77,28 +77,37 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         """Train to ``total_steps``; returns the per-step metric records."""
         cfg = self.config.trainer
-        self._maybe_resume()
-        logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
-                               project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
+        logger = None
         try:
-            if self.step == 0 and cfg.val_before_train and self.val_dataset is not None:
-                record = {"step": 0, **self.validate()}
-                self.history.append(record)
-                logger.log(0, record)
-            while self.step < self.total_steps:
-                self.step += 1
-                metrics = self.train_step(self.train_loader.next_batch())
-                last = self.step == self.total_steps
-                if self.val_dataset is not None and ((cfg.test_freq > 0 and self.step % cfg.test_freq == 0) or last):
-                    metrics.update(self.validate())
-                self.history.append({"step": self.step, **metrics})
-                logger.log(self.step, metrics)
-                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or (last and cfg.save_freq > 0):
-                    self.save_checkpoint()
+            self._maybe_resume()
+            logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
+                                   project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
+            self._loop(logger)
+        except RuntimeError as e:  # a worker died: name it and where to resume from
+            where = self.last_checkpoint or "none yet (set trainer.save_freq)"
+            raise RuntimeError(f"{e}\ntraining stopped at step {self.step}; last checkpoint to resume from: {where}") from e
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
         plot_reward_curve(self.history, f"{cfg.default_local_dir}/reward_curve.png")
         return self.history
+
+    def _loop(self, logger: MetricsLogger) -> None:
+        cfg = self.config.trainer
+        if self.step == 0 and cfg.val_before_train and self.val_dataset is not None:
+            record = {"step": 0, **self.validate()}
+            self.history.append(record)
+            logger.log(0, record)
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step(self.train_loader.next_batch())
+            last = self.step == self.total_steps
+            if self.val_dataset is not None and ((cfg.test_freq > 0 and self.step % cfg.test_freq == 0) or last):
+                metrics.update(self.validate())
+            self.history.append({"step": self.step, **metrics})
+            logger.log(self.step, metrics)
+            if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last):
+                self.save_checkpoint()
 
     def train_step(self, prompts: Batch) -> dict[str, float]:
         """One GRPO/PPO step on a batch of prompts; returns its metrics."""
