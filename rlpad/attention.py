@@ -2,9 +2,10 @@
 
 On CUDA with flash-attn installed the model uses transformers' ``flash_attention_2``, which reads
 ``cu_seq_lens_q/k`` directly. Everywhere else rlpad registers its own implementation,
-``rlpad_varlen``, through transformers' ``AttentionInterface``: a causal attention run per
-sequence (GQA, optional sliding window), so no token ever attends across a sequence boundary
-and no nnz x nnz mask is built. With a padding mask (the padded path) it defers to sdpa.
+``rlpad_varlen``, through transformers' ``AttentionInterface``: causal sdpa run per sequence
+(sequences of equal length batched into one call; GQA; optional sliding window), so no token
+ever attends across a sequence boundary and no nnz x nnz mask is built. With a padding mask
+(the padded path) it defers to sdpa.
 """
 
 from __future__ import annotations
@@ -111,12 +112,23 @@ def varlen_attention_forward(
         out = _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window)
         return out.transpose(1, 2).contiguous(), None
     bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])
-    outs = [
-        _sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling, dropout=dropout, window=window)
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    if len(bounds) == 2:  # one sequence
+        out = _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window)
+        return out.transpose(1, 2).contiguous(), None
+    # Sequences of equal length run as one batch: one sdpa call per distinct length.
+    by_length: dict[int, list[int]] = {}
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        by_length.setdefault(e - s, []).append(s)
+    outs, order = [], []
+    for length, starts in by_length.items():
+        idx = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(length, device=query.device)).flatten()
+        q, k, v = (t[0].index_select(1, idx).unflatten(1, (len(starts), length)).transpose(0, 1)
+                   for t in (query, key, value))  # (sequences, heads, length, dim)
+        o = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
+        outs.append(o.transpose(0, 1).flatten(1, 2))  # (heads, sequences * length, dim)
+        order.append(idx)
+    out = torch.cat(outs, dim=1).index_select(1, torch.argsort(torch.cat(order)))
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

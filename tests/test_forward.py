@@ -158,3 +158,19 @@ def test_chunked_head_gradcheck_with_bias_and_temperature():
         return lp, ent
 
     assert torch.autograd.gradcheck(f, (hidden, weight, bias))
+
+
+def test_equal_length_sequences_batched_together_stay_exact():
+    """Many sequences of a few distinct lengths: the varlen attention batches equal lengths."""
+    model = tiny_model("mistral", vocab_size=VOCAB, seed=4)  # sliding window too
+    b = rollout_batch(12, PROMPT, RESPONSE, vocab_size=VOCAB, seed=5)
+    b["attention_mask"][:6] = b["attention_mask"][6]  # rows 0-6 share one layout: one group of 7
+    b["attention_mask"][7:] = 1  # rows 7-11 are full length: another group
+    b["input_ids"] = torch.where(b["attention_mask"].bool(), b["input_ids"].clamp(min=1), 0)
+    b["position_ids"] = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    b["response_mask"] = b["attention_mask"][:, PROMPT:]
+    with torch.no_grad():
+        lp_rm, ent_rm = run(model, b, rmpad=True)
+        lp_ref, ent_ref = alone(model, b)
+    torch.testing.assert_close(lp_rm, lp_ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(ent_rm, ent_ref, atol=TOL, rtol=0)
