@@ -109,26 +109,31 @@ def varlen_attention_forward(
         value = value.repeat_interleave(groups, dim=1)
     window = sliding_window if sliding_window else None
     if query.shape[0] > 1:  # an unpadded batch: each row is one sequence
-        out = _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window)
-        return out.transpose(1, 2).contiguous(), None
+        return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
     bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])
     if len(bounds) == 2:  # one sequence
-        out = _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window)
-        return out.transpose(1, 2).contiguous(), None
-    # Sequences of equal length run as one batch: one sdpa call per distinct length.
+        return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
+    # Sequences of equal length run as one batch (one sdpa call per distinct length); a length
+    # seen once runs on a view of the packed row. Pieces are put back in row order with one cat.
     by_length: dict[int, list[int]] = {}
     for s, e in zip(bounds[:-1], bounds[1:]):
         by_length.setdefault(e - s, []).append(s)
-    outs, order = [], []
+    pieces: dict[int, torch.Tensor] = {}  # start -> (1, heads, length, dim)
     for length, starts in by_length.items():
+        if len(starts) == 1:
+            s = starts[0]
+            q, k, v = (t[:, :, s : s + length] for t in (query, key, value))
+            pieces[s] = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
+            continue
         idx = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(length, device=query.device)).flatten()
         q, k, v = (t[0].index_select(1, idx).unflatten(1, (len(starts), length)).transpose(0, 1)
                    for t in (query, key, value))  # (sequences, heads, length, dim)
-        o = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
-        outs.append(o.transpose(0, 1).flatten(1, 2))  # (heads, sequences * length, dim)
-        order.append(idx)
-    out = torch.cat(outs, dim=1).index_select(1, torch.argsort(torch.cat(order)))
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+        out = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
+        pieces.update(zip(starts, out.unsqueeze(1).unbind(0)))
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # (1, nnz, heads, dim)
+    for s, piece in pieces.items():
+        out[:, s : s + piece.shape[2]] = piece.transpose(1, 2)
+    return out, None
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

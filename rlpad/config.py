@@ -157,6 +157,16 @@ class SFTConfig:
     lr: float = 3e-3
     batch_size: int = 64
     cache_dir: str = ".cache/rlpad"
+    weight_decay: float = 0.0
+    # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.toy``
+    # defaults) so no validation problem is ever trained on.
+    n_val: int = 100
+    data_seed: int = 0
+    max_operand: int = 20
+    # Stop early once greedy accuracy on 100 training problems reaches this (checked every
+    # ``eval_every`` steps); ``steps`` is then the cap. None: always run ``steps``.
+    target_accuracy: float | None = None
+    eval_every: int = 10
 
 
 @dataclass

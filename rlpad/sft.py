@@ -1,0 +1,297 @@
+"""Supervised warm-start of the embedded default model, cached on disk.
+
+:func:`warm_start` builds a tiny Qwen2 model (fp32, head size 32 so vLLM's CPU attention runs it)
+and the character tokenizer of :mod:`rlpad.tiny`, teaches it the toy addition task of
+:mod:`rlpad.toy` for a few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
+both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
+of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
+string), and is written to a temporary folder first and renamed into place, so an interrupted run
+never leaves a half cache. A later call with the same settings returns the path at once.
+
+The warm start is deliberately short: the model gets a moderate share of the held-out validation
+problems right, so GRPO has reward variance to learn from and room to improve.
+
+Command: ``python -m rlpad.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlpad.config import SFTConfig
+from rlpad.forward import compute_log_probs, position_ids_from_mask
+from rlpad.tiny import build_tokenizer, tiny_config, tiny_model
+from rlpad.toy import sft_examples, split_pairs
+
+__all__ = [
+    "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "encode", "greedy_answers", "main",
+    "probe_pairs", "read_info", "sft_loss", "train_sft", "val_accuracy", "warm_start",
+]
+
+SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
+ARCH = "qwen2"
+# The embedded default model (~0.1M parameters): big enough to generalise to held-out sums,
+# small enough that SFT takes seconds and GRPO steps are cheap on a 2-core CPU.
+# vLLM's Qwen2 takes the head size as hidden_size // num_attention_heads (it ignores head_dim),
+# and its CPU attention accepts head sizes 32, 64, 80, 96, ...: keep hidden = heads * head_dim.
+DEFAULT_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=32, intermediate_size=256)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+INFO_FILE = "rlpad_sft.json"
+MAX_ANSWER_TOKENS = 4  # the longest answer ("40") plus EOS, with one spare
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Rollout-layout tensors for ``(prompt, answer)`` pairs: chat-templated prompts LEFT-padded,
+    then answer + EOS RIGHT-padded; ``response_length`` is the width of the answer part."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=False) for p, _ in examples]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    answer_ids = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in examples]
+    P, R = max(map(len, prompt_ids)), max(map(len, answer_ids))
+    ids = torch.full((len(examples), P + R), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
+        ids[i, P - len(p):P + len(a)] = torch.tensor(p + a)
+        mask[i, P - len(p):P + len(a)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+            "response_length": R}
+
+
+def sft_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean negative log-likelihood of the answer and EOS tokens of an :func:`encode` batch."""
+    R = batch["response_length"]
+    log_probs, _ = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], R,
+                                     use_remove_padding=False)
+    mask = batch["attention_mask"][:, -R:]
+    return -(log_probs * mask).sum() / mask.sum()
+
+
+# ----------------------------------------------------------------------------- train / evaluate
+
+
+def _lr_factor(step: int, total: int) -> float:
+    """Linear warm-up over the first 5% of steps, then constant.
+
+    No decay on purpose: a model annealed to a small learning rate sits in a sharp spot where
+    GRPO's noisy updates at a useful learning rate wreck it; one trained at a constant rate
+    tolerates updates of that size.
+    """
+    warmup = max(1, total // 20)
+    return min(1.0, (step + 1) / warmup)
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: SFTConfig,
+    *,
+    callback: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``model`` in place with AdamW on batches of ``cfg.batch_size`` toy examples from the
+    training pool of the ``(cfg.n_val, cfg.data_seed)`` split (never a validation problem).
+
+    Runs ``cfg.steps`` steps, or fewer with ``cfg.target_accuracy``: every ``cfg.eval_every`` steps
+    the greedy accuracy on :func:`probe_pairs` (training problems) is measured and training stops
+    once it reaches the target. Returns the per-step losses; ``callback(step, loss)`` runs after
+    every step.
+    """
+    examples = sft_examples(cfg.steps * cfg.batch_size, seed=cfg.data_seed, n_val=cfg.n_val, max_operand=cfg.max_operand)
+    probe = probe_pairs(cfg) if cfg.target_accuracy is not None else []
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
+    losses = []
+    for step in range(cfg.steps):
+        model.train()
+        batch = encode(tokenizer, examples[step * cfg.batch_size:(step + 1) * cfg.batch_size])
+        loss = sft_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if callback is not None:
+            callback(step, losses[-1])
+        if probe and (step + 1) % cfg.eval_every == 0 and accuracy(model, tokenizer, probe) >= cfg.target_accuracy:
+            break
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
+                   max_new_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
+    """Greedy completions of the (chat-templated) ``prompts``, cut at EOS, decoded."""
+    batch = encode(tokenizer, [(p, "") for p in prompts])
+    ids, mask = batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1]  # drop the EOS column
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    out = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                       use_cache=False).logits[:, -1]
+        nxt = torch.where(done, tokenizer.pad_token_id, logits.argmax(-1))
+        out.append(nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+        done |= nxt == tokenizer.eos_token_id
+        if done.all():
+            break
+    new = torch.stack(out, dim=1).tolist()
+    texts = []
+    for row in new:
+        if tokenizer.eos_token_id in row:
+            row = row[:row.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode([t for t in row if t != tokenizer.pad_token_id]))
+    return texts
+
+
+def accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[int, int]]) -> float:
+    """Greedy exact-match accuracy on the problems ``a+b=`` of ``pairs``."""
+    model.eval()
+    answers = greedy_answers(model, tokenizer, [f"{a}+{b}=" for a, b in pairs])
+    return sum(ans == str(a + b) for ans, (a, b) in zip(answers, pairs)) / len(pairs)
+
+
+def probe_pairs(cfg: SFTConfig, n: int = 100) -> list[tuple[int, int]]:
+    """The first ``n`` problems of the training pool: the early-stopping probe (no validation problem)."""
+    pool, _ = split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)
+    return pool[:n]
+
+
+def val_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig) -> float:
+    """Greedy exact-match accuracy on the toy validation problems (the held-out split of ``cfg``)."""
+    return accuracy(model, tokenizer, split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)[1])
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def _settings(cfg: SFTConfig, seed: int, dims: dict[str, Any]) -> dict[str, Any]:
+    config = tiny_config(ARCH, **dims).to_dict()
+    config.pop("transformers_version", None)
+    tokenizer = build_tokenizer()
+    sft = {k: v for k, v in asdict(cfg).items() if k not in ("enable", "cache_dir")}
+    return {"version": SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
+            "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template}
+
+
+def check_vllm_shape(config: Any) -> None:
+    """Raise ValueError unless vLLM (CPU) can run a Qwen2 model of this config."""
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    if config.hidden_size != heads * head_dim:
+        raise ValueError(f"hidden_size={config.hidden_size} must equal num_attention_heads * head_dim = {heads} * "
+                         f"{head_dim}: vLLM's Qwen2 derives the head size as hidden_size // num_attention_heads")
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(f"head_dim={head_dim} is not a head size vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}")
+
+
+def cache_key(cfg: SFTConfig, *, seed: int = 0, **arch_overrides: Any) -> str:
+    """A 16-hex-digit hash of everything that determines the warm-started weights."""
+    settings = _settings(cfg, seed, {**DEFAULT_DIMS, **arch_overrides})
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def warm_start(
+    sft_cfg: SFTConfig | None = None,
+    *,
+    seed: int = 0,
+    callback: Callable[[int, float], None] | None = None,
+    verbose: bool = False,
+    **arch_overrides: Any,
+) -> str:
+    """Path of the warm-started tiny model + tokenizer, trained now or found in the cache.
+
+    ``arch_overrides`` replace entries of :data:`DEFAULT_DIMS` (or any Qwen2 config field).
+    Deterministic in ``seed``: training runs single-threaded (the model is tiny, so this costs
+    little) so the weights do not depend on the machine's thread count. The folder also holds
+    ``rlpad_sft.json`` (settings, losses, validation accuracy, seconds).
+    """
+    cfg = sft_cfg or SFTConfig()
+    dims = {**DEFAULT_DIMS, **arch_overrides}
+    check_vllm_shape(tiny_config(ARCH, **dims))
+    key = cache_key(cfg, seed=seed, **dims)
+    root = os.path.abspath(os.path.expanduser(cfg.cache_dir))
+    final = os.path.join(root, f"sft-{key}")
+    if os.path.isfile(os.path.join(final, INFO_FILE)):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-sft-{key}-", dir=root)
+    try:
+        start = time.perf_counter()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                tokenizer = build_tokenizer()
+                model = tiny_model(ARCH, seed=seed, **dims)
+                log = (lambda s, l: print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)) if verbose else None
+                losses = train_sft(model, tokenizer, cfg, callback=callback or log)
+                val_acc, probe_acc = val_accuracy(model, tokenizer, cfg), accuracy(model, tokenizer, probe_pairs(cfg))
+        finally:
+            torch.set_num_threads(threads)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"key": key, "settings": _settings(cfg, seed, dims), "val_accuracy": val_acc,
+                "probe_accuracy": probe_acc, "steps_run": len(losses),
+                "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+                "seconds": round(time.perf_counter() - start, 2)}
+        with open(os.path.join(tmp, INFO_FILE), "w") as f:  # written last: its presence marks a complete cache
+            json.dump(info, f, indent=1, default=str)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first (or a stale incomplete folder is in the way)
+            if os.path.isfile(os.path.join(final, INFO_FILE)):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_info(path: str) -> dict[str, Any]:
+    """The ``rlpad_sft.json`` record of a warm-started model folder."""
+    with open(os.path.join(path, INFO_FILE)) as f:
+        return json.load(f)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rlpad.sft``: warm-start (or find cached) and print the path and val accuracy."""
+    defaults = SFTConfig()
+    p = argparse.ArgumentParser(prog="python -m rlpad.sft", description="Warm-start the embedded tiny model.")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--cache-dir", default=defaults.cache_dir)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="print the loss of every step")
+    args = p.parse_args(argv)
+    cfg = replace(defaults, steps=args.steps, lr=args.lr, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    path = warm_start(cfg, seed=args.seed, verbose=args.verbose)
+    info = read_info(path)
+    print(path)
+    print(f"val_accuracy {info['val_accuracy']:.3f}  sft_seconds {info['seconds']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
