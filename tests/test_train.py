@@ -31,7 +31,8 @@ def records(out_dir: str) -> dict[int, dict]:
 
 def config(recipe: str, out_dir: str, *overrides: str):
     return load_config(recipe, [f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}",
-                                "trainer.logger=[jsonl]", *overrides])
+                                "trainer.logger=[jsonl]", "data.train_batch_size=32",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=16", *overrides])
 
 
 def test_resume_after_step_k_equals_uninterrupted_run(tmp_path):
