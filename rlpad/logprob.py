@@ -35,7 +35,8 @@ def log_probs_and_entropy(
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     if not calculate_entropy:
         return log_probs, None
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = lse - (probs.unsqueeze(-2) @ logits.unsqueeze(-1)).flatten(-3)  # E_p[z] without an (N, V) product
     return log_probs, entropy
 
 
