@@ -21,6 +21,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss_bytes() -> int:
+    """VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's over fork + exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def main(variant: str, tokens: int, hidden_size: int, vocab: int, chunk: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=gen, requires_grad=True)
@@ -38,10 +44,10 @@ def main(variant: str, tokens: int, hidden_size: int, vocab: int, chunk: int) ->
         raise ValueError(f"unknown memory variant {variant!r}; use full or chunked")
     (lp.sum() + ent.sum()).backward()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss_bytes()
     return {"variant": variant, "tokens": tokens, "hidden": hidden_size, "vocab": vocab, "chunk": chunk,
             "peak_gib": max(peak - base, 0) / 2**30, "seconds": seconds,
-            "checksum": float(lp.sum() + ent.sum())}
+            "checksum": float((lp.sum() + ent.sum()).detach())}
 
 
 if __name__ == "__main__":
