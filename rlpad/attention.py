@@ -130,10 +130,8 @@ def varlen_attention_forward(
                    for t in (query, key, value))  # (sequences, heads, length, dim)
         out = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
         pieces.update(zip(starts, out.unsqueeze(1).unbind(0)))
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # (1, nnz, heads, dim)
-    for s, piece in pieces.items():
-        out[:, s : s + piece.shape[2]] = piece.transpose(1, 2)
-    return out, None
+    # (1, length, heads, dim) views of sdpa's outputs, in row order; cat's backward only slices.
+    return torch.cat([pieces[s].transpose(1, 2) for s in sorted(pieces)], dim=1), None
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
