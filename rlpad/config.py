@@ -157,7 +157,7 @@ class SFTConfig:
     lr: float = 3e-3
     batch_size: int = 64
     cache_dir: str = ".cache/rlpad"
-    weight_decay: float = 0.0
+    weight_decay: float = 0.1
     # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.toy``
     # defaults) so no validation problem is ever trained on.
     n_val: int = 100

@@ -9,7 +9,10 @@ string), and is written to a temporary folder first and renamed into place, so a
 never leaves a half cache. A later call with the same settings returns the path at once.
 
 The warm start is deliberately short: the model gets a moderate share of the held-out validation
-problems right, so GRPO has reward variance to learn from and room to improve.
+problems right, so GRPO has reward variance to learn from and room to improve. The defaults
+(``SFTConfig``: 300 steps of 64 examples, lr 3e-3 warmed up then constant, weight decay 0.1) take
+about 10 s on one CPU thread and give 0.15-0.3 greedy validation accuracy; ``target_accuracy``
+can stop earlier at a chosen accuracy on training problems instead.
 
 Command: ``python -m rlpad.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
 """
@@ -42,8 +45,9 @@ __all__ = [
 
 SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
 ARCH = "qwen2"
-# The embedded default model (~0.1M parameters): big enough to generalise to held-out sums,
-# small enough that SFT takes seconds and GRPO steps are cheap on a 2-core CPU.
+# The embedded default model (~132k parameters): 2 layers, width 64, two heads of 32 sharing one
+# key/value head. Wider (128) or deeper (3 layers) models learned no faster under GRPO in the
+# tuning runs, and every step of a smaller model is cheaper.
 # vLLM's Qwen2 takes the head size as hidden_size // num_attention_heads (it ignores head_dim),
 # and its CPU attention accepts head sizes 32, 64, 80, 96, ...: keep hidden = heads * head_dim.
 DEFAULT_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -111,7 +115,8 @@ def train_sft(
     once it reaches the target. Returns the per-step losses; ``callback(step, loss)`` runs after
     every step.
     """
-    examples = sft_examples(cfg.steps * cfg.batch_size, seed=cfg.data_seed, n_val=cfg.n_val, max_operand=cfg.max_operand)
+    examples = sft_examples(cfg.steps * cfg.batch_size, seed=cfg.data_seed, n_val=cfg.n_val,
+                            max_operand=cfg.max_operand)
     probe = probe_pairs(cfg) if cfg.target_accuracy is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
@@ -241,7 +246,12 @@ def warm_start(
                 torch.manual_seed(seed)
                 tokenizer = build_tokenizer()
                 model = tiny_model(ARCH, seed=seed, **dims)
-                log = (lambda s, l: print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)) if verbose else None
+                every = max(1, cfg.steps // 10)
+                log = None
+                if verbose:
+                    def log(s: int, l: float) -> None:
+                        if (s + 1) % every == 0:
+                            print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
                 losses = train_sft(model, tokenizer, cfg, callback=callback or log)
                 val_acc, probe_acc = val_accuracy(model, tokenizer, cfg), accuracy(model, tokenizer, probe_pairs(cfg))
         finally:
@@ -283,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--cache-dir", default=defaults.cache_dir)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="print the loss of every step")
+    p.add_argument("--verbose", action="store_true", help="print the loss every 10%% of the steps")
     args = p.parse_args(argv)
     cfg = replace(defaults, steps=args.steps, lr=args.lr, batch_size=args.batch_size, cache_dir=args.cache_dir)
     path = warm_start(cfg, seed=args.seed, verbose=args.verbose)
