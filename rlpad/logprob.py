@@ -9,19 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["entropy_from_logits", "log_probs_and_entropy", "chunked_log_probs_and_entropy", "log_probs_from_logits"]
-
-
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / temperature)[labels]`` in fp32; logits (..., V), labels (...)."""
-    return log_probs_and_entropy(logits, labels, temperature, calculate_entropy=False)[0]
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` in fp32, per position."""
-    logits = logits.float() / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    return lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+__all__ = ["chunked_log_probs_and_entropy", "log_probs_and_entropy"]
 
 
 def log_probs_and_entropy(
@@ -39,7 +27,7 @@ def log_probs_and_entropy(
     return log_probs, entropy
 
 
-def _chunk_stats(hidden, weight, bias, labels, temperature):
+def _chunk_stats(hidden, weight, bias, temperature):
     """fp32 scaled logits z (n, V), softmax p, logsumexp and E_p[z] of one chunk."""
     z = torch.nn.functional.linear(hidden, weight, bias)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
@@ -66,7 +54,7 @@ class _ChunkedHead(torch.autograd.Function):
         entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
         for s in range(0, hidden.shape[0], chunk_size):
             e = s + chunk_size
-            z, p, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, labels[s:e], temperature)
+            z, p, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature)
             log_probs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
             entropy[s:e] = lse - mean_z
         ctx.save_for_backward(hidden, weight, bias, labels)
@@ -86,7 +74,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
-            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, labels[s:e], temperature)
+            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature)
             g_lp = grad_log_probs[s:e, None] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
             # g = -p * (g_lp + g_H * (z - E_p[z])) + g_lp * onehot(y), built in z's buffer
             if grad_entropy is not None:

@@ -3,12 +3,13 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from workers.fsdp import free_port
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -16,12 +17,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
