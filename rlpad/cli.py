@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
-    toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.toy)", add_help=False)
+    toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
     toy.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "check":
-        from rlpad.check import run_check
+        from rlpad.bench.check import run_check
 
         return 0 if run_check(reps=args.reps) else 1
     if args.command == "train":
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(args.rest)
     if args.command == "toy-data":
-        from rlpad.toy import main as toy_main
+        from rlpad.embedded.toy import main as toy_main
 
         return toy_main(args.rest)
     return _bench(args)

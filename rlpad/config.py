@@ -158,7 +158,7 @@ class SFTConfig:
     batch_size: int = 64
     cache_dir: str = ".cache/rlpad"
     weight_decay: float = 0.1
-    # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.toy``
+    # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.embedded.toy``
     # defaults) so no validation problem is ever trained on.
     n_val: int = 100
     data_seed: int = 0

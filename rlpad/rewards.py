@@ -135,7 +135,7 @@ def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
 
 
 def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from rlpad.toy import toy_score
+    from rlpad.embedded.toy import toy_score
 
     return toy_score(solution_str, ground_truth, extra_info)
 

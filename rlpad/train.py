@@ -3,8 +3,8 @@
 Locally it starts a Ray head on 127.0.0.1 itself; under ``ray job submit`` (RAY_ADDRESS set) it
 joins that cluster. Two embedded names make the default recipe self-contained on a fresh
 machine: ``actor_rollout_ref.model.path: embedded:toy`` is the tiny Qwen2 model warm-started on
-the toy task by :mod:`rlpad.sft` (cached), and ``data.train_files: [toy:train]`` /
-``data.val_files: [toy:val]`` are the toy dataset of :mod:`rlpad.toy` (written on first use).
+the toy task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files: [toy:train]`` /
+``data.val_files: [toy:val]`` are the toy dataset of :mod:`rlpad.embedded.toy` (written on first use).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from rlpad.config import Config
 from rlpad.config_loader import load_config, save_config
 from rlpad.data import build_datasets
-from rlpad.models import load_tokenizer
+from rlpad.core.models import load_tokenizer
 from rlpad.rewards import load_reward_fn
 from rlpad.trainer import Trainer, summarize
 
@@ -31,7 +31,7 @@ def resolve_embedded(config: Config) -> Config:
     """Replace the embedded model and toy data names with real paths (building them if needed)."""
     model = config.actor_rollout_ref.model
     if model.path == EMBEDDED_MODEL:
-        from rlpad.sft import warm_start
+        from rlpad.embedded.sft import warm_start
 
         model.path = warm_start(config.sft, seed=0, verbose=False)
         if config.critic.model.path == EMBEDDED_MODEL:
@@ -40,7 +40,7 @@ def resolve_embedded(config: Config) -> Config:
         raise ValueError("critic.model.path=embedded:toy needs actor_rollout_ref.model.path=embedded:toy too")
     data, sft = config.data, config.sft
     if any(f.startswith("toy:") for f in [*data.train_files, *data.val_files]):
-        from rlpad.toy import write_toy_dataset
+        from rlpad.embedded.toy import write_toy_dataset
 
         out = os.path.join(os.path.abspath(sft.cache_dir), f"toy-{sft.data_seed}-{sft.n_val}-{sft.max_operand}")
         paths = {"toy:train": os.path.join(out, "train.parquet"), "toy:val": os.path.join(out, "val.parquet")}

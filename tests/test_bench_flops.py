@@ -3,7 +3,7 @@
 import torch
 
 from rlpad.bench.flops import logprob_flops, padded_and_valid_flops
-from rlpad.tiny import tiny_config
+from rlpad.embedded.tiny import tiny_config
 
 
 def test_flops_by_hand():

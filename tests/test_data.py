@@ -9,8 +9,8 @@ import torch
 
 from rlpad.config import DataConfig
 from rlpad.data import PromptDataset, PromptLoader, build_datasets, read_rows, val_batches, write_rows
-from rlpad.tiny import CHARSET, build_tokenizer
-from rlpad.toy import DATA_SOURCE, make_toy_rows, sft_examples, split_pairs, write_toy_dataset
+from rlpad.embedded.tiny import CHARSET, build_tokenizer
+from rlpad.embedded.toy import DATA_SOURCE, make_toy_rows, sft_examples, split_pairs, write_toy_dataset
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_toy_rows_and_dataset(tmp_path):
 
 
 def test_toy_command(tmp_path, capsys):
-    from rlpad.toy import main
+    from rlpad.embedded.toy import main
 
     assert main(["--out", str(tmp_path / "toy"), "--n-train", "16", "--n-val", "4"]) == 0
     paths = capsys.readouterr().out.split()

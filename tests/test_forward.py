@@ -1,13 +1,13 @@
-"""rlpad.forward: remove-padding vs padded vs each sequence alone, per token, on several architectures."""
+"""rlpad.core.forward: remove-padding vs padded vs each sequence alone, per token, on several architectures."""
 
 import pytest
 import torch
 
-from rlpad.attention import flash_attention_available
-from rlpad.forward import compute_log_probs
-from rlpad.padding import unpad_input
-from rlpad.synthetic import rollout_batch
-from rlpad.tiny import ARCHITECTURES, tiny_model
+from rlpad.core.attention import flash_attention_available
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.padding import unpad_input
+from rlpad.embedded.synthetic import rollout_batch
+from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)  # qwen2 (GQA, tied), llama (MHA), mistral (sliding window 8), qwen3 (qk-norm)
 PROMPT, RESPONSE, VOCAB = 12, 10, 128
@@ -145,7 +145,7 @@ def test_flash_attention_2_bf16_matches_padded(arch, batch):
 
 
 def test_chunked_head_gradcheck_with_bias_and_temperature():
-    from rlpad.logprob import chunked_log_probs_and_entropy
+    from rlpad.core.logprob import chunked_log_probs_and_entropy
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)

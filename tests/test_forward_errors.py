@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rlpad.forward import compute_log_probs
-from rlpad.synthetic import rollout_batch
-from rlpad.tiny import tiny_model
+from rlpad.core.forward import compute_log_probs
+from rlpad.embedded.synthetic import rollout_batch
+from rlpad.embedded.tiny import tiny_model
 
 VOCAB, PROMPT, RESPONSE = 64, 5, 4
 

@@ -1,11 +1,11 @@
-"""rlpad.padding: flash-attn 2.8's unpad/pad contract, autograd, document masks, bad input."""
+"""rlpad.core.padding: flash-attn 2.8's unpad/pad contract, autograd, document masks, bad input."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlpad.padding import index_first_axis, pad_input, unpad_documents, unpad_input
+from rlpad.core.padding import index_first_axis, pad_input, unpad_documents, unpad_input
 
 
 @st.composite

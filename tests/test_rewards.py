@@ -14,8 +14,8 @@ from rlpad.rewards import (
     answers_match, boxed_score, compute_score, decode_responses, extract_boxed_answer, extract_gsm8k_answer,
     gsm8k_score, load_reward_fn, normalize_answer, place_scores, score_batch, score_responses,
 )
-from rlpad.tiny import build_tokenizer
-from rlpad.toy import toy_partial_score, toy_score
+from rlpad.embedded.tiny import build_tokenizer
+from rlpad.embedded.toy import toy_partial_score, toy_score
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -103,8 +103,8 @@ def test_toy_rewards():
 def test_load_reward_fn(tmp_path, monkeypatch):
     assert load_reward_fn(None) is compute_score
     assert load_reward_fn("rlpad.rewards:compute_score") is compute_score
-    assert load_reward_fn("rlpad.toy:toy_score") is toy_score
-    assert load_reward_fn("rlpad.toy.toy_score") is toy_score
+    assert load_reward_fn("rlpad.embedded.toy:toy_score") is toy_score
+    assert load_reward_fn("rlpad.embedded.toy.toy_score") is toy_score
     (tmp_path / "my_reward_mod.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str)\n"
         "NOT_A_FUNCTION = 3\n")

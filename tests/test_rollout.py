@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlpad.config import DataConfig, RolloutConfig
-from rlpad.rollout_hf import HFRollout
+from rlpad.rollout.hf import HFRollout
 from test_rollout_layout import (EOS, P, R, assert_rollout_layout, make_model, max_log_prob_diff, perturbed,
                                  prompt_batch, save_model)
 
@@ -20,7 +20,7 @@ DATA = DataConfig(max_prompt_length=P, max_response_length=R)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from rlpad.rollout import VLLMRollout
+    from rlpad.rollout.vllm import VLLMRollout
 
     model = make_model()
     path = save_model(model, tmp_path_factory.mktemp("vllm_rollout"))

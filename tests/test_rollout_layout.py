@@ -10,11 +10,11 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
-from rlpad.forward import compute_log_probs
-from rlpad.rollout import VLLMRollout
-from rlpad.rollout_hf import HFRollout
-from rlpad.rollout_layout import build_rollout_batch, prompt_token_lists
-from rlpad.tiny import build_tokenizer, tiny_model
+from rlpad.core.forward import compute_log_probs
+from rlpad.rollout.vllm import VLLMRollout
+from rlpad.rollout.hf import HFRollout
+from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
+from rlpad.embedded.tiny import build_tokenizer, tiny_model
 
 PAD, EOS = 0, 1
 P, R = 10, 16
@@ -55,7 +55,7 @@ def prompt_batch(lengths=(10, 3, 7, 1, 5, 10), seed: int = 0) -> Batch:
 
 
 def assert_rollout_layout(out: Batch, prompts: Batch, n: int, response_length: int = R) -> None:
-    """The invariants of the rollout layout (shared/design.md) on a generated batch."""
+    """The invariants of the rollout layout (docs/design.md) on a generated batch."""
     rows = len(prompts) * n
     width = prompts["input_ids"].shape[1]
     shapes = {"prompts": (rows, width), "responses": (rows, response_length), "response_mask": (rows, response_length),

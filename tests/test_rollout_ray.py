@@ -7,7 +7,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from rlpad.config import DataConfig, RolloutConfig  # noqa: E402
-from rlpad.rollout_hf import HFRollout  # noqa: E402
+from rlpad.rollout.hf import HFRollout  # noqa: E402
 from test_rollout_layout import P, R, assert_rollout_layout, make_model, perturbed, prompt_batch, save_model  # noqa: E402
 from workers.rollout import create_rollout_actor  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""rlpad.sft: the cached supervised warm-start of the embedded tiny model."""
+"""rlpad.embedded.sft: the cached supervised warm-start of the embedded tiny model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlpad.config import SFTConfig
-from rlpad.sft import (
+from rlpad.embedded.sft import (
     INFO_FILE, cache_key, check_vllm_shape, encode, main, read_info, sft_loss, train_sft, val_accuracy, warm_start,
 )
-from rlpad.tiny import build_tokenizer, tiny_config, tiny_model
-from rlpad.toy import sft_examples, split_pairs
+from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
+from rlpad.embedded.toy import sft_examples, split_pairs
 
 # A smaller model than the default keeps these tests fast; the code path is the same.
 DIMS = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)

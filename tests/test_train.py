@@ -73,7 +73,7 @@ def test_dead_worker_names_role_rank_and_checkpoint(tmp_path):
     import ray
 
     from rlpad.data import build_datasets
-    from rlpad.models import load_tokenizer
+    from rlpad.core.models import load_tokenizer
     from rlpad.rewards import load_reward_fn
     from rlpad.train import resolve_embedded
     from rlpad.trainer import Trainer

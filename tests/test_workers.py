@@ -10,8 +10,8 @@ ray = pytest.importorskip("ray")
 
 from rlpad.batch import Batch  # noqa: E402
 from rlpad.config import ActorRolloutRefConfig  # noqa: E402
-from rlpad.forward import compute_log_probs  # noqa: E402
-from rlpad.models import load_causal_lm  # noqa: E402
+from rlpad.core.forward import compute_log_probs  # noqa: E402
+from rlpad.core.models import load_causal_lm  # noqa: E402
 from rlpad.seqlen import count_micro_batches  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
 from workers.bench import ppo_batch  # noqa: E402

@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig, CriticConfig
-from rlpad.forward import compute_log_probs
-from rlpad.models import load_causal_lm
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.models import load_causal_lm
 from workers.actor import ActorWorker
 from workers.bench import ppo_batch
 from workers.critic import CriticWorker

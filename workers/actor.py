@@ -3,7 +3,7 @@
 One class serves both roles; the reference (``role="ref"``) has no optimizer. Usable in a plain
 process (world 1) or as one rank of a Ray worker group (:mod:`workers.group`).
 
-Batch keys (see shared/design.md): ``input_ids``, ``attention_mask`` (B, P+R), optional
+Batch keys (see docs/design.md): ``input_ids``, ``attention_mask`` (B, P+R), optional
 ``position_ids``, ``responses`` (B, R); ``update_actor`` also needs ``response_mask``,
 ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``.
 """
@@ -19,8 +19,8 @@ import torch
 from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
-from rlpad.forward import LogProbModel
-from rlpad.models import load_causal_lm, load_tokenizer
+from rlpad.core.forward import LogProbModel
+from rlpad.core.models import load_causal_lm, load_tokenizer
 from workers.fsdp import FSDPWorker, check_rollout_batch
 
 __all__ = ["ActorWorker"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
-from rlpad.synthetic import rollout_batch
+from rlpad.embedded.synthetic import rollout_batch
 
 __all__ = ["ppo_batch", "run_worker_bench"]
 
@@ -26,7 +26,7 @@ def ppo_batch(
     """A rollout-shaped :class:`Batch` with every key the workers read.
 
     ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` (random
-    lengths, see :func:`rlpad.synthetic.rollout_batch`), ``advantages``, ``returns``, ``values``
+    lengths, see :func:`rlpad.embedded.synthetic.rollout_batch`), ``advantages``, ``returns``, ``values``
     ~ N(0, 1) and ``old_log_probs`` / ``ref_log_probs`` = log(1/V) + N(0, 0.2) noise (near a random
     model's own log-probs, so PPO ratios straddle the clip range); zeros on padding.
     """
@@ -57,7 +57,7 @@ def _timed(fn, reps: int) -> float:
 
 def _vocab_size(path: str) -> int:
     if path.startswith("tiny:"):
-        from rlpad.tiny import tiny_config
+        from rlpad.embedded.tiny import tiny_config
 
         return int(tiny_config(path.split(":", 1)[1]).vocab_size)
     from transformers import AutoConfig
@@ -86,7 +86,7 @@ def run_worker_bench(
 
     from rlpad.bench.logprob import MODELS
     from rlpad.config import ActorRolloutRefConfig
-    from rlpad.tiny import build_tokenizer, tiny_model
+    from rlpad.embedded.tiny import build_tokenizer, tiny_model
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
 

@@ -1,4 +1,4 @@
-"""The FSDP2 critic worker: PPO value model (causal LM backbone + scalar head, rlpad.value).
+"""The FSDP2 critic worker: PPO value model (causal LM backbone + scalar head, rlpad.core.value).
 
 Batch keys: ``input_ids``, ``attention_mask``, optional ``position_ids``, ``responses``;
 ``update_critic`` also needs ``response_mask``, ``values`` (from the rollout) and ``returns``.
@@ -11,8 +11,8 @@ from typing import Any
 from rlpad.algos import compute_value_loss, masked_sum
 from rlpad.batch import Batch
 from rlpad.config import CriticConfig
-from rlpad.models import load_causal_lm
-from rlpad.value import ValueModel
+from rlpad.core.models import load_causal_lm
+from rlpad.core.value import ValueModel
 from workers.fsdp import FSDPWorker, check_rollout_batch
 
 __all__ = ["CriticWorker"]

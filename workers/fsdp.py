@@ -111,7 +111,7 @@ class FSDPWorker:
 
     def _shard(self, root: nn.Module, inner: nn.Module) -> nn.Module:
         """``fully_shard`` each decoder layer of ``inner``, then ``root`` (embeddings, norm, heads)."""
-        # rlpad.forward returns views of its outputs; nothing modifies them in place.
+        # rlpad.core.forward returns views of its outputs; nothing modifies them in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         layer_types = set(getattr(inner, "_no_split_modules", None) or [])
         for module in inner.modules():

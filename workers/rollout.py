@@ -30,7 +30,7 @@ class RolloutWorker:
         return True
 
     def generate(self, batch: Batch, seed: int | None = None) -> Batch:
-        """B left-padded prompt rows -> B*n rollout rows (shared/design.md layout)."""
+        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout)."""
         return self.backend.generate(batch, seed=seed)
 
     def generate_validation(self, batch: Batch) -> Batch:

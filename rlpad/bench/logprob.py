@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from rlpad.bench.flops import padded_and_valid_flops
-from rlpad.forward import compute_log_probs
-from rlpad.synthetic import rollout_batch
-from rlpad.tiny import tiny_model
+from rlpad.core.forward import compute_log_probs
+from rlpad.embedded.synthetic import rollout_batch
+from rlpad.embedded.tiny import tiny_model
 
 __all__ = ["MODELS", "bench_speed", "bench_memory", "run", "print_tables"]
 

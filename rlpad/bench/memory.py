@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from rlpad.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 
 
 def _rss_bytes() -> int:

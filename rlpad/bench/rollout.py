@@ -18,7 +18,7 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
-from rlpad.tiny import build_tokenizer, tiny_model
+from rlpad.embedded.tiny import build_tokenizer, tiny_model
 
 __all__ = ["run_rollout_bench"]
 

@@ -13,8 +13,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rlpad.config import DataConfig, RolloutConfig
-from rlpad.models import load_causal_lm, load_tokenizer
-from rlpad.rollout import NamedTensors, RolloutBackend, Sampling, _eos_ids, _pairs
+from rlpad.core.models import load_causal_lm, load_tokenizer
+from rlpad.rollout.base import NamedTensors, RolloutBackend, Sampling, eos_token_ids, named_pairs
 
 __all__ = ["HFRollout"]
 
@@ -35,7 +35,7 @@ class HFRollout(RolloutBackend):
         self.model.eval()
         tokenizer = load_tokenizer(tokenizer_path or model_path)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(_eos_ids(tokenizer.eos_token_id, self.model.config.eos_token_id))
+        self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, self.model.config.eos_token_id))
         self._calls = 0
 
     @torch.no_grad()
@@ -68,7 +68,7 @@ class HFRollout(RolloutBackend):
     def update_weights(self, named_tensors: NamedTensors) -> float:
         """Copy full weights (HF names) into the model; returns the seconds taken."""
         start = time.perf_counter()
-        _, unexpected = self.model.load_state_dict(dict(_pairs(named_tensors)), strict=False)
+        _, unexpected = self.model.load_state_dict(dict(named_pairs(named_tensors)), strict=False)
         if unexpected:
             raise ValueError(f"update_weights: unknown parameter name(s) {unexpected[:8]}")
         return time.perf_counter() - start

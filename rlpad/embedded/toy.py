@@ -10,10 +10,10 @@ Rewards (both in [0, 1]):
 - :func:`toy_score` (the default for ``data_source == "rlpad/toy_add"``): 1.0 if the whole
   response is exactly the answer, else 0.0. Generation stops at EOS, so this means "the answer
   then EOS" (a response cut by the length limit carries extra characters and scores 0).
-- :func:`toy_partial_score` (``reward.fn: rlpad.toy:toy_partial_score``): 1.0 exact; 0.5 for
+- :func:`toy_partial_score` (``reward.fn: rlpad.embedded.toy:toy_partial_score``): 1.0 exact; 0.5 for
   the right answer followed by more text; 0.1 for a wrong bare integer; 0.0 otherwise.
 
-Command: ``python -m rlpad.toy --out data/toy`` writes ``train.parquet`` and ``val.parquet``.
+Command: ``python -m rlpad.embedded.toy --out data/toy`` writes ``train.parquet`` and ``val.parquet``.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def toy_partial_score(solution_str: str, ground_truth: Any, extra_info: Any = No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlpad.toy --out DIR``: write the toy dataset and print the two paths."""
-    p = argparse.ArgumentParser(prog="python -m rlpad.toy", description="Write the toy addition dataset.")
+    """``python -m rlpad.embedded.toy --out DIR``: write the toy dataset and print the two paths."""
+    p = argparse.ArgumentParser(prog="python -m rlpad.embedded.toy", description="Write the toy addition dataset.")
     p.add_argument("--out", default="data/toy", help="output folder (default: data/toy)")
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--n-val", type=int, default=100)

@@ -1,8 +1,8 @@
 """Supervised warm-start of the embedded default model, cached on disk.
 
 :func:`warm_start` builds a tiny Qwen2 model (fp32, head size 32 so vLLM's CPU attention runs it)
-and the character tokenizer of :mod:`rlpad.tiny`, teaches it the toy addition task of
-:mod:`rlpad.toy` for a few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
+and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it the toy addition task of
+:mod:`rlpad.embedded.toy` for a few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
 both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
 of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
 string), and is written to a temporary folder first and renamed into place, so an interrupted run
@@ -14,7 +14,7 @@ problems right, so GRPO has reward variance to learn from and room to improve. T
 about 10 s on one CPU thread and give 0.15-0.3 greedy validation accuracy; ``target_accuracy``
 can stop earlier at a chosen accuracy on training problems instead.
 
-Command: ``python -m rlpad.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
+Command: ``python -m rlpad.embedded.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpad.config import SFTConfig
-from rlpad.forward import compute_log_probs, position_ids_from_mask
-from rlpad.tiny import build_tokenizer, tiny_config, tiny_model
-from rlpad.toy import sft_examples, split_pairs
+from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
+from rlpad.embedded.toy import sft_examples, split_pairs
 
 __all__ = [
     "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "encode", "greedy_answers", "main",
@@ -285,9 +285,9 @@ def read_info(path: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlpad.sft``: warm-start (or find cached) and print the path and val accuracy."""
+    """``python -m rlpad.embedded.sft``: warm-start (or find cached) and print the path and val accuracy."""
     defaults = SFTConfig()
-    p = argparse.ArgumentParser(prog="python -m rlpad.sft", description="Warm-start the embedded tiny model.")
+    p = argparse.ArgumentParser(prog="python -m rlpad.embedded.sft", description="Warm-start the embedded tiny model.")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)

@@ -1,6 +1,6 @@
 """Per-token log-probs and entropies of the response tokens of a rollout batch.
 
-Rollout layout (see shared/design.md): ``input_ids = cat(left-padded prompt, right-padded
+Rollout layout (see docs/design.md): ``input_ids = cat(left-padded prompt, right-padded
 response)`` of shape (B, S), the last ``response_length`` columns being the response. Response
 token t (column S-R+t) is scored by the hidden state at column S-R+t-1.
 
@@ -10,7 +10,7 @@ Two paths, equal per token:
 * remove-padding: the valid tokens packed into one (1, nnz) row, position ids restarting at 0
   per sequence, ``cu_seqlens`` telling the varlen attention where sequences end, and the LM
   head run only on the hidden states that score a valid response token; results are scattered
-  back to (B, R) with :func:`rlpad.padding.pad_input`.
+  back to (B, R) with :func:`rlpad.core.padding.pad_input`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.attention import VARLEN_IMPLEMENTATIONS
-from rlpad.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from rlpad.padding import index_first_axis, pad_input, unpad_input, validate_attention_mask
+from rlpad.core.attention import VARLEN_IMPLEMENTATIONS
+from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+from rlpad.core.padding import index_first_axis, pad_input, unpad_input, validate_attention_mask
 
 __all__ = ["LogProbModel", "compute_log_probs", "position_ids_from_mask", "validate_rollout_batch"]
 
@@ -105,8 +105,8 @@ def compute_log_probs(
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
 
     Differentiable. ``use_remove_padding`` picks the packed (1, nnz) forward, which needs the model
-    to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.attention`).
-    ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.logprob`).
+    to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.core.attention`).
+    ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.core.logprob`).
     """
     validate_rollout_batch(model, input_ids, attention_mask, position_ids, response_length)
     if not temperature > 0:
@@ -136,7 +136,7 @@ def compute_log_probs(
     if impl not in VARLEN_IMPLEMENTATIONS:
         raise ValueError(
             f"use_remove_padding=True needs a varlen attention ({sorted(VARLEN_IMPLEMENTATIONS)}), the model uses "
-            f"{impl!r}; load it with rlpad.models.load_causal_lm or call rlpad.attention.set_varlen_attention(model)"
+            f"{impl!r}; load it with rlpad.core.models.load_causal_lm or call rlpad.core.attention.set_varlen_attention(model)"
         )
     ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask)
     packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)

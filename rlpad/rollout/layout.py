@@ -2,7 +2,7 @@
 
 Backend-independent (no vLLM, no Ray). :func:`prompt_token_lists` validates and strips the
 left padding of the prompt batch before any compute; :func:`build_rollout_batch` turns the
-sampled token lists back into the tensors of shared/design.md:
+sampled token lists back into the tensors of docs/design.md:
 
 * ``prompts (B*n, P)`` left-padded, ``responses (B*n, R)`` right-padded with the pad id,
 * ``input_ids = cat(prompts, responses)``, ``attention_mask``, ``response_mask``,

@@ -1,6 +1,6 @@
 """The PPO value model: a causal LM's backbone plus a scalar head, scored on response tokens.
 
-Values follow the log-prob alignment of :mod:`rlpad.forward`: the value of response token t
+Values follow the log-prob alignment of :mod:`rlpad.core.forward`: the value of response token t
 (column P+t) is read from the hidden state at column P+t-1, the state before t is produced.
 Two paths, equal per token: padded (B, S) and remove-padding (1, nnz) with ``cu_seqlens``.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.attention import VARLEN_IMPLEMENTATIONS
-from rlpad.forward import position_ids_from_mask, validate_rollout_batch
-from rlpad.padding import index_first_axis, pad_input, unpad_input
+from rlpad.core.attention import VARLEN_IMPLEMENTATIONS
+from rlpad.core.forward import position_ids_from_mask, validate_rollout_batch
+from rlpad.core.padding import index_first_axis, pad_input, unpad_input
 
 __all__ = ["ValueModel", "compute_values", "response_hidden_states"]
 

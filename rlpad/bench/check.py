@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from rlpad.forward import compute_log_probs
-from rlpad.synthetic import rollout_batch
-from rlpad.tiny import ARCHITECTURES, tiny_model
+from rlpad.core.forward import compute_log_probs
+from rlpad.embedded.synthetic import rollout_batch
+from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 
 __all__ = ["run_check"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlpad.forward import position_ids_from_mask
+from rlpad.core.forward import position_ids_from_mask
 
 __all__ = ["rollout_batch"]
 

@@ -84,7 +84,7 @@ def tiny_model(
     **config_overrides: Any,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``)."""
-    from rlpad.attention import VARLEN_ATTENTION  # registers the varlen attention
+    from rlpad.core.attention import VARLEN_ATTENTION  # registers the varlen attention
 
     config = tiny_config(arch, **config_overrides)
     with torch.random.fork_rng(devices=[]):

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.attention import varlen_implementation
+from rlpad.core.attention import varlen_implementation
 
 __all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
@@ -39,7 +39,7 @@ def load_causal_lm(
     torch_dtype = parse_dtype(dtype)
     attn = varlen_implementation(device)
     if path.startswith("tiny:"):
-        from rlpad.tiny import tiny_model
+        from rlpad.embedded.tiny import tiny_model
 
         return tiny_model(path.split(":", 1)[1], dtype=torch_dtype, attn_implementation=attn).to(device)
     if not os.path.isdir(path):
@@ -53,7 +53,7 @@ def load_causal_lm(
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer saved at ``path`` (or rlpad's character tokenizer for ``tiny:<arch>``), left-padding."""
     if path.startswith("tiny:"):
-        from rlpad.tiny import build_tokenizer
+        from rlpad.embedded.tiny import build_tokenizer
 
         return build_tokenizer()
     if not os.path.isdir(path):

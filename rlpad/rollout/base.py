@@ -1,0 +1,119 @@
+"""What every rollout backend shares: sampling options, the generate driver, weight-name helpers.
+
+A backend turns left-padded prompts into the rollout layout (docs/design.md): prompts left-padded,
+responses right-padded, ``rollout_log_probs`` of the sampled tokens under the distribution they
+were sampled from (``log_softmax(logits / temperature)``, renormalised over the top-k/top-p
+support). Without top-k/top-p that is what :func:`rlpad.core.forward.compute_log_probs` returns at
+``batch.meta["temperature"]`` (1.0 for greedy).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlpad.batch import Batch
+from rlpad.config import DataConfig, RolloutConfig
+from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
+
+__all__ = ["NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs"]
+
+# Full weights by HF checkpoint name: (name, tensor) pairs or a state dict.
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling options of one generate call; ``temperature == 0`` means greedy."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature at which ``rollout_log_probs`` are computed (1.0 when greedy)."""
+        return 1.0 if self.greedy else float(self.temperature)
+
+
+class RolloutBackend(ABC):
+    """Shared driver: validate prompts, sample with the backend, build the rollout batch."""
+
+    pad_token_id: int
+    eos_token_ids: frozenset[int]
+
+    def __init__(self, rollout: RolloutConfig, data: DataConfig):
+        self.rollout, self.data = rollout, data
+        self.sampling = Sampling(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k,
+                                 data.max_response_length)
+        val = rollout.val_kwargs
+        self.val_sampling = Sampling(val.n, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k,
+                                     data.max_response_length)
+        check_sampling(**vars(self.sampling), who="actor_rollout_ref.rollout")
+        check_sampling(**vars(self.val_sampling), who="actor_rollout_ref.rollout.val_kwargs")
+        if val.do_sample and val.temperature <= 0:
+            raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
+
+    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
+        """B prompt rows -> B*n rollout rows sampled with the rollout config.
+
+        With ``seed`` the samples depend only on (seed, prompt position): the trainer passes
+        ``rollout.seed + step`` so a resumed run samples exactly what an uninterrupted one did.
+        """
+        return self._generate(batch, self.sampling, seed)
+
+    def generate_validation(self, batch: Batch) -> Batch:
+        """Validation rollout: greedy, or ``rollout.val_kwargs`` sampling when ``do_sample``."""
+        return self._generate(batch, self.val_sampling)
+
+    def _generate(self, batch: Batch, sampling: Sampling, seed: int | None = None) -> Batch:
+        batch.require("input_ids", "attention_mask", who="rollout.generate")
+        prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
+                                     max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
+        start = time.perf_counter()
+        responses, log_probs = self._sample(prompts, sampling, seed)
+        seconds = time.perf_counter() - start
+        out = build_rollout_batch(
+            batch, prompts, responses, log_probs, n=sampling.n, prompt_width=batch["input_ids"].shape[1],
+            response_length=sampling.max_tokens, pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
+        )
+        out.meta.update(temperature=sampling.logprob_temperature, rollout_gen_s=seconds,
+                        rollout_response_tokens=int(out["response_mask"].sum()))
+        return out
+
+    @abstractmethod
+    def _sample(self, prompts: list[list[int]], sampling: Sampling,
+                seed: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: NamedTensors) -> float:
+        """Load full weights (HF checkpoint names) into the backend; returns the seconds taken."""
+
+
+def named_pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a state dict or of an iterable of pairs."""
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def eos_token_ids(*values: int | list[int] | None) -> set[int]:
+    """The union of EOS ids given as ints or lists (tokenizer and model config may disagree)."""
+    ids: set[int] = set()
+    for v in values:
+        if isinstance(v, int):
+            ids.add(v)
+        elif v:
+            ids.update(int(x) for x in v)
+    if not ids:
+        raise ValueError("the tokenizer and model config define no EOS token id")
+    return ids

