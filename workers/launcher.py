@@ -8,17 +8,15 @@ under ``ray job submit`` it joins the job's cluster.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
 from rlpad.batch import Batch
-from rlpad.config import Config
+from rlpad.config import Config, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.group import WorkerGroup
-from workers.rollout import create_rollout_actor
+from workers.rollout import RolloutReplicas
 
 __all__ = ["RayWorkers", "launch_workers"]
 
@@ -35,7 +33,7 @@ def _cuda(config: Config) -> bool:
 
 
 class RayWorkers:
-    """Actor (+ ref, + critic) FSDP groups and one rollout actor; see rlpad.trainer.Workers."""
+    """Actor (+ ref, + critic) FSDP groups and the rollout replicas; see rlpad.trainer.Workers."""
 
     def __init__(self, config: Config, *, owns_ray: bool = False):
         self.config, self._owns_ray = config, owns_ray
@@ -50,22 +48,17 @@ class RayWorkers:
         if config.algorithm.adv_estimator == "gae":
             self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", world_size=world,
                                       num_gpus_per_worker=gpus, rollout_n=arr.rollout.n)
-        self.rollout = create_rollout_actor(
-            arr.model.path, arr.rollout, config.data, num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
+        self.rollout = RolloutReplicas(
+            arr.model.path, arr.rollout, config.data, num_replicas=rollout_replicas(config, bool(gpus)),
+            num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
             tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
         )
 
-    def _rollout_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return ray.get(getattr(self.rollout, method).remote(*args, **kwargs))
-        except RayActorError as e:
-            raise RuntimeError(f"rollout worker died or is unreachable: {e}") from e
-
     def generate(self, batch: Batch, seed: int) -> Batch:
-        return self._rollout_call("generate", batch, seed=seed)
+        return self.rollout.generate(batch, seed=seed)
 
     def generate_validation(self, batch: Batch) -> Batch:
-        return self._rollout_call("generate_validation", batch)
+        return self.rollout.generate_validation(batch)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         return self.actor.call_batch("compute_log_prob", batch)
@@ -90,9 +83,15 @@ class RayWorkers:
         return self.critic.call_batch("update_critic", batch, chunk_rows=rows)
 
     def sync_weights(self) -> float:
-        """Actor full weights -> the live rollout engine; returns the engine's load seconds."""
-        state = self.actor.call("full_state_dict")[0]
-        return self._rollout_call("update_weights", state)
+        """Actor weights -> every rollout replica, bucket by bucket, actor-to-actor; returns the seconds.
+
+        The driver only sends the replica handles and gets back rank 0's stats: no weight passes
+        through it (workers.actor.ActorWorker.push_weights).
+        """
+        bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
+        stats = self.actor.call("push_weights", self.rollout.actors, bucket_bytes)[0]
+        self.last_sync = stats
+        return stats["seconds"]
 
     def _groups(self) -> dict[str, WorkerGroup]:
         return {name: g for name, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
@@ -109,10 +108,7 @@ class RayWorkers:
         for group in (self.actor, self.ref, self.critic):
             if group is not None:
                 group.shutdown()
-        try:
-            ray.kill(self.rollout)
-        except Exception:  # already gone
-            pass
+        self.rollout.shutdown()
         if self._owns_ray:
             ray.shutdown()
 
@@ -128,7 +124,8 @@ def launch_workers(config: Config) -> RayWorkers:
             groups = 1 + bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward) \
                 + (config.algorithm.adv_estimator == "gae")
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU).
-            ray.init(address="local", num_cpus=groups * world + 1, include_dashboard=False,
+            replicas = rollout_replicas(config, _cuda(config))
+            ray.init(address="local", num_cpus=groups * world + replicas, include_dashboard=False,
                      _node_ip_address="127.0.0.1", runtime_env={"env_vars": QUIET_ENV})
             owns = True
     return RayWorkers(config, owns_ray=owns)
