@@ -32,12 +32,23 @@ def _bench(args: argparse.Namespace) -> int:
               f"compute_log_prob {result['speedup']['compute_log_prob']:.2f}x, "
               f"update_actor {result['speedup']['update_actor']:.2f}x")
         _write(result, args.out or "results/bench_workers.json")
+    elif args.what == "sync":
+        from workers.bench_sync import print_sync, run_sync_bench  # the Ray side
+
+        result = run_sync_bench(tuple(args.models or ("40m", "160m")), reps=args.reps)
+        print_sync(result)
+        _write(result, args.out or "results/bench_sync.json")
     else:
         from rlpad.bench.rollout import run_rollout_bench
+        from workers.bench_replicas import run_replica_bench  # the Ray side
 
         result = run_rollout_bench(reps=args.reps)
         print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
               f"weight sync {result['sync_s'] * 1e3:.1f} ms")
+        result["replicas"] = run_replica_bench(reps=args.reps)
+        for run in result["replicas"]["runs"]:
+            print(f"  {run['replicas']} replica(s): {run['tokens_per_s']:.0f} generated tokens/s "
+                  f"({result['replicas']['speedup'][str(run['replicas'])]:.2f}x of 1)")
         _write(result, args.out or "results/bench_rollout.json")
     return 0
 
@@ -48,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size")
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout", "sync"])
+    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size; sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
