@@ -17,6 +17,7 @@ its gRPC servers listen on every interface) and ``add_node(ip="127.0.0.2")``.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import secrets
@@ -37,7 +38,9 @@ HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port")
 NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
 ENV_PORTS = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")  # head-only daemons, set by env
-CLASH = ("address already in use", "errno 98", "failed to bind", "port", "already running")
+# Worth one more try: a port taken meanwhile, or Ray's fixed 30 s wait for the raylet to register
+# running out on a loaded machine ("The current node timed out during startup").
+RETRY_ON = ("address already in use", "errno 98", "failed to bind", "already running", "timed out during startup")
 
 __all__ = ["RayCluster", "RayNode", "descendants", "free_ports", "listening", "node_pids"]
 
@@ -121,7 +124,8 @@ class RayNode:
     marker: str
     temp_dir: str
     ports: dict[str, int]
-    output: str = ""
+    output: str = ""  # stdout + stderr of `ray start`
+    command: str = ""
     head: bool = False
     returncode: int = 0
     session: int = -1  # session id of the daemons: the pid of the `ray start` that made them
@@ -184,16 +188,19 @@ class RayCluster:
         failures = []
         for _attempt in range(2):
             node = self._start_once(args, port_names, num_cpus, ip=ip, head=head, single_node=single_node)
-            problem = node.output if node.returncode else _unbound_ports(node)
+            if node.returncode:
+                problem = f"{node.command}\nexit {node.returncode}\n{node.output}"
+            else:
+                problem = _agent_http_problem(node)
             if not problem:
                 self.nodes.append(node)
                 return node
             failures.append(problem)
             self._kill([node])
             shutil.rmtree(node.temp_dir, ignore_errors=True)
-            if not any(word in problem.lower() for word in CLASH):
+            if not any(word in problem.lower() for word in RETRY_ON):
                 break
-        raise RuntimeError("`ray start` failed:\n" + "\n--- retry with fresh ports ---\n".join(failures))
+        raise RuntimeError("`ray start` failed:\n" + "\n--- retried with fresh ports ---\n".join(failures))
 
     def _start_once(self, args: list[str], port_names: tuple[str, ...], num_cpus: int, *, ip: str | None,
                     head: bool, single_node: bool) -> RayNode:
@@ -218,7 +225,7 @@ class RayCluster:
                 err += "\n(`ray start` timed out after 180 s)"
         return RayNode(ip=ip, num_cpus=num_cpus, marker=marker, temp_dir=temp_dir, ports=ports, head=head,
                        returncode=proc.returncode or 0, session=proc.pid,
-                       output=f"$ {' '.join(cmd)}\nexit {proc.returncode}\n{out}\n{err}")
+                       command="$ " + " ".join(cmd), output=f"{out}\n{err}")
 
     def pids(self, node: RayNode | None = None) -> list[int]:
         """Live processes of ``node`` (default: every node of this cluster)."""
@@ -245,7 +252,7 @@ class RayCluster:
             waited = time.monotonic() - start
             if waited > timeout:
                 raise RuntimeError(f"Ray processes {sorted(alive)} survived SIGKILL")
-            sig = signal.SIGKILL if waited > min(10.0, timeout / 2) else signal.SIGTERM
+            sig = signal.SIGKILL if waited > min(5.0, timeout / 2) else signal.SIGTERM
             for pid in alive - signalled if sig == signal.SIGTERM else alive:
                 try:
                     os.kill(pid, sig)
@@ -261,14 +268,21 @@ class RayCluster:
         self.stop()
 
 
-def _unbound_ports(node: RayNode) -> str:
-    """Ray records a port it could not bind as -1 in the session dir (the start itself succeeds)."""
-    session = os.path.join(node.temp_dir, "session_latest")
-    bad = []
-    for name in os.listdir(session) if os.path.isdir(session) else []:
-        if "_port_" not in name:
-            continue
-        with open(os.path.join(session, name)) as f:
-            if f.read().strip() == "-1":
-                bad.append(name.rsplit("_port_", 1)[0] + "_port")
-    return f"{node.output}\nports Ray failed to bind (port in use): {bad}" if bad else ""
+def _agent_http_problem(node: RayNode, timeout: float = 60.0) -> str:
+    """Wait for the node's dashboard agent to record its HTTP port (the job API goes through it).
+
+    `ray start` succeeds even when the agent could not bind that port; the agent then records -1.
+    """
+    pattern = os.path.join(node.temp_dir, "session_latest", "dashboard_agent_listen_port_*")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in glob.glob(pattern):
+            with open(path) as f:
+                value = f.read().strip()
+            if value == "-1":
+                return (f"{node.command}\n{node.output}\nthe dashboard agent failed to bind its HTTP port "
+                        f"{node.ports.get('dashboard-agent-listen-port')}: address already in use?")
+            if value:
+                return ""
+        time.sleep(0.5)
+    return f"{node.command}\n{node.output}\nthe dashboard agent did not record its HTTP port within {timeout:.0f} s"

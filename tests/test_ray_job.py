@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ray_cluster import RAY, RayCluster
+from ray_cluster import RAY, RayCluster, listening
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -54,3 +54,5 @@ def test_ray_job_submit_runs_tiny_grpo(ray_head, tmp_path):
     assert sorted(steps) == [0, 1, 2]
     assert 0.0 <= steps[2]["reward/mean"] <= 1.0 and "val/reward" in steps[2]
     assert "validation reward" in logs  # the final summary table was printed
+    sockets = listening(cluster.pids())
+    assert len(sockets) >= 8 and all(addr == "127.0.0.1" for addr, _, _ in sockets), sockets
