@@ -7,13 +7,13 @@ like a retitled worker) and a bystander process with the same environment but no
 
 import json
 import os
+import secrets
 import subprocess
 import sys
-import time
 
 import pytest
 
-from ray_cluster import MARKER, RayCluster, RayNode, listening, node_pids
+from ray_cluster import MARKER, SINGLE_NODE_ENV, RayCluster, RayNode, node_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -31,6 +31,19 @@ import subprocess, sys
 same_session = subprocess.Popen({SLEEP!r})
 driver = subprocess.Popen([sys.executable, "-c", {DRIVER!r}], start_new_session=True, stdout=subprocess.PIPE, text=True)
 print(same_session.pid, driver.pid, driver.stdout.readline().strip(), flush=True)
+"""
+
+
+# workers before ray, as rlpad.train does; prints the TCP sockets Ray's processes listen on.
+LOCAL_RAY = f"""
+import json, os, sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from workers.launcher import init_local_ray
+import ray
+from ray_cluster import descendants, listening
+init_local_ray(1, log_to_driver=False)
+print(json.dumps(listening(descendants({{os.getpid()}}))))
+ray.shutdown()
 """
 
 
@@ -65,3 +78,23 @@ def test_stop_ends_the_nodes_processes_and_nothing_else():
             except ProcessLookupError:
                 pass
         bystander.wait()
+
+
+@pytest.mark.ray
+def test_local_ray_of_the_launcher_listens_on_loopback_only():
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", SINGLE_NODE_ENV)}
+    env.update(RAY_AUTH_TOKEN=secrets.token_hex(16))  # token auth without ~/.ray/auth_token
+
+    def sockets(**extra: str) -> tuple[list, str]:
+        out = subprocess.run([sys.executable, "-c", LOCAL_RAY], env={**env, **extra}, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    listening, _ = sockets()
+    assert len(listening) >= 3, listening  # GCS, node manager, object manager at least
+    assert {addr for addr, _, _ in listening} == {"127.0.0.1"}, listening
+    # Negative control: multi-node mode (what Ray does when ray is imported first) listens elsewhere.
+    listening, stderr = sockets(**{SINGLE_NODE_ENV: "1"})
+    assert {addr for addr, _, _ in listening} - {"127.0.0.1"}, listening
+    assert "not 127.0.0.1 only" in stderr
