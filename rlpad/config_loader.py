@@ -30,8 +30,8 @@ from omegaconf.errors import OmegaConfBaseException
 from rlpad.config import Config
 
 __all__ = [
-    "ADV_ESTIMATORS", "KL_TYPES", "LOSS_AGG_MODES", "config_from_dict", "config_to_dict", "load_config",
-    "parse_override", "save_config", "to_yaml", "validate_config",
+    "ADV_ESTIMATORS", "KL_TYPES", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "ROLLOUT_CORRECTION_MODES",
+    "config_from_dict", "config_to_dict", "load_config", "parse_override", "save_config", "to_yaml", "validate_config",
 ]
 
 # Kept in step with rlpad.algos (a test checks); duplicated so loading a config stays torch-free.
@@ -43,6 +43,8 @@ ROLLOUT_NAMES = ("vllm", "hf")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
+ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # rlpad.rollout_correction.CORRECTION_MODES
+OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -298,6 +300,11 @@ def validate_config(config: Config) -> Config:
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, DTYPE_NAMES)
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("algorithm.rollout_correction.mode", alg.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
+    if not alg.rollout_correction.threshold > 1.0:
+        problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
+                        "(token_tis caps weights at it, seq_mask keeps geometric-mean ratios in [1/C, C])")
+    one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:
