@@ -34,6 +34,8 @@ from numbers import Real
 
 import torch
 
+from rlpad.config import ROLLOUT_CORRECTION_MODES
+
 __all__ = [
     "CORRECTION_MODES",
     "apply_rollout_correction",
@@ -42,7 +44,7 @@ __all__ = [
     "token_tis_weights",
 ]
 
-CORRECTION_MODES = ("none", "token_tis", "seq_mask")
+CORRECTION_MODES = ROLLOUT_CORRECTION_MODES
 SAFETY_BOUND = 20.0
 
 

@@ -201,6 +201,3 @@ def test_config_keys_validated():
         load_config(None, ["algorithm.rollout_correction.threshold=0.5"])
     with pytest.raises(ValueError, match=r"old_log_prob_layout='rows' is not valid"):
         load_config(None, ["actor_rollout_ref.actor.old_log_prob_layout=rows"])
-    from rlpad.config_loader import ROLLOUT_CORRECTION_MODES
-
-    assert ROLLOUT_CORRECTION_MODES == CORRECTION_MODES
