@@ -206,6 +206,13 @@ class ActorWorker(FSDPWorker):
         for name, key in self._hf_sources():
             yield name, _full(state[key]).detach()
 
+    def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
+        """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
+        sources = self._hf_sources()
+        state = self.root.state_dict()
+        sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
+        return plan_buckets(sizes, bucket_bytes)
+
     def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
 
@@ -213,10 +220,9 @@ class ActorWorker(FSDPWorker):
         end; only rank 0 keeps them (the other ranks yield empty buckets). At most one bucket is
         held at a time by this generator.
         """
-        state = self.root.state_dict() if self.root is not None else None
-        sources = dict(self._hf_sources())
-        sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources.items()]
-        for names in plan_buckets(sizes, bucket_bytes):
+        plan = self._bucket_plan(bucket_bytes)
+        state, sources = self.root.state_dict(), dict(self._hf_sources())
+        for names in plan:
             bucket = []
             for name in names:
                 full = _full(state[sources[name]]).detach()
@@ -243,7 +249,8 @@ class ActorWorker(FSDPWorker):
             return None
         from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
 
-        return push_weight_buckets(buckets, replicas, max_in_flight=max_in_flight)
+        partial = len(self._bucket_plan(bucket_bytes)) > 1
+        return push_weight_buckets(buckets, replicas, max_in_flight=max_in_flight, partial=partial)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU, for the rollout sync (``None`` off rank 0 if ``rank0_only``)."""

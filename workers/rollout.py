@@ -52,9 +52,9 @@ class RolloutWorker:
         """Load the actor's full weights into the live engine in one piece; returns the seconds."""
         return self.backend.update_weights(named_tensors)
 
-    def update_weights_bucket(self, named_tensors: NamedTensors) -> float:
-        """Load one bucket of full tensors (whole units); returns the seconds."""
-        return self.backend.load_weights_bucket(named_tensors)
+    def update_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
+        """Load one bucket of full tensors (whole units; ``partial``: one of several); returns the seconds."""
+        return self.backend.load_weights_bucket(named_tensors, partial=partial)
 
     def finish_weight_sync(self) -> bool:
         """After the last bucket: drop what the old weights computed (vLLM's prefix cache)."""
@@ -159,8 +159,10 @@ class RolloutReplicas:
 
 
 def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequence[Any], *,
-                        max_in_flight: int = 2) -> dict[str, float]:
+                        max_in_flight: int = 2, partial: bool = True) -> dict[str, float]:
     """Send each bucket once to the object store and load it into every replica, then finish the sync.
+
+    ``partial``: there are several buckets (each is then one of several for the engine).
 
     At most ``max_in_flight`` buckets are outstanding: before putting bucket k the caller waits
     until every replica has loaded bucket k - max_in_flight (and its object is released).
@@ -186,7 +188,7 @@ def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequ
         total += sum(t.numel() * t.element_size() for _, t in bucket)
         count += 1
         ref = ray.put(bucket)
-        in_flight.append([r.update_weights_bucket.remote(ref) for r in replicas])
+        in_flight.append([r.update_weights_bucket.remote(ref, partial) for r in replicas])
         del ref, bucket  # the replicas' pending calls keep the object alive until they ran
     while in_flight:
         wait_oldest()

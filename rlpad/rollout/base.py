@@ -101,10 +101,11 @@ class RolloutBackend(ABC):
         """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
 
     @abstractmethod
-    def load_weights_bucket(self, named_tensors: NamedTensors) -> float:
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
         """Load some full weights (HF names, whole units: rlpad.rollout.buckets); returns the seconds.
 
         Weights not named keep their values; call :meth:`finish_weight_update` after the last bucket.
+        ``partial``: one bucket of several (a backend may then skip its "weights not loaded" warnings).
         """
 
     def finish_weight_update(self) -> None:

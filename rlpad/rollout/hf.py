@@ -68,7 +68,7 @@ class HFRollout(RolloutBackend):
         log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return new.cpu().tolist(), log_probs.cpu().tolist()
 
-    def load_weights_bucket(self, named_tensors: NamedTensors) -> float:
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
         """Copy full weights (HF names; all or some) into the model; returns the seconds taken."""
         start = time.perf_counter()
         _, unexpected = self.model.load_state_dict(dict(named_pairs(named_tensors)), strict=False)

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -134,11 +134,13 @@ class VLLMRollout(RolloutBackend):
                 log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
         return responses, log_probs
 
-    def load_weights_bucket(self, named_tensors: NamedTensors) -> float:
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
         """Load full tensors of whole units (rlpad.rollout.buckets) into the live engine; returns the seconds.
 
         One ``reload_weights`` per bucket: vLLM reloads layer by layer and puts back the current
-        weights of every layer the bucket does not name. With tied embeddings a bucket holding the
+        weights of every layer the bucket does not name, warning about each; ``partial`` (one
+        bucket of several, whose sender covers every weight: rlpad.rollout.buckets.plan_buckets)
+        silences those warnings for this call. With tied embeddings a bucket holding the
         embedding but no ``lm_head.weight`` also sends it as the head: vLLM's CPU backend keeps its
         own pre-packed LM head, which reloading the embedding alone leaves stale.
         """
@@ -146,7 +148,7 @@ class VLLMRollout(RolloutBackend):
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or self.rollout.tensor_model_parallel_size > 1:
             weights = list(weights)  # crosses a process boundary: must be picklable
         start = time.perf_counter()
-        with _quiet(*RELOAD_LOGGERS):  # a partial reload warns about every layer it leaves alone
+        with _quiet(*RELOAD_LOGGERS) if partial else nullcontext():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         return time.perf_counter() - start
 
