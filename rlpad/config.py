@@ -22,6 +22,8 @@ class ModelConfig:
     path: str = "tiny:qwen2"
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
+    # auto | flash_attention_2 | rlpad_varlen | sdpa (padded only); see rlpad/core/attn_choice.py
+    attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
@@ -185,6 +187,9 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda
+    # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
+    # process, world size 1, no Ray (workers/local.py)
+    backend: str = "ray"
 
 
 @dataclass

@@ -43,6 +43,9 @@ ROLLOUT_NAMES = ("vllm", "hf")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("ray", "local")
+# Kept in step with rlpad.core.attn_choice.ATTN_CHOICES (a test checks).
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -298,6 +301,13 @@ def validate_config(config: Config) -> Config:
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, DTYPE_NAMES)
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("trainer.backend", trainer.backend, BACKENDS)
+    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if alg.adv_estimator == "gae" else [])
+    for key, model in models:
+        one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if model.attn_implementation == "sdpa" and model.use_remove_padding:
+            problems.append(f"{key}.attn_implementation=sdpa runs the padded path only; set {key}.use_remove_padding=false "
+                            "or choose auto / rlpad_varlen / flash_attention_2")
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:
@@ -345,7 +355,7 @@ def validate_config(config: Config) -> Config:
         problems.append("optim.lr must be >= 0")
 
     # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
-    world = max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
+    world = 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
     n = max(rollout.n, 1)
     sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if alg.adv_estimator == "gae" else [])
     for key, sec in sections:
