@@ -37,6 +37,7 @@ __all__ = [
     "flash_attention_available",
     "sequence_bounds",
     "torch_varlen_missing",
+    "varlen_api_missing",
     "set_varlen_attention",
     "varlen_attention_forward",
     "varlen_implementation",
@@ -56,13 +57,21 @@ def torch_varlen_missing() -> str | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return f"torch.nn.attention.varlen.varlen_attn (torch {torch.__version__} has none; it needs torch >= 2.10)"
+    missing = varlen_api_missing(varlen_attn)
+    if missing is not None:
+        return missing
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"FlashAttention kernels in torch (torch {torch.__version__} was built without them)"
+    return None
+
+
+def varlen_api_missing(varlen_attn) -> str | None:
+    """None when ``varlen_attn`` takes ``window_size`` and ``enable_gqa`` (what rlpad passes), else what lacks."""
     params = inspect.signature(varlen_attn).parameters
     lacking = [p for p in ("window_size", "enable_gqa") if p not in params]
     if lacking:
         return (f"the {' and '.join(lacking)} argument(s) of torch.nn.attention.varlen.varlen_attn "
                 f"(torch {torch.__version__} is too old)")
-    if not torch.backends.cuda.is_flash_attention_available():
-        return f"FlashAttention kernels in torch (torch {torch.__version__} was built without them)"
     return None
 
 
