@@ -12,7 +12,7 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
-    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "TRUNCATION_MODES",
+    "ADV_ESTIMATORS", "ATTN_IMPLEMENTATIONS", "BACKENDS", "KL_KINDS", "LOSS_AGG_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -20,6 +20,9 @@ ADV_ESTIMATORS = ("grpo", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
+# model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
+BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
 
 
 @dataclass
@@ -29,7 +32,7 @@ class ModelConfig:
     path: str = "tiny:qwen2"
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
-    # auto | flash_attention_2 | rlpad_varlen | sdpa (padded only); see rlpad/core/attn_choice.py
+    # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
     attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16

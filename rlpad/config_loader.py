@@ -27,7 +27,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, TRUNCATION_MODES, Config
+from rlpad.config import (
+    ADV_ESTIMATORS, ATTN_IMPLEMENTATIONS, BACKENDS, KL_KINDS, LOSS_AGG_MODES, TRUNCATION_MODES, Config,
+)
 
 __all__ = [
     "config_from_dict", "config_to_dict", "load_config",
@@ -38,9 +40,6 @@ ROLLOUT_NAMES = ("vllm", "hf")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("ray", "local")
-# Kept in step with rlpad.core.attn_choice.ATTN_CHOICES (a test checks).
-ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -297,7 +296,7 @@ def validate_config(config: Config) -> Config:
         one_of(key, dt, DTYPE_NAMES)
     one_of("trainer.device", trainer.device, DEVICES)
     one_of("trainer.backend", trainer.backend, BACKENDS)
-    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if alg.adv_estimator == "gae" else [])
+    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if config.uses_critic else [])
     for key, model in models:
         one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
         if model.attn_implementation == "sdpa" and model.use_remove_padding:

@@ -49,11 +49,11 @@ class LocalWorkers:
         self.actor = ActorWorker(arr, role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
         self.ref = None
-        if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        if config.uses_ref:
             self.ref = ActorWorker(arr, role="ref", **common)
             self.ref.init_model()
         self.critic = None
-        if config.algorithm.adv_estimator == "gae":
+        if config.uses_critic:
             self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
             self.critic.init_model()
         backend_kwargs: dict[str, Any] = dict(tokenizer_path=arr.model.tokenizer_path,

@@ -20,11 +20,10 @@ import importlib.util
 
 import torch
 
+from rlpad.config import ATTN_IMPLEMENTATIONS as ATTN_CHOICES
 from rlpad.core.attention import VARLEN_ATTENTION, torch_varlen_missing
 
 __all__ = ["ATTN_CHOICES", "resolve_attn_implementation"]
-
-ATTN_CHOICES = ("auto", "flash_attention_2", VARLEN_ATTENTION, "sdpa")
 
 
 def _flash_attn_installed() -> bool:
