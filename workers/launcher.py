@@ -53,6 +53,7 @@ class RayWorkers:
         self.rollout = create_rollout_actor(
             arr.model.path, arr.rollout, config.data, num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
             tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
+            **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}),  # HF generate on its GPU
         )
 
     def _rollout_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
