@@ -83,8 +83,11 @@ class LocalWorkers:
 
     # ---- FSDP workers -------------------------------------------------------------------------
 
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        return self.actor.compute_log_prob(batch)
+    def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
+        """Old log-probs; ``for_update`` with ``actor.old_log_prob_layout=update`` micro-batches them
+        as :meth:`update_actor` will (see :meth:`workers.actor.ActorWorker.compute_log_prob`)."""
+        update_layout = for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update"
+        return self.actor.compute_log_prob(batch, update_layout=update_layout)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
