@@ -20,6 +20,18 @@ def _bench(args: argparse.Namespace) -> int:
         from rlpad.bench.report import run_all
 
         run_all(args.out or "results", reps=args.reps)
+    elif args.device == "cuda":
+        if args.what != "logprob":
+            print(f"error: --device cuda is for `rlpad bench logprob`, not {args.what!r}", file=sys.stderr)
+            return 2
+        from rlpad.bench.logprob_cuda import run_cuda
+
+        try:
+            result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _write(result, args.out or "results/bench_logprob_cuda.json")
     elif args.what == "logprob":
         from rlpad.bench.logprob import run
 
@@ -68,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="logprob: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+    bench.add_argument("--micro-rows", type=int, default=16, help="logprob --device cuda: rows per micro-batch")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)

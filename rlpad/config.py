@@ -12,8 +12,8 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig", "rollout_replicas",
-    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "ROLLOUT_CORRECTION_MODES",
-    "TRUNCATION_MODES",
+    "ADV_ESTIMATORS", "ATTN_IMPLEMENTATIONS", "BACKENDS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
+    "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -21,6 +21,9 @@ ADV_ESTIMATORS = ("grpo", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
+# model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
+BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 
@@ -32,6 +35,8 @@ class ModelConfig:
     path: str = "tiny:qwen2"
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
+    # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
+    attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
@@ -213,6 +218,9 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda
+    # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
+    # process, world size 1, no Ray (workers/local.py)
+    backend: str = "ray"
 
 
 @dataclass

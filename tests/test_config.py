@@ -150,6 +150,7 @@ def test_missing_or_malformed_recipe(tmp_path):
     (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0 must be >= 1"),
     (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.num_replicas=2"],
      "hf backend seeds a whole generate call"),
+    (["trainer.backend=local", "actor_rollout_ref.rollout.num_replicas=2"], "trainer.backend=local runs one rollout"),
     (["actor_rollout_ref.rollout.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb=0.0 must be > 0"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], "tensor_model_parallel_size=0 must be >= 1"),
 ])

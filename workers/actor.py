@@ -50,7 +50,8 @@ class ActorWorker(FSDPWorker):
         self._init_distributed()
         mcfg = self.config.model
         model = load_causal_lm(
-            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code
+            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
+            attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
         )
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

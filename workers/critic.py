@@ -33,7 +33,8 @@ class CriticWorker(FSDPWorker):
         """Join the process group, build and shard the value model, build AdamW + warm-up."""
         self._init_distributed()
         mcfg = self.config.model
-        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code)
+        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
+                            attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding)
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)

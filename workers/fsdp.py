@@ -74,6 +74,7 @@ class FSDPWorker:
         master_port: int | None = None,
         seed: int = 1,
         timeout_s: float = 1800.0,
+        device: str | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, {world_size})")
@@ -82,7 +83,11 @@ class FSDPWorker:
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         self.seed, self.timeout_s = seed, timeout_s
-        cuda = torch.cuda.is_available()
+        if device not in (None, "auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        cuda = torch.cuda.is_available() if device in (None, "auto") else device == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ValueError(f"{self.role}: device=cuda but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.root: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

@@ -54,6 +54,7 @@ class RayWorkers:
             arr.model.path, arr.rollout, config.data, num_replicas=rollout_replicas(config, bool(gpus)),
             num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
             tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
+            **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}),  # HF generate on its GPU
         )
 
     def generate(self, batch: Batch, seed: int) -> Batch:

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.core.attention import varlen_implementation
+from rlpad.core.attn_choice import resolve_attn_implementation
 
 __all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
@@ -30,14 +30,18 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+    use_remove_padding: bool = True,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
-    The model always gets a varlen-capable attention (flash_attention_2 on CUDA with flash-attn,
-    rlpad's own ``rlpad_varlen`` elsewhere), which serves both the padded and the packed path.
+    ``attn_implementation`` (see :mod:`rlpad.core.attn_choice`): ``auto`` gives a varlen-capable
+    attention (flash_attention_2 on CUDA with flash-attn, rlpad's own ``rlpad_varlen`` elsewhere),
+    which serves both the padded and the packed path; an explicit choice that cannot run here,
+    or ``sdpa`` with ``use_remove_padding``, raises ValueError before anything is loaded.
     """
     torch_dtype = parse_dtype(dtype)
-    attn = varlen_implementation(device)
+    attn = resolve_attn_implementation(attn_implementation, device, use_remove_padding=use_remove_padding)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
