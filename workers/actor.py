@@ -20,7 +20,7 @@ from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
-from rlpad.core.models import load_causal_lm, load_tokenizer
+from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
 from workers.fsdp import FSDPWorker, check_rollout_batch
 
 __all__ = ["ActorWorker"]
@@ -39,18 +39,22 @@ class ActorWorker(FSDPWorker):
         self.model = None  # the HF causal LM inside the FSDP root
 
     def init_model(self) -> None:
-        """Join the process group, load the model, shard it (FSDP2), build AdamW + warm-up (actor only)."""
+        """Join the process group, build the model (read by rank 0 only, see
+        :meth:`FSDPWorker._shard_from_rank0`), shard it (FSDP2), build AdamW + warm-up (actor only)."""
         self._init_distributed()
         mcfg = self.config.model
-        model = load_causal_lm(
-            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code
-        )
+        path = self._local_path(mcfg.path)
+        if self.reads_checkpoint:
+            model = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", trust_remote_code=mcfg.trust_remote_code)
+        else:
+            model = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device,
+                                    trust_remote_code=mcfg.trust_remote_code)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "ref":
             model.requires_grad_(False)
         self.model = model
-        self.root = self._shard(LogProbModel(model), model)
+        self.root = self._shard_from_rank0(LogProbModel(model), model)
         if self.role == "actor":
             self._build_optimizer(self.config.actor.optim)
 

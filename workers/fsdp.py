@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -35,19 +37,11 @@ from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
+from workers.net import free_port, interface_towards
 
-__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]
+__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]  # free_port: from workers.net
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +64,7 @@ class FSDPWorker:
         master_port: int | None = None,
         seed: int = 1,
         timeout_s: float = 1800.0,
+        resolve_path: Callable[[str], str] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, {world_size})")
@@ -78,6 +73,8 @@ class FSDPWorker:
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         self.seed, self.timeout_s = seed, timeout_s
+        self.resolve_path = resolve_path  # driver path -> readable path on this node (workers.staging)
+        self.socket_ifname: str | None = None
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.root: nn.Module | None = None
@@ -86,6 +83,33 @@ class FSDPWorker:
         self.update_steps = 0  # completed update calls (= LR scheduler steps)
 
     # ------------------------------------------------------------------ set-up
+
+    def set_rendezvous(self, master_addr: str, master_port: int) -> None:
+        """Where rank 0 listens (its node IP and a free port there); call before ``init_model``."""
+        self.master_addr, self.master_port = master_addr, int(master_port)
+
+    def rank_info(self) -> dict[str, Any]:
+        """What this rank used to join its group: rendezvous, socket interface, host, pid."""
+        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "master_addr": self.master_addr, "master_port": self.master_port,
+                "socket_ifname": self.socket_ifname}
+
+    def _local_path(self, path: str) -> str:
+        return self.resolve_path(path) if self.resolve_path is not None else path
+
+    def _pick_interface(self, cuda: bool) -> None:
+        """Point gloo (and nccl's bootstrap) at the interface that reaches rank 0, unless the user did.
+
+        The route to MASTER_ADDR decides: all ranks on one host -> the loopback; across nodes ->
+        the interface facing rank 0's node (gloo's default, the address the hostname resolves
+        to, is often a loopback alias that other nodes cannot reach).
+        """
+        ifname, _ = interface_towards(self.master_addr)
+        names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if cuda else [])
+        for name in names:
+            if ifname is not None:
+                os.environ.setdefault(name, ifname)
+        self.socket_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
 
     def _init_distributed(self) -> None:
         if dist.is_initialized():
@@ -99,15 +123,19 @@ class FSDPWorker:
                 if self.world_size > 1:
                     raise ValueError(f"{self.role}: master_port is required when world_size > 1")
                 self.master_port = free_port(self.master_addr)
-            if self.master_addr in ("127.0.0.1", "localhost") and os.path.exists("/sys/class/net/lo"):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo traffic on the loopback
             cuda = self.device.type == "cuda"
+            self._pick_interface(cuda)
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if cuda else "gloo",
                 init_method=f"tcp://{self.master_addr}:{self.master_port}",
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s),
             )  # fmt: skip
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    @property
+    def reads_checkpoint(self) -> bool:
+        """Only rank 0 reads the weights; the other ranks build on the meta device and receive shards."""
+        return self.rank == 0 or self.world_size == 1
 
     def _shard(self, root: nn.Module, inner: nn.Module) -> nn.Module:
         """``fully_shard`` each decoder layer of ``inner``, then ``root`` (embeddings, norm, heads)."""
@@ -118,6 +146,27 @@ class FSDPWorker:
             if type(module).__name__ in layer_types:
                 fully_shard(module, mesh=self.mesh)
         fully_shard(root, mesh=self.mesh)
+        return root
+
+    def _shard_from_rank0(self, root: nn.Module, inner: nn.Module) -> nn.Module:
+        """Shard ``root`` (loaded on rank 0, on the meta device elsewhere) and give every rank its shards.
+
+        Rank 0 keeps references to its full tensors, shards, then broadcasts them one tensor at a
+        time (``set_model_state_dict`` with ``broadcast_from_rank0``); each rank keeps only its slice,
+        so a non-reading rank peaks at its shards plus one full tensor. Buffers (rotary tables and
+        other non-persistent ones included) are broadcast from rank 0 as well.
+        """
+        if self.world_size == 1:
+            return self._shard(root, inner)
+        full = dict(root.state_dict()) if self.reads_checkpoint else {}
+        self._shard(root, inner)
+        if not self.reads_checkpoint:
+            root.to_empty(device=self.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(root, full, options=options)
+        del full
+        for buffer in root.buffers():
+            dist.broadcast(buffer, src=0)
         return root
 
     def _build_optimizer(self, optim_cfg: Any) -> None:
