@@ -31,6 +31,8 @@ from numbers import Real
 import numpy as np
 import torch
 
+from rlpad.config import KL_KINDS, LOSS_AGG_MODES
+
 __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
@@ -46,8 +48,6 @@ __all__ = [
     "masked_whiten",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (see kl_penalty)
 
 Normalizer = float | int | torch.Tensor | None
 

@@ -12,7 +12,14 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
+    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "TRUNCATION_MODES",
 ]
+
+# The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
+ADV_ESTIMATORS = ("grpo", "gae")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
+TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
 
 
 @dataclass
@@ -196,3 +203,13 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def uses_ref(self) -> bool:
+        """A reference policy is needed: a KL loss or a KL penalty in the reward."""
+        return bool(self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is needed: GAE advantages (PPO)."""
+        return self.algorithm.adv_estimator == "gae"

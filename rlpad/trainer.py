@@ -112,8 +112,7 @@ class Trainer:
     def train_step(self, prompts: Batch) -> dict[str, float]:
         """One GRPO/PPO step on a batch of prompts; returns its metrics."""
         cfg, algo = self.config, self.config.algorithm
-        actor_cfg = cfg.actor_rollout_ref.actor
-        gae = algo.adv_estimator == "gae"
+        gae = cfg.uses_critic
         timing: dict[str, float] = {}
         with _timed(timing, "gen"):
             batch = self.workers.generate(prompts, seed=cfg.actor_rollout_ref.rollout.seed + self.step)
@@ -123,7 +122,7 @@ class Trainer:
             batch["token_level_scores"] = scores
         with _timed(timing, "old_log_prob"):
             batch.update(self.workers.compute_log_prob(batch))
-        if actor_cfg.use_kl_loss or algo.use_kl_in_reward:
+        if cfg.uses_ref:
             with _timed(timing, "ref"):
                 batch.update(self.workers.compute_ref_log_prob(batch))
         if gae:

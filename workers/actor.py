@@ -60,6 +60,20 @@ class ActorWorker(FSDPWorker):
 
     # ------------------------------------------------------------------ log-probs
 
+    @staticmethod
+    def input_keys(method: str, config: ActorRolloutRefConfig) -> list[str]:
+        """The batch keys ``method`` reads (the worker group ships only these)."""
+        keys = FORWARD_KEYS + ["position_ids"]
+        if method == "update_actor":
+            keys += ["response_mask", "old_log_probs", "advantages"]
+            keys += ["ref_log_probs"] if config.actor.use_kl_loss else []
+        return keys
+
+    def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
+        self._require_model()
+        use_rmpad = self.config.model.use_remove_padding
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, self.model, use_rmpad))
+
     def _forward_keys(self, batch: Batch) -> list[str]:
         return FORWARD_KEYS + (["position_ids"] if "position_ids" in batch else [])
 
@@ -69,6 +83,7 @@ class ActorWorker(FSDPWorker):
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
             temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
+            check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 
     def _temperature(self, batch: Batch) -> float:
@@ -79,7 +94,7 @@ class ActorWorker(FSDPWorker):
 
         Micro-batches follow ``rollout.log_prob_*`` (verl's names); temperature from ``batch.meta``.
         """
-        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_log_prob"))
+        self._check(batch, FORWARD_KEYS, [], "compute_log_prob")
         rcfg = self.config.rollout
         t = self._temperature(batch)
         log_probs, entropy = self._forward_all(
@@ -91,7 +106,7 @@ class ActorWorker(FSDPWorker):
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``."""
-        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_ref_log_prob"))
+        self._check(batch, FORWARD_KEYS, [], "compute_ref_log_prob")
         rcfg = self.config.ref
         t = self._temperature(batch)
         (log_probs,) = self._forward_all(
@@ -139,7 +154,7 @@ class ActorWorker(FSDPWorker):
         keys = FORWARD_KEYS + ["response_mask", "old_log_probs", "advantages"]
         keys += ["ref_log_probs"] if acfg.use_kl_loss else []
         finite = ["old_log_probs", "advantages"] + (["ref_log_probs"] if acfg.use_kl_loss else [])
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, "update_actor"))
+        self._check(batch, keys, finite, "update_actor")
         t = self._temperature(batch)
         metrics = self._ppo_update(
             batch, keys=keys + (["position_ids"] if "position_ids" in batch else []),

@@ -35,11 +35,15 @@ from torch.distributed.tensor import DTensor
 
 from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch
+from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
 from workers.net import free_port, interface_towards
 
 __all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]  # free_port: from workers.net
+
+# (B, S) model inputs; every other batch tensor a worker reads is (B, R).
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -421,25 +425,28 @@ def finite_check(batch: Batch, keys: list[str], who: str) -> None:
             raise ValueError(f"{who}: {key} contains NaN or inf (rows {rows[:8]})")
 
 
-def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: str) -> int:
-    """Required keys, equal row counts, (B, R) response tensors, finite values; returns R."""
+def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: str, model: nn.Module,
+                        use_remove_padding: bool) -> int:
+    """The one check of a batch entering a worker: keys, (B, R) response tensors, finite values and
+    the model inputs (:func:`rlpad.core.forward.check_model_inputs`); returns R.
+
+    Micro-batches of a checked batch are scored with ``check=False``.
+    """
     if not isinstance(batch, Batch):
         raise ValueError(f"{who}: expected an rlpad.batch.Batch, got {type(batch).__name__}")
     batch.require(*keys, who=who)
-    rows = {k: int(batch[k].shape[0]) if isinstance(batch[k], torch.Tensor) else len(batch[k]) for k in batch.keys()}
-    if len(set(rows.values())) > 1:
-        raise ValueError(f"{who}: mismatched row counts in batch: {rows}")
     if len(batch) == 0:
         raise ValueError(f"{who}: empty batch")
     response_length = int(batch["responses"].shape[1])
-    seqlen = int(batch["input_ids"].shape[1])
     for k in keys:
         x = batch[k]
-        if k in ("input_ids", "attention_mask", "position_ids") and tuple(x.shape) != (len(batch), seqlen):
-            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, input_ids {(len(batch), seqlen)}")
-        if k not in ("input_ids", "attention_mask", "position_ids") and tuple(x.shape) != (len(batch), response_length):
+        if k not in INPUT_KEYS and tuple(x.shape) != (len(batch), response_length):
             raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
                              f"{(len(batch), response_length)}")
     finite_check(batch, finite, who)
+    try:
+        check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
+                           response_length, use_remove_padding=use_remove_padding)  # fmt: skip
+    except TypeError as e:
+        raise ValueError(f"{who}: {e}") from e
     return response_length
-

@@ -44,10 +44,10 @@ class RayWorkers:
         gpus = 1 if _cuda(config) else 0
         self.actor = WorkerGroup(ActorWorker, arr, role="actor", world_size=world, num_gpus_per_worker=gpus)
         self.ref = None
-        if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        if config.uses_ref:
             self.ref = WorkerGroup(ActorWorker, arr, role="ref", world_size=world, num_gpus_per_worker=gpus)
         self.critic = None
-        if config.algorithm.adv_estimator == "gae":
+        if config.uses_critic:
             self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", world_size=world,
                                       num_gpus_per_worker=gpus, rollout_n=arr.rollout.n)
         self.rollout = create_rollout_actor(
@@ -125,8 +125,7 @@ def launch_workers(config: Config) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward) \
-                + (config.algorithm.adv_estimator == "gae")
+            groups = 1 + config.uses_ref + config.uses_critic
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU).
             ray.init(address="local", num_cpus=groups * world + 1, include_dashboard=False,
                      _node_ip_address="127.0.0.1", runtime_env={"env_vars": QUIET_ENV})
