@@ -199,7 +199,7 @@ class ActorWorker(FSDPWorker):
             self.model.save_pretrained(path, state_dict=state)
             mcfg = self.config.model
             try:
-                load_tokenizer(mcfg.tokenizer_path or mcfg.path).save_pretrained(path)
+                load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path)).save_pretrained(path)
             except (OSError, ValueError):
                 pass  # no tokenizer next to the weights: the weights alone are still loadable
         if self.world_size > 1:

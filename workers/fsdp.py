@@ -79,6 +79,7 @@ class FSDPWorker:
         self.seed, self.timeout_s = seed, timeout_s
         self.resolve_path = resolve_path  # driver path -> readable path on this node (workers.staging)
         self.socket_ifname: str | None = None
+        self.paths_read: dict[str, str] = {}  # config path -> the path this rank read
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.root: nn.Module | None = None
@@ -96,10 +97,12 @@ class FSDPWorker:
         """What this rank used to join its group: rendezvous, socket interface, host, pid."""
         return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
                 "master_addr": self.master_addr, "master_port": self.master_port,
-                "socket_ifname": self.socket_ifname}
+                "socket_ifname": self.socket_ifname, "paths_read": dict(self.paths_read)}
 
     def _local_path(self, path: str) -> str:
-        return self.resolve_path(path) if self.resolve_path is not None else path
+        local = self.resolve_path(path) if self.resolve_path is not None else path
+        self.paths_read[path] = local
+        return local
 
     def _pick_interface(self, cuda: bool) -> None:
         """Point gloo (and nccl's bootstrap) at the interface that reaches rank 0, unless the user did.
