@@ -1,8 +1,8 @@
 """Where the ranks of a worker group run: nodes chosen up front, one placement group per node.
 
 Like verl's resource pools, a group of ``nnodes x ranks_per_node`` ranks reserves one
-``STRICT_PACK`` placement group per node (a bundle per rank) and numbers the ranks node by node,
-nodes in IP order. Unlike a plain pool, every bundle also asks for a sliver of the node's own
+``STRICT_PACK`` placement group per node (a bundle per rank) and numbers the ranks node by node
+(the driver's node first when it has room, then the others in IP order). Unlike a plain pool, every bundle also asks for a sliver of the node's own
 ``node:<ip>`` resource, so each placement group lands on the node it was planned for: on CPU a
 "gpu slot" is one CPU, and without the pin Ray may pack two nodes' bundles onto one machine.
 
@@ -51,15 +51,18 @@ def _fmt(resources: dict[str, float]) -> str:
                                                                                                      "object_store"))) + "}"
 
 
-def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str) -> list[Node]:
-    """The first ``nnodes`` alive nodes (IP order) whose total resources hold ``per_node``.
+def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str, first: str | None = None) -> list[Node]:
+    """The first ``nnodes`` alive nodes whose total resources hold ``per_node``: node ``first``
+    (a node id; by default the caller's, the driver's node) if it fits, then the others in IP order.
 
     ``per_node``: what one node must hold for everything planned on it (all groups' ranks of
     that node). Raises ``ValueError`` naming each node's shortfall when fewer nodes fit.
+    Rank 0 lands on the first node, so by default next to the driver.
     """
     if nnodes < 1:
         raise ValueError(f"{what}: nnodes must be >= 1, got {nnodes}")
-    nodes = alive_nodes()
+    first = first or ray.get_runtime_context().get_node_id()
+    nodes = sorted(alive_nodes(), key=lambda n: n.node_id != first)  # stable: IP order after the first
     ips = [n.ip for n in nodes]
     if len(set(ips)) != len(ips):
         raise ValueError(f"{what}: several alive nodes share an IP ({ips}); ranks are pinned to nodes by IP")
