@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_state_dict, set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -158,23 +158,51 @@ class FSDPWorker:
     def _shard_from_rank0(self, root: nn.Module, inner: nn.Module) -> nn.Module:
         """Shard ``root`` (loaded on rank 0, on the meta device elsewhere) and give every rank its shards.
 
-        Rank 0 keeps references to its full tensors, shards, then broadcasts them one tensor at a
-        time (``set_model_state_dict`` with ``broadcast_from_rank0``); each rank keeps only its slice,
-        so a non-reading rank peaks at its shards plus one full tensor. Buffers (rotary tables and
-        other non-persistent ones included) are broadcast from rank 0 as well.
+        Rank 0 keeps references to its full tensors, shards, then sends each rank exactly its rows
+        of every parameter (FSDP2 shards dim 0 in ``torch.chunk`` pieces); a rank receives straight
+        into its shard, so a non-reading rank peaks at its shards and nothing more.
+        (``set_model_state_dict(..., broadcast_from_rank0=True)`` gives the same bits but broadcasts
+        each FULL tensor, so a rank also holds the largest tensor of the model: 0.77x the fp32 model
+        instead of 0.5x at world 2 for the 160M benchmark model, see ``python -m workers.init_bench``.)
+        Buffers (rotary tables and other non-persistent ones included) are broadcast from rank 0.
         """
         if self.world_size == 1:
             return self._shard(root, inner)
-        full = dict(root.state_dict()) if self.reads_checkpoint else {}
+        full = dict(root.named_parameters()) if self.reads_checkpoint else {}
+        full = {name: p.detach() for name, p in full.items()}
         self._shard(root, inner)
         if not self.reads_checkpoint:
             root.to_empty(device=self.device)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(root, full, options=options)
+        with torch.no_grad():
+            for name, param in root.named_parameters():
+                self._receive_rows(name, param, full.pop(name, None))
         del full
         for buffer in root.buffers():
             dist.broadcast(buffer, src=0)
         return root
+
+    def _receive_rows(self, name: str, param: torch.Tensor, source: torch.Tensor | None) -> None:
+        """Rank 0 sends rank r rows ``[r*c, (r+1)*c)`` of ``source`` (c = ceil(rows / world)); every rank
+        writes its rows into its local shard of ``param``."""
+        local = param.to_local() if isinstance(param, DTensor) else param
+        rows, world = int(param.shape[0]), self.world_size
+        chunk = -(-rows // world)
+        begin = min(rows, self.rank * chunk)
+        if int(local.shape[0]) != min(rows, begin + chunk) - begin:
+            raise RuntimeError(f"{self.role}: shard of {name} has {local.shape[0]} rows, expected rank "
+                               f"{self.rank}'s torch.chunk piece of {rows} rows over {world} ranks")
+        if self.rank == 0:
+            source = source.to(device=self.device, dtype=local.dtype)
+            for r in range(1, world):
+                piece = source[min(rows, r * chunk):min(rows, (r + 1) * chunk)]
+                if piece.shape[0]:
+                    dist.send(piece.contiguous(), dst=r)
+            local.copy_(source[:chunk])
+        elif local.shape[0]:
+            target = local if local.is_contiguous() else torch.empty_like(local)
+            dist.recv(target, src=0)
+            if target is not local:
+                local.copy_(target)
 
     def _build_optimizer(self, optim_cfg: Any) -> None:
         self.optimizer = build_optimizer(self.root.parameters(), optim_cfg)

@@ -5,7 +5,8 @@
 (rank 0 reads the checkpoint; the others build on the meta device and receive their shards),
 and prints per rank: peak RSS (VmHWM), its growth over the RSS just before ``init_model``, both
 as a fraction of the full fp32 model size, and whether the sharded weights gathered back equal
-a full load of the checkpoint bit for bit (``--compare-to`` another checkpoint: a negative control).
+a full load of the checkpoint bit for bit (``compare_to="other-seed"`` also compares them with a
+checkpoint of another seed: a negative control that must report mismatches).
 """
 
 from __future__ import annotations
@@ -63,15 +64,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     hwm = _status_kb("VmHWM")
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in worker.root.parameters())
     gathered = dict(worker.iter_hf_tensors())  # a collective: every rank gathers the full weights
-    ref_model = load_causal_lm(args.compare_to or args.path)
-    reference = ref_model.state_dict()
     tied = bool(getattr(worker.model.config, "tie_word_embeddings", False))
-    mismatched = sorted(k for k in reference if k not in gathered or not torch.equal(gathered[k], reference[k]))
     buffers = dict(worker.model.named_buffers())  # rotary tables etc. (non-persistent: not in the state dict)
-    mismatched += sorted(f"buffer:{k}" for k, b in ref_model.named_buffers() if not torch.equal(buffers[k], b))
+
+    def mismatches(path: str) -> list[str]:
+        ref_model = load_causal_lm(path)
+        reference = ref_model.state_dict()
+        bad = sorted(k for k in reference if k not in gathered or not torch.equal(gathered[k], reference[k]))
+        return bad + sorted(f"buffer:{k}" for k, b in ref_model.named_buffers() if not torch.equal(buffers[k], b))
+
     still_tied = worker.model.lm_head.weight is worker.model.get_input_embeddings().weight if tied else None
     result = {"rank": args.rank, "reads_checkpoint": worker.reads_checkpoint, "rss_before_kb": rss_before,
-              "hwm_kb": hwm, "shard_bytes": shard_bytes, "tensors": len(reference), "mismatched": mismatched,
+              "hwm_kb": hwm, "shard_bytes": shard_bytes, "tensors": len(gathered), "mismatched": mismatches(args.path),
+              "mismatched_other": mismatches(args.compare_to) if args.compare_to else None,
               "tied_embeddings_shared": still_tied}
     with open(args.result, "w") as f:
         json.dump(result, f)
