@@ -84,6 +84,36 @@ def test_vllm_weight_sync(setup):
     assert torch.equal(backend.generate_validation(prompts)["responses"], before)
 
 
+def test_vllm_known_warnings_are_dropped_and_real_ones_kept(setup):
+    """The per-sync RotaryEmbedding warning is dropped; the same warning for a weight really left
+    out of the sync (the final norm) still reaches the log, from the real reload path."""
+    import logging
+
+    from vllm.platforms import current_platform
+
+    from rlpad.rollout.vllm import QUIET_FILTERS
+
+    model, _, backend = setup
+    name = "vllm.model_executor.model_loader.reload.layerwise"
+    rotary, seen = QUIET_FILTERS[name], []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger(name).addHandler(handler)
+    try:
+        before = rotary.dropped
+        backend.update_weights(model.state_dict())
+        assert rotary.dropped > before and seen == []  # the warning came (and was dropped), nothing else
+        backend.update_weights([(k, v) for k, v in model.state_dict().items() if k != "model.norm.weight"])
+        assert seen == ["RMSNorm: Failed to load weights"]  # negative control: a real problem shows
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+        backend.update_weights(model.state_dict())
+    if current_platform.is_cpu():
+        assert QUIET_FILTERS["vllm.v1.worker.cpu_worker"].dropped >= 1  # dropped while the engine started
+    prompts = prompt_batch()
+    assert torch.equal(backend.generate_validation(prompts)["responses"], hf_greedy(model, setup[1], prompts))
+
+
 def test_vllm_bad_prompts(setup, monkeypatch):
     _, _, backend = setup
     prompts = prompt_batch(lengths=(10, 3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import ray
@@ -23,7 +24,7 @@ from workers.placement import plan_nodes
 from workers.staging import NodePaths, ship_dir
 from workers.rollout import create_rollout_actor
 
-__all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "launch_workers"]
+__all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray", "launch_workers"]
 
 RANK_INFO_FILE = "workers.json"  # written next to metrics.jsonl
 
@@ -147,6 +148,19 @@ class RayWorkers:
             ray.shutdown()
 
 
+def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """Start a single-node Ray for this process on 127.0.0.1, without the dashboard.
+
+    Its servers listen on the loopback only when ``workers`` was imported before ``ray`` (see
+    workers/__init__.py); otherwise Ray picks the machine's address and a warning says so.
+    """
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    ip = ray.util.get_node_ip_address()
+    if ip != "127.0.0.1":
+        warnings.warn(f"local Ray listens on {ip}, not 127.0.0.1 only: ray was imported before workers "
+                      "(set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)", stacklevel=2)
+
+
 def launch_workers(config: Config) -> RayWorkers:
     """Join the Ray cluster (RAY_ADDRESS) or start a local head on 127.0.0.1, then the workers."""
     owns = False
@@ -157,7 +171,6 @@ def launch_workers(config: Config) -> RayWorkers:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
             groups = 1 + config.uses_ref + config.uses_critic
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU).
-            ray.init(address="local", num_cpus=groups * world + 1, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", runtime_env={"env_vars": QUIET_ENV})
+            init_local_ray(groups * world + 1, runtime_env={"env_vars": QUIET_ENV})
             owns = True
     return RayWorkers(config, owns_ray=owns)
