@@ -1,85 +1,47 @@
 """A 2-node Ray cluster on this machine, the tiny GRPO job submitted with ``ray job submit``.
 
-The head is started with ``--node-ip-address=127.0.0.1``, which ``ray start`` replaces by the
-host's reachable IP (services.resolve_ip_for_localhost); the second node is 127.0.0.2 (Linux routes
-all of 127.0.0.0/8 to the loopback), so the two nodes have distinct IPs on one machine.
+The head takes the host's address (Ray 2.60 turns ``--node-ip-address=127.0.0.1`` into it for
+any cluster that may take other nodes); the second node is 127.0.0.2 (Linux routes all of
+127.0.0.0/8 to the loopback), so the two nodes have distinct IPs on one machine.
 
 Each node gets its own --temp-dir, so the worker node does not see the driver's copy of the
-working dir (as on a real second machine). The test stops only the processes it started: the
-ones whose command line names its temp dir, and their children (never ``ray stop``).
+working dir (as on a real second machine). The test stops only the processes it started
+(tests/ray_cluster.py; never ``ray stop``).
 """
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
-import psutil
 import pytest
 
-from workers.net import free_port, interface_towards
+from ray_cluster import RAY, RayCluster
+from workers.net import interface_towards
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 TIMING = ("timing_s/", "tokens_per_s/")
-
-
-def _ours(tag: str) -> list[psutil.Process]:
-    """Processes whose command line names ``tag`` (our temp dir), with all their descendants."""
-    found = {}
-    for p in psutil.process_iter(["cmdline"]):
-        if tag in " ".join(p.info["cmdline"] or []):
-            found[p.pid] = p
-            try:
-                found.update({c.pid: c for c in p.children(recursive=True)})
-            except psutil.NoSuchProcess:
-                pass
-    return list(found.values())
-
-
-def _stop(tag: str) -> None:
-    procs = _ours(tag)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A head (its IP: the host's) and a worker node on 127.0.0.2, 3 CPUs each; yields (dashboard URL, env)."""
-    tmp = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-    env = dict(os.environ, RAY_AUTH_MODE="token")
-    env.pop("RAY_ADDRESS", None)
-    gcs, dashboard = free_port(), free_port()
+    """A head (its IP: the host's) and a node on 127.0.0.2, 3 CPUs each; yields (dashboard URL, env).
 
-    def start(*args: str) -> None:
-        subprocess.run([RAY, "start", "--num-cpus=3", "--disable-usage-stats", f"--ray-client-server-port={free_port()}",
-                        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-                        f"--runtime-env-agent-port={free_port()}", *args],
-                       check=True, env=env, capture_output=True, text=True, timeout=300)
-
+    tests/ray_cluster.py: each node has its own temp dir and ports, the cluster its own token, and
+    stopping it ends exactly its processes.
+    """
+    cluster = RayCluster()
     try:
-        start("--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-              f"--dashboard-port={dashboard}", f"--temp-dir={tmp}/h")
-        start(f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.2", f"--temp-dir={tmp}/w")
-        yield f"http://127.0.0.1:{dashboard}", env
+        cluster.start_head(num_cpus=3, local_only=False)
+        cluster.add_node(num_cpus=3, ip="127.0.0.2")
+        yield cluster.dashboard_url, cluster.env
     finally:
-        _stop(tmp)
+        cluster.stop()
 
 
 def _submit(address: str, env: dict, out_dir: str, *overrides: str) -> tuple[str, str, str]:
@@ -136,7 +98,7 @@ def test_grpo_job_on_two_nodes_equals_one_node(two_nodes, tmp_path):
     # at import), matched to this job's ranks by pid.
     nodes, node_of_pid = _state(address, env)
     assert len(nodes) == 2 and "127.0.0.2" in nodes.values()
-    head_ip = next(ip for ip in nodes.values() if ip != "127.0.0.2")  # Ray registers 127.0.0.1 as the host's IP
+    head_ip = next(ip for ip in nodes.values() if ip != "127.0.0.2")  # the host's address
     with open(os.path.join(two, "workers.json")) as f:
         ranks = json.load(f)["actor"]
     ran_on = [nodes[node_of_pid[r["pid"]]] for r in ranks]
