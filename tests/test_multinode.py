@@ -35,6 +35,8 @@ def two_nodes():
     tests/ray_cluster.py: each node has its own temp dir and ports, the cluster its own token, and
     stopping it ends exactly its processes.
     """
+    # On a loaded machine a second raylet may need more than Ray's 30 s to register with the GCS.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
     cluster = RayCluster()
     try:
         cluster.start_head(num_cpus=3, local_only=False)
