@@ -36,7 +36,7 @@ def two_nodes():
     stopping it ends exactly its processes.
     """
     # On a loaded machine a second raylet may need more than Ray's 30 s to register with the GCS.
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "90")  # below ray_cluster.py's 180 s limit
     cluster = RayCluster()
     try:
         cluster.start_head(num_cpus=3, local_only=False)

@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_state_dict, set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -38,7 +36,8 @@ from rlpad.batch import Batch
 from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
-from workers.net import free_port, interface_towards
+from workers.net import free_port, pin_interface
+from workers.sharded_init import fill_from_rank0
 
 __all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]  # free_port: from workers.net
 
@@ -104,20 +103,6 @@ class FSDPWorker:
         self.paths_read[path] = local
         return local
 
-    def _pick_interface(self, cuda: bool) -> None:
-        """Point gloo (and nccl's bootstrap) at the interface that reaches rank 0, unless the user did.
-
-        The route to MASTER_ADDR decides: all ranks on one host -> the loopback; across nodes ->
-        the interface facing rank 0's node (gloo's default, the address the hostname resolves
-        to, is often a loopback alias that other nodes cannot reach).
-        """
-        ifname, _ = interface_towards(self.master_addr)
-        names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if cuda else [])
-        for name in names:
-            if ifname is not None:
-                os.environ.setdefault(name, ifname)
-        self.socket_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-
     def _init_distributed(self) -> None:
         if dist.is_initialized():
             if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
@@ -131,7 +116,7 @@ class FSDPWorker:
                     raise ValueError(f"{self.role}: master_port is required when world_size > 1")
                 self.master_port = free_port(self.master_addr)
             cuda = self.device.type == "cuda"
-            self._pick_interface(cuda)
+            self.socket_ifname = pin_interface(self.master_addr, cuda)
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if cuda else "gloo",
                 init_method=f"tcp://{self.master_addr}:{self.master_port}",
@@ -156,53 +141,16 @@ class FSDPWorker:
         return root
 
     def _shard_from_rank0(self, root: nn.Module, inner: nn.Module) -> nn.Module:
-        """Shard ``root`` (loaded on rank 0, on the meta device elsewhere) and give every rank its shards.
-
-        Rank 0 keeps references to its full tensors, shards, then sends each rank exactly its rows
-        of every parameter (FSDP2 shards dim 0 in ``torch.chunk`` pieces); a rank receives straight
-        into its shard, so a non-reading rank peaks at its shards and nothing more.
-        (``set_model_state_dict(..., broadcast_from_rank0=True)`` gives the same bits but broadcasts
-        each FULL tensor, so a rank also holds the largest tensor of the model: 0.77x the fp32 model
-        instead of 0.5x at world 2 for the 160M benchmark model, see ``python -m workers.init_bench``.)
-        Buffers (rotary tables and other non-persistent ones included) are broadcast from rank 0.
-        """
+        """Shard ``root`` (loaded on rank 0, on the meta device elsewhere); every rank receives its
+        rows from rank 0 (:func:`workers.sharded_init.fill_from_rank0`)."""
         if self.world_size == 1:
             return self._shard(root, inner)
-        full = dict(root.named_parameters()) if self.reads_checkpoint else {}
-        full = {name: p.detach() for name, p in full.items()}
+        full = {name: p.detach() for name, p in root.named_parameters()} if self.reads_checkpoint else None
         self._shard(root, inner)
         if not self.reads_checkpoint:
             root.to_empty(device=self.device)
-        with torch.no_grad():
-            for name, param in root.named_parameters():
-                self._receive_rows(name, param, full.pop(name, None))
-        del full
-        for buffer in root.buffers():
-            dist.broadcast(buffer, src=0)
+        fill_from_rank0(root, full, rank=self.rank, world_size=self.world_size, device=self.device)
         return root
-
-    def _receive_rows(self, name: str, param: torch.Tensor, source: torch.Tensor | None) -> None:
-        """Rank 0 sends rank r rows ``[r*c, (r+1)*c)`` of ``source`` (c = ceil(rows / world)); every rank
-        writes its rows into its local shard of ``param``."""
-        local = param.to_local() if isinstance(param, DTensor) else param
-        rows, world = int(param.shape[0]), self.world_size
-        chunk = -(-rows // world)
-        begin = min(rows, self.rank * chunk)
-        if int(local.shape[0]) != min(rows, begin + chunk) - begin:
-            raise RuntimeError(f"{self.role}: shard of {name} has {local.shape[0]} rows, expected rank "
-                               f"{self.rank}'s torch.chunk piece of {rows} rows over {world} ranks")
-        if self.rank == 0:
-            source = source.to(device=self.device, dtype=local.dtype)
-            for r in range(1, world):
-                piece = source[min(rows, r * chunk):min(rows, (r + 1) * chunk)]
-                if piece.shape[0]:
-                    dist.send(piece.contiguous(), dst=r)
-            local.copy_(source[:chunk])
-        elif local.shape[0]:
-            target = local if local.is_contiguous() else torch.empty_like(local)
-            dist.recv(target, src=0)
-            if target is not local:
-                local.copy_(target)
 
     def _build_optimizer(self, optim_cfg: Any) -> None:
         self.optimizer = build_optimizer(self.root.parameters(), optim_cfg)

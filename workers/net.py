@@ -6,10 +6,11 @@ No Ray here: the FSDP workers also run in plain processes (world 1, torchrun).
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
 
-__all__ = ["free_port", "interface_towards"]
+__all__ = ["free_port", "interface_towards", "pin_interface"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -46,3 +47,18 @@ def interface_towards(address: str) -> tuple[str | None, str]:
         if _ipv4_of(name) == source:
             return name, source
     return None, source
+
+
+def pin_interface(master_addr: str, cuda: bool = False) -> str | None:
+    """Point gloo (and nccl's bootstrap) at the interface that reaches rank 0, unless the user did;
+    returns the ``GLOO_SOCKET_IFNAME`` in effect.
+
+    The route to MASTER_ADDR decides: rank 0 on this host -> the loopback; on another node -> the
+    interface facing it. gloo's default (the address the hostname resolves to) is often a
+    loopback alias that other nodes cannot reach.
+    """
+    ifname, _ = interface_towards(master_addr)
+    if ifname is not None:
+        for name in ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if cuda else []):
+            os.environ.setdefault(name, ifname)
+    return os.environ.get("GLOO_SOCKET_IFNAME")
