@@ -20,6 +20,18 @@ def _bench(args: argparse.Namespace) -> int:
         from rlpad.bench.report import run_all
 
         run_all(args.out or "results", reps=args.reps)
+    elif args.device == "cuda":
+        if args.what != "logprob":
+            print(f"error: --device cuda is for `rlpad bench logprob`, not {args.what!r}", file=sys.stderr)
+            return 2
+        from rlpad.bench.logprob_cuda import run_cuda
+
+        try:
+            result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _write(result, args.out or "results/bench_logprob_cuda.json")
     elif args.what == "logprob":
         from rlpad.bench.logprob import run
 
@@ -38,6 +50,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_rollout_bench(reps=args.reps)
         print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
               f"weight sync {result['sync_s'] * 1e3:.1f} ms")
+        for dtype, m in result["mismatch"].items():
+            print(f"  rollout ({dtype}) vs actor (fp32) log-probs over {m['tokens']:.0f} tokens: |diff| mean "
+                  f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
+                  f"pearson {m['pearson']:.6f}")
         _write(result, args.out or "results/bench_rollout.json")
     return 0
 
@@ -53,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="logprob: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+    bench.add_argument("--micro-rows", type=int, default=16, help="logprob --device cuda: rows per micro-batch")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)

@@ -27,7 +27,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, TRUNCATION_MODES, Config
+from rlpad.config import (
+    ADV_ESTIMATORS, ATTN_IMPLEMENTATIONS, BACKENDS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
+    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
+)
 
 __all__ = [
     "config_from_dict", "config_to_dict", "load_config",
@@ -293,6 +296,18 @@ def validate_config(config: Config) -> Config:
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, DTYPE_NAMES)
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("trainer.backend", trainer.backend, BACKENDS)
+    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if config.uses_critic else [])
+    for key, model in models:
+        one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if model.attn_implementation == "sdpa" and model.use_remove_padding:
+            problems.append(f"{key}.attn_implementation=sdpa runs the padded path only; set {key}.use_remove_padding=false "
+                            "or choose auto / rlpad_varlen / flash_attention_2")
+    one_of("algorithm.rollout_correction.mode", alg.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
+    if not alg.rollout_correction.threshold > 1.0:
+        problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
+                        "(token_tis caps weights at it, seq_mask keeps geometric-mean ratios in [1/C, C])")
+    one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:
@@ -340,7 +355,7 @@ def validate_config(config: Config) -> Config:
         problems.append("optim.lr must be >= 0")
 
     # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
-    world = max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
+    world = 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
     n = max(rollout.n, 1)
     sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if config.uses_critic else [])
     for key, sec in sections:

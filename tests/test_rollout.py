@@ -162,3 +162,36 @@ def test_vllm_seeded_generate_is_reproducible(setup):
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert not torch.equal(first[0], first[1])
+
+
+def test_rollout_vs_actor_mismatch_on_a_real_rollout(setup):
+    """The mismatch metrics on vLLM's own log-probs: the same fp32 weights agree to < 1e-4 per token;
+    an actor whose weights moved (as after an update the engine has not received) is far off, and
+    token_tis / seq_mask then act on it."""
+    from rlpad.core.forward import compute_log_probs
+    from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
+
+    model, _, backend = setup
+    out = backend.generate(prompt_batch(), seed=3)
+
+    def actor_log_probs(m):
+        with torch.no_grad():
+            return compute_log_probs(m, out["input_ids"], out["attention_mask"], out["position_ids"], R,
+                                     use_remove_padding=True, temperature=out.meta["temperature"])[0]
+
+    rollout, mask = out["rollout_log_probs"], out["response_mask"]
+    same = log_prob_mismatch(actor_log_probs(model), rollout, mask)
+    assert same["tokens"] == int(mask.sum()) > 50
+    assert same["abs_diff_max"] < 1e-4 and same["abs_diff_mean"] < 1e-5
+    assert 0 <= same["k3_kl"] < 1e-8 and same["pearson"] > 1 - 1e-8
+
+    old = actor_log_probs(perturbed(model))
+    moved = log_prob_mismatch(old, rollout, mask)
+    assert moved["abs_diff_mean"] > 0.1 and moved["abs_diff_max"] > 1.0
+    assert moved["k3_kl"] > 0.01 and moved["pearson"] < 0.99
+    _, _, tis = apply_rollout_correction(old, rollout, mask, "token_tis", 2.0)
+    assert tis["clipped_token_frac"] > 0 and tis["weight_mean"] < 2.0
+    _, _, drop = apply_rollout_correction(old, rollout, mask, "seq_mask", 1.2)
+    assert 0 < drop["masked_seq_frac"] <= 1
+    _, kept, none = apply_rollout_correction(actor_log_probs(model), rollout, mask, "seq_mask", 1.2)
+    assert torch.equal(kept, mask) and none["masked_seq_frac"] == 0  # no mismatch, nothing dropped

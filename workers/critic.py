@@ -34,10 +34,12 @@ class CriticWorker(FSDPWorker):
         self._init_distributed()
         mcfg = self.config.model
         path = self._local_path(mcfg.path)
+        attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
+                    trust_remote_code=mcfg.trust_remote_code)
         if self.reads_checkpoint:  # the other ranks build on the meta device and receive their shards
-            lm = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", trust_remote_code=mcfg.trust_remote_code)
+            lm = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
         else:
-            lm = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, trust_remote_code=mcfg.trust_remote_code)
+            lm = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)

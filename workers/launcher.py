@@ -74,6 +74,7 @@ class RayWorkers:
             arr.model.path, arr.rollout, config.data, num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
             tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
             resolve_path=paths,
+            **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}),  # HF generate on its GPU
         )
         self._write_rank_info(os.path.join(t.default_local_dir, RANK_INFO_FILE))
 
@@ -98,7 +99,11 @@ class RayWorkers:
     def generate_validation(self, batch: Batch) -> Batch:
         return self._rollout_call("generate_validation", batch)
 
-    def compute_log_prob(self, batch: Batch) -> Batch:
+    def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
+        """Old log-probs. ``for_update`` with ``actor.old_log_prob_layout=update``: split over the ranks
+        and into micro-batches exactly as :meth:`update_actor` will split the same batch."""
+        if for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update":
+            return self.actor.call_batch("compute_log_prob", batch, chunk_rows=self._mini_rows(), update_layout=True)
         return self.actor.call_batch("compute_log_prob", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.core.attention import varlen_implementation
+from rlpad.core.attn_choice import resolve_attn_implementation
 
 __all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
@@ -30,14 +30,21 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+    use_remove_padding: bool = True,
+    attn_device: str | torch.device | None = None,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
-    The model always gets a varlen-capable attention (flash_attention_2 on CUDA with flash-attn,
-    rlpad's own ``rlpad_varlen`` elsewhere), which serves both the padded and the packed path.
+    ``attn_device``: where the model will run, when it is loaded elsewhere first (default ``device``).
+
+    ``attn_implementation`` (see :mod:`rlpad.core.attn_choice`): ``auto`` gives a varlen-capable
+    attention (flash_attention_2 on CUDA with flash-attn, rlpad's own ``rlpad_varlen`` elsewhere),
+    which serves both the padded and the packed path; an explicit choice that cannot run here,
+    or ``sdpa`` with ``use_remove_padding``, raises ValueError before anything is loaded.
     """
     torch_dtype = parse_dtype(dtype)
-    attn = varlen_implementation(device)
+    attn = resolve_attn_implementation(attn_implementation, attn_device or device, use_remove_padding=use_remove_padding)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
@@ -56,6 +63,8 @@ def empty_causal_lm(
     dtype: str | torch.dtype = "float32",
     attn_device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+    use_remove_padding: bool = True,
 ) -> PreTrainedModel:
     """The model :func:`load_causal_lm` would return, built on the meta device from the config alone.
 
@@ -63,6 +72,7 @@ def empty_causal_lm(
     attention implementation is chosen for ``attn_device``, where the weights will live.
     """
     torch_dtype = parse_dtype(dtype)
+    attn = resolve_attn_implementation(attn_implementation, attn_device, use_remove_padding=use_remove_padding)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_config
 
@@ -73,7 +83,7 @@ def empty_causal_lm(
         raise ValueError(f"model path {path!r} is not a local directory (models load from disk, not a hub)")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype, attn_implementation=varlen_implementation(attn_device),
+            config, dtype=torch_dtype, attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
     return model.eval()

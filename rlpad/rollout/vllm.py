@@ -15,7 +15,7 @@ import torch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
-__all__ = ["KnownWarningFilter", "QUIET_FILTERS", "VLLMRollout"]
+__all__ = ["QUIET_FILTERS", "KnownWarningFilter", "VLLMRollout"]
 
 
 class KnownWarningFilter(logging.Filter):
