@@ -26,9 +26,9 @@ from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
-from rlpad.core.models import load_causal_lm, load_tokenizer
+from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
 from rlpad.rollout.buckets import plan_buckets
-from workers.fsdp import FSDPWorker, _full, check_rollout_batch
+from workers.fsdp import FSDPWorker, check_rollout_batch, full_tensor
 
 __all__ = ["ActorWorker"]
 
@@ -46,19 +46,23 @@ class ActorWorker(FSDPWorker):
         self.model = None  # the HF causal LM inside the FSDP root
 
     def init_model(self) -> None:
-        """Join the process group, load the model, shard it (FSDP2), build AdamW + warm-up (actor only)."""
+        """Join the process group, build the model (read by rank 0 only, see
+        :meth:`FSDPWorker._shard_from_rank0`), shard it (FSDP2), build AdamW + warm-up (actor only)."""
         self._init_distributed()
         mcfg = self.config.model
-        model = load_causal_lm(
-            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
-            attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
-        )
+        path = self._local_path(mcfg.path)
+        attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
+                    trust_remote_code=mcfg.trust_remote_code)
+        if self.reads_checkpoint:  # loaded on the CPU; sharding moves each rank's rows to its device
+            model = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
+        else:
+            model = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "ref":
             model.requires_grad_(False)
         self.model = model
-        self.root = self._shard(LogProbModel(model), model)
+        self.root = self._shard_from_rank0(LogProbModel(model), model)
         if self.role == "actor":
             self._build_optimizer(self.config.actor.optim)
 
@@ -205,7 +209,7 @@ class ActorWorker(FSDPWorker):
         """
         state = self.root.state_dict() if self.root is not None else None
         for name, key in self._hf_sources():
-            yield name, _full(state[key]).detach()
+            yield name, full_tensor(state[key]).detach()
 
     def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
         """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
@@ -226,7 +230,7 @@ class ActorWorker(FSDPWorker):
         for names in plan:
             bucket = []
             for name in names:
-                full = _full(state[sources[name]]).detach()
+                full = full_tensor(state[sources[name]]).detach()
                 if self.rank == 0:
                     bucket.append((name, full.cpu()))
             yield bucket
@@ -270,7 +274,7 @@ class ActorWorker(FSDPWorker):
             self.model.save_pretrained(path, state_dict=state)
             mcfg = self.config.model
             try:
-                load_tokenizer(mcfg.tokenizer_path or mcfg.path).save_pretrained(path)
+                load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path)).save_pretrained(path)
             except (OSError, ValueError):
                 pass  # no tokenizer next to the weights: the weights alone are still loadable
         if self.world_size > 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ray
@@ -34,7 +34,12 @@ __all__ = ["RolloutReplicas", "RolloutWorker", "create_rollout_actor", "push_wei
 class RolloutWorker:
     """Owns one rollout backend (``rollout.name``: vllm | hf); every method runs in the actor."""
 
-    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, **backend_kwargs: Any):
+    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig,
+                 resolve_path: Callable[[str], str] | None = None, **backend_kwargs: Any):
+        if resolve_path is not None:  # driver path -> a path readable on this node (workers.staging)
+            model_path = resolve_path(model_path)
+            if backend_kwargs.get("tokenizer_path"):
+                backend_kwargs["tokenizer_path"] = resolve_path(backend_kwargs["tokenizer_path"])
         self.backend = build_rollout(model_path, rollout, data, **backend_kwargs)
 
     def ready(self) -> bool:
