@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Any
 
-from rlpad.bench.rollout import _prompts
+from rlpad.bench.rollout import random_prompts
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.embedded.tiny import build_tokenizer, tiny_model
 
@@ -45,7 +45,7 @@ def run_replica_bench(
     model = tiny_model("qwen2", hidden_size=128, head_dim=32, num_hidden_layers=2, vocab_size=vocab, seed=seed)
     rollout = RolloutConfig(n=n, temperature=1.0, seed=seed, cpu_kv_cache_gb=cpu_kv_cache_gb)
     data = DataConfig(max_prompt_length=prompt_length, max_response_length=response_length)
-    prompts = _prompts(batch_size, prompt_length, vocab, seed)
+    prompts = random_prompts(batch_size, prompt_length, vocab, seed)
     runs = []
     try:
         with tempfile.TemporaryDirectory(prefix="rlpad-bench-replicas-") as tmp:
