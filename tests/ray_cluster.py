@@ -143,7 +143,10 @@ class RayCluster:
     def env(self) -> dict[str, str]:
         """Environment for clients of this cluster (`ray job ...`, drivers): its token, no RAY_ADDRESS,
         and the single-node switch as the head has it (a driver of a multi-node cluster needs "1")."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", MARKER)}
+        # Not the test process's own pins: an in-process FSDP worker of an earlier test may have set
+        # the gloo/nccl interface for its own rendezvous; the cluster's ranks choose their own.
+        dropped = ("RAY_ADDRESS", MARKER, "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, **{SINGLE_NODE_ENV: "0" if self.local_only else "1"})
         return env
 
