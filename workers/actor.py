@@ -11,6 +11,7 @@ Batch keys (see docs/design.md): ``input_ids``, ``attention_mask`` (B, P+R), opt
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import load_causal_lm, load_tokenizer
-from workers.fsdp import FSDPWorker, check_rollout_batch
+from workers.fsdp import FSDPWorker, check_rollout_batch, reports_seconds
 
 __all__ = ["ActorWorker"]
 
@@ -70,6 +71,7 @@ class ActorWorker(FSDPWorker):
     def _temperature(self, batch: Batch) -> float:
         return float(batch.meta.get("temperature", self.config.rollout.temperature))
 
+    @reports_seconds
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and ``entropy`` (B, R) of the response tokens, under the current weights.
 
@@ -85,6 +87,7 @@ class ActorWorker(FSDPWorker):
         )  # fmt: skip
         return Batch({"old_log_probs": log_probs, "entropy": entropy}, meta={"temperature": t})
 
+    @reports_seconds
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``."""
         self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_ref_log_prob"))
@@ -120,6 +123,7 @@ class ActorWorker(FSDPWorker):
             loss = loss + acfg.kl_loss_coef * shares["kl_loss"]
         return loss, shares
 
+    @reports_seconds
     def update_actor(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
         """PPO/GRPO policy update on this rank's rows; returns metrics equal on every rank.
 
@@ -171,6 +175,12 @@ class ActorWorker(FSDPWorker):
             if keep:
                 out[name] = tensor.cpu()
         return out if keep else None
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, float]:
+        """:meth:`full_state_dict` (rank 0 only) and the seconds this rank spent gathering it."""
+        start = time.perf_counter()
+        state = self.full_state_dict(rank0_only=True)
+        return state, time.perf_counter() - start
 
     def save_hf(self, path: str) -> None:
         """Write a ``save_pretrained`` directory (config, safetensors, tokenizer) from rank 0."""

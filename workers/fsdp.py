@@ -14,8 +14,10 @@ the micro-batch count, token budget or world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,11 +34,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlpad.algos import batch_normalizers
-from rlpad.batch import Batch
+from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
 
-__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]
+__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port", "reports_seconds"]
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -48,6 +50,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Time a worker method inside the worker and attach the seconds to its Batch or metrics dict
+    (``rlpad.batch.WORKER_SECONDS``): the trainer's overhead is its wall time minus these."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = method(*args, **kwargs)
+        return worker_seconds(result, time.perf_counter() - start)
+
+    return wrapper
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -90,9 +90,11 @@ class RayWorkers:
         return self.critic.call_batch("update_critic", batch, chunk_rows=rows)
 
     def sync_weights(self) -> float:
-        """Actor full weights -> the live rollout engine; returns the engine's load seconds."""
-        state = self.actor.call("full_state_dict")[0]
-        return self._rollout_call("update_weights", state)
+        """Actor full weights -> the live rollout engine; returns the workers' own seconds (the
+        slowest actor rank's gather plus the engine's load)."""
+        exported = self.actor.call("export_weights")
+        gather_s = max(seconds for _, seconds in exported)
+        return gather_s + self._rollout_call("update_weights", exported[0][0])
 
     def _groups(self) -> dict[str, WorkerGroup]:
         return {name: g for name, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}

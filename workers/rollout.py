@@ -9,11 +9,12 @@ process's torch threads, so it should not share a process with an FSDP worker.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
 
-from rlpad.batch import Batch
+from rlpad.batch import Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import NamedTensors, build_rollout
 
@@ -30,8 +31,11 @@ class RolloutWorker:
         return True
 
     def generate(self, batch: Batch, seed: int | None = None) -> Batch:
-        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout)."""
-        return self.backend.generate(batch, seed=seed)
+        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); ``meta["worker_s"]``
+        is the seconds spent here."""
+        start = time.perf_counter()
+        out = self.backend.generate(batch, seed=seed)
+        return worker_seconds(out, time.perf_counter() - start)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
