@@ -1,8 +1,9 @@
 """Supervised warm-start of the embedded default model, cached on disk.
 
 :func:`warm_start` builds a tiny Qwen2 model (fp32, head size 32 so vLLM's CPU attention runs it)
-and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it the toy addition task of
-:mod:`rlpad.embedded.toy` for a few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
+and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedded task of
+:mod:`rlpad.embedded.tasks` (the toy addition by default, or ``toy_long``, alphabet runs) for a
+few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
 both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
 of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
 string), and is written to a temporary folder first and renamed into place, so an interrupted run
@@ -14,7 +15,8 @@ problems right, so GRPO has reward variance to learn from and room to improve. T
 about 10 s on one CPU thread and give 0.15-0.3 greedy validation accuracy; ``target_accuracy``
 can stop earlier at a chosen accuracy on training problems instead.
 
-Command: ``python -m rlpad.embedded.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
+Command: ``python -m rlpad.embedded.sft [--task toy_long] [--steps N] [--seed S]`` prints the path and the
+validation accuracy and reward.
 """
 
 from __future__ import annotations
