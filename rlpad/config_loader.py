@@ -27,18 +27,14 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import Config
+from rlpad.config import (ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES,
+                          TRUNCATION_MODES, Config)
 
 __all__ = [
-    "ADV_ESTIMATORS", "KL_TYPES", "LOSS_AGG_MODES", "config_from_dict", "config_to_dict", "load_config",
+    "config_from_dict", "config_to_dict", "load_config",
     "parse_override", "save_config", "to_yaml", "validate_config",
 ]
 
-# Kept in step with rlpad.algos (a test checks); duplicated so loading a config stays torch-free.
-ADV_ESTIMATORS = ("grpo", "gae")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
-TRUNCATION_MODES = ("error", "left", "right")
 ROLLOUT_NAMES = ("vllm", "hf")
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -289,8 +285,8 @@ def validate_config(config: Config) -> Config:
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
-        if kind.removesuffix("+") not in KL_TYPES:
-            problems.append(f"{key}={kind!r} is not valid; choose one of {', '.join(KL_TYPES)} "
+        if kind.removesuffix("+") not in KL_KINDS:
+            problems.append(f"{key}={kind!r} is not valid; choose one of {', '.join(KL_KINDS)} "
                             "(optionally with a trailing '+')")
     one_of("data.truncation", d.truncation, TRUNCATION_MODES)
     one_of("actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
@@ -298,6 +294,11 @@ def validate_config(config: Config) -> Config:
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, DTYPE_NAMES)
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("algorithm.rollout_correction.mode", alg.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
+    if not alg.rollout_correction.threshold > 1.0:
+        problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
+                        "(token_tis caps weights at it, seq_mask keeps geometric-mean ratios in [1/C, C])")
+    one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:
@@ -347,7 +348,7 @@ def validate_config(config: Config) -> Config:
     # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
     world = max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
     n = max(rollout.n, 1)
-    sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if alg.adv_estimator == "gae" else [])
+    sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if config.uses_critic else [])
     for key, sec in sections:
         mini = sec.ppo_mini_batch_size
         if d.train_batch_size <= 0 or mini <= 0:

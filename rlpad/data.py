@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from rlpad.batch import Batch
+from rlpad.config import TRUNCATION_MODES
 from rlpad.config import DataConfig
 
 __all__ = ["PromptDataset", "PromptLoader", "build_datasets", "read_rows", "val_batches", "write_rows"]
 
-TRUNCATION_MODES = ("error", "left", "right")
 
 
 # ----------------------------------------------------------------------------- files

@@ -8,7 +8,7 @@ import pytest
 
 from rlpad.config import Config
 from rlpad.config_loader import (
-    KL_TYPES, LOSS_AGG_MODES, config_from_dict, config_to_dict, load_config, parse_override, save_config, to_yaml,
+    config_from_dict, config_to_dict, load_config, parse_override, save_config, to_yaml,
 )
 
 RECIPE = os.path.join(os.path.dirname(__file__), "fixtures", "grpo_recipe.yaml")
@@ -176,7 +176,3 @@ def test_yaml_round_trip(tmp_path):
     assert config_to_dict(cfg)["actor_rollout_ref"]["rollout"]["n"] == 4
 
 
-def test_constants_match_algos():
-    algos = pytest.importorskip("rlpad.algos")
-    assert tuple(algos.LOSS_AGG_MODES) == LOSS_AGG_MODES
-    assert tuple(algos.KL_KINDS) == KL_TYPES

@@ -3,7 +3,6 @@
 import os
 
 import pytest
-import torch
 
 from rlpad.config import SFTConfig
 from rlpad.config_loader import load_config

@@ -74,7 +74,7 @@ def test_mismatched_rows_are_named(actor, batch):
     with pytest.raises(ValueError, match="mismatched row counts"):
         Batch({"input_ids": batch["input_ids"], "advantages": batch["advantages"][:5]})
     batch.tensors["advantages"] = batch["advantages"][:5]  # bypass Batch's own check
-    with pytest.raises(ValueError, match="mismatched row counts.*advantages"):
+    with pytest.raises(ValueError, match=r"advantages has shape \(5, "):
         actor.update_actor(batch)
 
 

@@ -45,7 +45,18 @@ class CriticWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
+            check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
+
+    @staticmethod
+    def input_keys(method: str, config: CriticConfig) -> list[str]:
+        """The batch keys ``method`` reads (the worker group ships only these)."""
+        return FORWARD_KEYS + ["position_ids"] + (["response_mask", "values", "returns"] if method == "update_critic" else [])
+
+    def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
+        self._require_model()
+        backbone, use_rmpad = self.root.backbone, self.config.model.use_remove_padding
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, use_rmpad))
 
     def _keys(self, batch: Batch, extra: list[str]) -> list[str]:
         return FORWARD_KEYS + extra + (["position_ids"] if "position_ids" in batch else [])
@@ -57,7 +68,7 @@ class CriticWorker(FSDPWorker):
     @reports_seconds
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R) of the response tokens (0 on padding)."""
-        self._agree(lambda: check_rollout_batch(batch, FORWARD_KEYS, [], "compute_values"))
+        self._check(batch, FORWARD_KEYS, [], "compute_values")
         (values,) = self._forward_all(batch, self._keys(batch, []), *self._micro(), lambda p: (self._values(p),))
         return Batch({"values": values})
 
@@ -77,7 +88,7 @@ class CriticWorker(FSDPWorker):
         """Clipped value-loss update (same epochs / mini / micro-batch rules and loss scaling as the actor)."""
         c = self.config
         keys = FORWARD_KEYS + ["response_mask", "values", "returns"]
-        self._agree(lambda: check_rollout_batch(batch, keys, ["values", "returns"], "update_critic"))
+        self._check(batch, keys, ["values", "returns"], "update_critic")
         micro_rows, max_tokens = self._micro()
         return self._ppo_update(
             batch, keys=self._keys(batch, ["response_mask", "values", "returns"]),

@@ -45,6 +45,7 @@ class WorkerGroup:
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= world_size else 0
         self.role, self.world_size = role, world_size
+        self._worker_cls, self._config = worker_cls, config
         bundle = {"CPU": num_cpus_per_worker} | ({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})
         self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
         try:
@@ -125,6 +126,9 @@ class WorkerGroup:
         (metrics are all-reduced by the workers, so every rank returns the same).
         """
         parts = self.split(batch, chunk_rows)
+        keys = getattr(self._worker_cls, "input_keys", None)
+        if keys is not None:  # ship only what the method reads
+            batch = batch.select(*(k for k in keys(method, self._config) if k in batch))
         refs = [getattr(w, method).remote(batch.index(p), **kwargs) for w, p in zip(self.workers, parts)]
         results = self._gather(refs)
         if all(isinstance(r, Batch) for r in results):

@@ -24,6 +24,7 @@ VARLEN_IMPLEMENTATIONS = frozenset({VARLEN_ATTENTION, "flash_attention_2", "flas
 __all__ = [
     "VARLEN_ATTENTION",
     "VARLEN_IMPLEMENTATIONS",
+    "require_varlen_attention",
     "flash_attention_available",
     "sequence_bounds",
     "set_varlen_attention",
@@ -41,6 +42,16 @@ def flash_attention_available(device: torch.device | str | None = None) -> bool:
 def varlen_implementation(device: torch.device | str) -> str:
     """The attention implementation rlpad uses on ``device``: flash_attention_2 or rlpad_varlen."""
     return "flash_attention_2" if flash_attention_available(device) else VARLEN_ATTENTION
+
+
+def require_varlen_attention(model: PreTrainedModel) -> None:
+    """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs)."""
+    impl = model.config._attn_implementation
+    if impl not in VARLEN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"use_remove_padding=True needs a varlen attention ({sorted(VARLEN_IMPLEMENTATIONS)}), the model uses "
+            f"{impl!r}; load it with rlpad.core.models.load_causal_lm or call rlpad.core.attention.set_varlen_attention(model)"
+        )
 
 
 def set_varlen_attention(model: PreTrainedModel) -> str:

@@ -4,13 +4,16 @@ Rollout layout (see docs/design.md): ``input_ids = cat(left-padded prompt, right
 response)`` of shape (B, S), the last ``response_length`` columns being the response. Response
 token t (column S-R+t) is scored by the hidden state at column S-R+t-1.
 
-Two paths, equal per token:
+One scoring core, :func:`scoring_hidden_states`: the hidden states that score the valid response
+tokens, by one of two paths, equal per token:
 
 * padded: one (B, S) forward with the padding mask;
 * remove-padding: the valid tokens packed into one (1, nnz) row, position ids restarting at 0
-  per sequence, ``cu_seqlens`` telling the varlen attention where sequences end, and the LM
-  head run only on the hidden states that score a valid response token; results are scattered
-  back to (B, R) with :func:`rlpad.core.padding.pad_input`.
+  per sequence, ``cu_seqlens`` telling the varlen attention where sequences end.
+
+Either way only the N hidden states that score a valid response token leave the core.
+:func:`compute_log_probs` is core + LM head + :func:`rlpad.core.padding.pad_input` back to (B, R);
+the critic (:mod:`rlpad.core.value`) is core + value head + the same scatter.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.core.attention import VARLEN_IMPLEMENTATIONS
+from rlpad.core.attention import require_varlen_attention
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from rlpad.core.padding import index_first_axis, pad_input, unpad_input, validate_attention_mask
+from rlpad.core.padding import index_first_axis, pad_input, unpad_input
+from rlpad.rollout.layout import check_rollout_tensors
 
-__all__ = ["LogProbModel", "compute_log_probs", "position_ids_from_mask", "validate_rollout_batch"]
+__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "compute_log_probs", "position_ids_from_mask",
+           "scoring_hidden_states"]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -30,51 +35,63 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def validate_rollout_batch(
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (``model.model`` for Llama-like models)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def check_model_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None,
     response_length: int,
+    *,
+    use_remove_padding: bool,
 ) -> None:
-    """Raise ValueError/TypeError naming the problem with a rollout batch, before any compute."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D (batch, seq) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"shapes disagree: attention_mask {tuple(getattr(attention_mask, 'shape', ()))} vs input_ids {tuple(input_ids.shape)}"
-        )
-    if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(f"shapes disagree: position_ids {tuple(position_ids.shape)} vs input_ids {tuple(input_ids.shape)}")
-    seqlen = input_ids.shape[1]
-    if isinstance(response_length, bool) or not isinstance(response_length, int):
-        raise TypeError(f"response_length must be an int, got {type(response_length).__name__}")
-    if not 1 <= response_length < seqlen:
-        raise ValueError(
-            f"response_length={response_length} must be in [1, {seqlen - 1}]: the sequence has {seqlen} "
-            "columns and at least one must be a prompt column"
-        )
-    validate_attention_mask(attention_mask)
-    no_prompt = (attention_mask[:, seqlen - response_length - 1] == 0).nonzero().flatten()
-    if no_prompt.numel():
-        raise ValueError(
-            f"row(s) {no_prompt.tolist()[:8]}: the last prompt column is padding; prompts must be "
-            "left-padded and non-empty"
-        )
-    vocab = model.get_input_embeddings().num_embeddings
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = ((input_ids < 0) | (input_ids >= vocab)).nonzero()[0].tolist()
-        raise ValueError(
-            f"token ids must be in [0, {vocab}) (the model's vocabulary); found {input_ids[bad[0], bad[1]].item()} "
-            f"at row {bad[0]}, column {bad[1]}"
-        )
+    """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
+    ``model``) and, for remove-padding, that the model runs a varlen attention."""
+    check_rollout_tensors(model.get_input_embeddings().num_embeddings, input_ids, attention_mask, position_ids,
+                          response_length)  # fmt: skip
+    if use_remove_padding:
+        require_varlen_attention(model)
 
 
-def _backbone(model: nn.Module) -> nn.Module:
-    return getattr(model, model.base_model_prefix)
+def scoring_hidden_states(
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    *,
+    use_remove_padding: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
+    their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
+
+    Valid response token (b, t) is scored by the hidden state of token (b, P + t - 1), a valid
+    token of the same sequence (P = S - R): in the packed row that is its slot in the gather.
+    """
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    batch, seqlen = input_ids.shape
+    prompt_length = seqlen - response_length
+    response_idx = attention_mask[:, prompt_length:].reshape(-1).nonzero().flatten()
+    rows, cols = response_idx // response_length, response_idx % response_length
+    if not use_remove_padding:
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return hidden[rows, prompt_length - 1 + cols], response_idx
+    ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
+    packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)
+    hidden = backbone(
+        input_ids=ids.view(1, -1), position_ids=packed_positions.view(1, -1), attention_mask=None, use_cache=False,
+        cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen,
+    ).last_hidden_state[0]
+    packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
+    packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)
+    return hidden.index_select(0, packed_slot[rows * seqlen + prompt_length - 1 + cols]), response_idx
 
 
 def _head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk_size):
@@ -101,64 +118,30 @@ def compute_log_probs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     logits_chunk_size: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
 
     Differentiable. ``use_remove_padding`` picks the packed (1, nnz) forward, which needs the model
     to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.core.attention`).
     ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.core.logprob`).
+    ``check=False`` skips the input checks for a caller that ran :func:`check_model_inputs` once on
+    the whole batch (the workers do, where a batch enters them).
     """
-    validate_rollout_batch(model, input_ids, attention_mask, position_ids, response_length)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits_chunk_size is not None and logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1 or None, got {logits_chunk_size}")
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
-    batch, seqlen = input_ids.shape
-    prompt_length = seqlen - response_length
-    response_mask = attention_mask[:, prompt_length:].bool()
-    score = dict(temperature=temperature, calculate_entropy=calculate_entropy, chunk_size=logits_chunk_size)
-
-    if not use_remove_padding:
-        hidden = _backbone(model)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        hidden = hidden[:, prompt_length - 1 : seqlen - 1].reshape(batch * response_length, -1)
-        labels = input_ids[:, prompt_length:].reshape(-1)
-        log_probs, entropy = _head_log_probs(model, hidden, labels, **score)
-        keep = response_mask.reshape(-1)
-        log_probs = torch.where(keep, log_probs, 0.0).view(batch, response_length)
-        entropy = torch.where(keep, entropy, 0.0).view(batch, response_length) if calculate_entropy else None
-        return log_probs, entropy
-
-    impl = model.config._attn_implementation
-    if impl not in VARLEN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"use_remove_padding=True needs a varlen attention ({sorted(VARLEN_IMPLEMENTATIONS)}), the model uses "
-            f"{impl!r}; load it with rlpad.core.models.load_causal_lm or call rlpad.core.attention.set_varlen_attention(model)"
-        )
-    ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask)
-    packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)
-    hidden = _backbone(model)(
-        input_ids=ids.view(1, -1),
-        position_ids=packed_positions.view(1, -1),
-        attention_mask=None,
-        use_cache=False,
-        cu_seq_lens_q=cu_seqlens,
-        cu_seq_lens_k=cu_seqlens,
-        max_length_q=max_seqlen,
-        max_length_k=max_seqlen,
-    ).last_hidden_state[0]
-    # Valid response token (b, t) is scored by the hidden state of token (b, prompt_length + t - 1),
-    # a valid token of the same sequence; find its slot in the packed row.
-    response_idx = response_mask.reshape(-1).nonzero().flatten()
-    rows, cols = response_idx // response_length, response_idx % response_length
-    packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
-    packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)
-    scoring = packed_slot[rows * seqlen + prompt_length - 1 + cols]
-    labels = input_ids[rows, prompt_length + cols]
-    log_probs, entropy = _head_log_probs(model, hidden.index_select(0, scoring), labels, **score)
+    if check:
+        check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
+                           use_remove_padding=use_remove_padding)  # fmt: skip
+    batch = input_ids.shape[0]
+    hidden, response_idx = scoring_hidden_states(
+        backbone_of(model), input_ids, attention_mask, position_ids, response_length,
+        use_remove_padding=use_remove_padding,
+    )  # fmt: skip
+    labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
+    log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)
     log_probs = pad_input(log_probs.unsqueeze(-1), response_idx, batch, response_length).squeeze(-1)
     if calculate_entropy:
         entropy = pad_input(entropy.unsqueeze(-1), response_idx, batch, response_length).squeeze(-1)

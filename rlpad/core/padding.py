@@ -115,15 +115,18 @@ def unpad_input(
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor,
     unused_mask: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Pack the valid tokens of ``hidden_states (B,S,...)`` into ``(nnz,...)``.
 
     ``unused_mask`` marks tokens that are kept in the packed row but not counted in
     ``seqused`` (flash-attn's contract). Returns ``(x_unpad, indices, cu_seqlens,
-    max_seqlen, seqused)``.
+    max_seqlen, seqused)``. ``validate=False`` skips the mask checks (already done by the caller).
     """
-    validate_attention_mask(attention_mask)
-    _check_batch_shape(hidden_states, attention_mask)
+    if validate:
+        validate_attention_mask(attention_mask)
+        _check_batch_shape(hidden_states, attention_mask)
     used = attention_mask.bool()
     all_masks = used | unused_mask.bool() if unused_mask is not None else used
     seqlens = all_masks.sum(dim=-1, dtype=torch.int32)

@@ -1,0 +1,62 @@
+"""The library's import graph: no circles, no private names imported across modules, no Ray in rlpad/."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("rlpad", "workers")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(path: pathlib.Path, top_level_only: bool) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import; only module-level statements if ``top_level_only``."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+    return found
+
+
+def test_no_import_circle():
+    """Function-level (lazy) imports count too: a lazy import hides a circle, it does not end it."""
+    mods = modules()
+    graph = {m: {dep for dep, _ in imports(p, False) if dep in mods and dep != m} for m, p in mods.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(dep):] + [m, dep]))
+            if dep not in state:
+                visit(dep, stack + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_no_private_names_imported_across_modules():
+    mods = modules()
+    bad = [f"{m} imports {dep}.{name}" for m, p in mods.items() for dep, names in imports(p, False)
+           if dep in mods for name in names if name.startswith("_")]
+    assert not bad, bad
+
+
+def test_library_never_imports_ray():
+    bad = [m for m, p in modules().items() if m.startswith("rlpad")
+           for dep, _ in imports(p, False) if dep == "ray" or dep.startswith("ray.")]
+    assert not bad, bad
