@@ -1,11 +1,12 @@
 """``python -m rlpad.train --config recipes/<name>.yaml [a.b.c=value ...]`` (also ``rlpad train``).
 
 Locally it starts a Ray head on 127.0.0.1 itself; under ``ray job submit`` (RAY_ADDRESS set) it
-joins that cluster. Embedded names make the tiny recipes self-contained on a fresh machine:
-``actor_rollout_ref.model.path: embedded:<task>`` is the tiny Qwen2 model warm-started on that
-task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files: [<task>:train]`` /
-``data.val_files: [<task>:val]`` are its dataset (written on first use); the tasks are ``toy``
-(addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.embedded.tasks`.
+joins that cluster. ``trainer.backend=local`` runs the same workers in this process instead (no
+Ray, world size 1; workers/local.py). Embedded names make the tiny recipes self-contained on a
+fresh machine: ``actor_rollout_ref.model.path: embedded:<task>`` is the tiny Qwen2 model
+warm-started on that task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files:
+[<task>:train]`` / ``data.val_files: [<task>:val]`` are its dataset (written on first use); the
+tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.embedded.tasks`.
 """
 
 from __future__ import annotations
@@ -103,9 +104,7 @@ def fit(config: Config, wrap_workers: Callable[[Any], Any] | None = None) -> lis
     os.makedirs(out_dir, exist_ok=True)
     save_config(config, os.path.join(out_dir, "config.yaml"))
 
-    from workers.launcher import launch_workers  # the Ray side
-
-    workers = launch_workers(config)
+    workers = _launch(config)
     try:
         driven = wrap_workers(workers) if wrap_workers is not None else workers
         return Trainer(config, driven, tokenizer, train_loader, val_dataset, reward_fn).fit()
@@ -120,6 +119,17 @@ def run(config: Config) -> dict[str, float]:
     summary = summarize(history) | {"wall_s": time.perf_counter() - start}
     _print_summary(summary, config)
     return summary
+
+
+def _launch(config: Config):
+    """The worker stack named by ``trainer.backend``: Ray actors, or everything in this process."""
+    if config.trainer.backend == "local":
+        from workers.local import launch_local_workers  # no Ray
+
+        return launch_local_workers(config)
+    from workers.launcher import launch_workers  # the Ray side
+
+    return launch_workers(config)
 
 
 def _print_summary(summary: dict[str, float], config: Config) -> None:
