@@ -14,7 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Batch"]
+__all__ = ["WORKER_SECONDS", "Batch", "worker_seconds"]
+
+# Seconds a worker spent inside one call, measured in the worker: in ``meta`` of a returned Batch
+# or as a key of a returned metrics dict. A worker group reports the slowest rank's.
+WORKER_SECONDS = "worker_s"
 
 
 def _as_object_array(values: Any) -> np.ndarray:
@@ -145,3 +149,12 @@ class Batch:
             {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors},
             dict(first.meta),
         )
+
+
+def worker_seconds(result: Batch | dict[str, Any], seconds: float) -> Batch | dict[str, Any]:
+    """Attach ``seconds`` (the worker's own time for the call) to a Batch's meta or a metrics dict."""
+    if isinstance(result, Batch):
+        result.meta[WORKER_SECONDS] = seconds
+    elif isinstance(result, dict):
+        result[WORKER_SECONDS] = seconds
+    return result

@@ -36,6 +36,14 @@ def _bench(args: argparse.Namespace) -> int:
         from rlpad.bench.logprob import run
 
         run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
+    elif args.what == "e2e":
+        from rlpad.bench.e2e import run_e2e
+
+        recipes = args.recipe or ["recipes/grpo_tiny_long.yaml"]
+        for recipe in recipes:
+            name = os.path.splitext(os.path.basename(recipe))[0]
+            out = args.out if args.out and len(recipes) == 1 else f"results/bench_e2e_{name}.json"
+            run_e2e(recipe, steps=args.steps, overrides=args.set or (), out=out)
     elif args.what == "workers":
         from workers.bench import run_worker_bench  # the Ray side
 
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout", "sync"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout", "sync", "e2e"])
     bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size; sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
@@ -83,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="logprob: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
     bench.add_argument("--micro-rows", type=int, default=16, help="logprob --device cuda: rows per micro-batch")
+    bench.add_argument("--recipe", nargs="*", default=None,
+                       help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
+    bench.add_argument("--steps", type=int, default=4, help="e2e: training steps per mode (the first is a warm-up)")
+    bench.add_argument("--set", nargs="*", default=None, help="e2e: recipe overrides a.b.c=value")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)

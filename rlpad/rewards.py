@@ -140,6 +140,12 @@ def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     return toy_score(solution_str, ground_truth, extra_info)
 
 
+def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    from rlpad.embedded.toy_long import run_score
+
+    return run_score(solution_str, ground_truth, extra_info)
+
+
 SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
@@ -148,6 +154,7 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "HuggingFaceH4/MATH-500": boxed_score,
     "math": boxed_score,
     "rlpad/toy_add": _toy,
+    "rlpad/toy_alphabet": _toy_long,
 }
 
 

@@ -2,10 +2,11 @@
 
 Locally it starts a Ray head on 127.0.0.1 itself; under ``ray job submit`` (RAY_ADDRESS set) it
 joins that cluster. ``trainer.backend=local`` runs the same workers in this process instead (no
-Ray, world size 1; workers/local.py). Two embedded names make the default recipe self-contained on a fresh
-machine: ``actor_rollout_ref.model.path: embedded:toy`` is the tiny Qwen2 model warm-started on
-the toy task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files: [toy:train]`` /
-``data.val_files: [toy:val]`` are the toy dataset of :mod:`rlpad.embedded.toy` (written on first use).
+Ray, world size 1; workers/local.py). Embedded names make the tiny recipes self-contained on a
+fresh machine: ``actor_rollout_ref.model.path: embedded:<task>`` is the tiny Qwen2 model
+warm-started on that task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files:
+[<task>:train]`` / ``data.val_files: [<task>:val]`` are its dataset (written on first use); the
+tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.embedded.tasks`.
 """
 
 from __future__ import annotations
@@ -15,52 +16,85 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
-from rlpad.config import Config
+from rlpad.config import Config, SFTConfig
 from rlpad.config_loader import load_config, save_config
 from rlpad.data import build_datasets
 from rlpad.core.models import load_tokenizer
 from rlpad.rewards import load_reward_fn
 from rlpad.trainer import Trainer, summarize
 
-__all__ = ["main", "resolve_embedded", "run"]
+__all__ = ["fit", "main", "resolve_embedded", "run"]
 
-EMBEDDED_MODEL = "embedded:toy"
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_TASKS = ("toy", "toy_long")  # rlpad.embedded.tasks.TASKS, named here to avoid importing it early
+
+
+def _embedded_task(path: str, key: str) -> str | None:
+    """The task of an ``embedded:<task>`` model path (None for any other path)."""
+    if not path.startswith(EMBEDDED_PREFIX):
+        return None
+    task = path[len(EMBEDDED_PREFIX):]
+    if task not in EMBEDDED_TASKS:
+        raise ValueError(f"{key}={path!r}: unknown embedded model; use one of "
+                         f"{[EMBEDDED_PREFIX + t for t in EMBEDDED_TASKS]}")
+    return task
+
+
+def _embedded_data_task(name: str) -> str | None:
+    """The task of a ``<task>:train`` / ``<task>:val`` data name (None for a file path)."""
+    task, sep, split = name.partition(":")
+    if not sep or task not in EMBEDDED_TASKS:
+        return None
+    if split not in ("train", "val"):
+        raise ValueError(f"data files: unknown embedded dataset {name!r}; use {task}:train or {task}:val")
+    return task
 
 
 def resolve_embedded(config: Config) -> Config:
-    """Replace the embedded model and toy data names with real paths (building them if needed)."""
+    """Replace the embedded model and data names with real paths (building them if needed)."""
     model = config.actor_rollout_ref.model
-    if model.path == EMBEDDED_MODEL:
+    task = _embedded_task(model.path, "actor_rollout_ref.model.path")
+    critic_task = _embedded_task(config.critic.model.path, "critic.model.path")
+    if task is not None:
         from rlpad.embedded.sft import warm_start
 
-        model.path = warm_start(config.sft, seed=0, verbose=False)
-        if config.critic.model.path == EMBEDDED_MODEL:
+        embedded = model.path
+        model.path = warm_start(config.sft, seed=0, task=task, verbose=False)
+        if config.critic.model.path == embedded:
             config.critic.model.path = model.path
-    elif config.critic.model.path == EMBEDDED_MODEL:
-        raise ValueError("critic.model.path=embedded:toy needs actor_rollout_ref.model.path=embedded:toy too")
+    if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
+        raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
+                         "the same embedded model")
     data, sft = config.data, config.sft
-    if any(f.startswith("toy:") for f in [*data.train_files, *data.val_files]):
-        from rlpad.embedded.toy import write_toy_dataset
-
-        out = os.path.join(os.path.abspath(sft.cache_dir), f"toy-{sft.data_seed}-{sft.n_val}-{sft.max_operand}")
-        paths = {"toy:train": os.path.join(out, "train.parquet"), "toy:val": os.path.join(out, "val.parquet")}
-        if not all(os.path.isfile(p) for p in paths.values()):
-            tmp = f"{out}.tmp-{os.getpid()}"
-            write_toy_dataset(tmp, n_val=sft.n_val, seed=sft.data_seed, max_operand=sft.max_operand)
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-        for files in (data.train_files, data.val_files):
-            for i, f in enumerate(files):
-                if f.startswith("toy:"):
-                    if f not in paths:
-                        raise ValueError(f"data files: unknown embedded dataset {f!r}; use toy:train or toy:val")
-                    files[i] = paths[f]
+    for files in (data.train_files, data.val_files):
+        for i, name in enumerate(files):
+            data_task = _embedded_data_task(name)
+            if data_task is not None:
+                files[i] = os.path.join(_embedded_dataset(data_task, sft), f"{name.partition(':')[2]}.parquet")
     return config
 
 
-def run(config: Config) -> dict[str, float]:
-    """Train with ``config``; returns the run summary (initial/final validation reward, throughput)."""
+def _embedded_dataset(task: str, sft: SFTConfig) -> str:
+    """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
+    from rlpad.embedded.tasks import get_task
+
+    spec = get_task(task)
+    out = os.path.join(os.path.abspath(sft.cache_dir), spec.dataset_tag(sft))
+    if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
+        tmp = f"{out}.tmp-{os.getpid()}"
+        spec.write_dataset(tmp, sft)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return out
+
+
+def fit(config: Config, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
+    """Resolve embedded names, build data, reward and the Ray workers, train; returns the per-step
+    records. ``wrap_workers`` (optional) wraps the workers before the trainer gets them (benchmarks
+    use it to look at the batches)."""
     config = resolve_embedded(config)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
@@ -70,13 +104,18 @@ def run(config: Config) -> dict[str, float]:
     os.makedirs(out_dir, exist_ok=True)
     save_config(config, os.path.join(out_dir, "config.yaml"))
 
-    start = time.perf_counter()
     workers = _launch(config)
-    trainer = Trainer(config, workers, tokenizer, train_loader, val_dataset, reward_fn)
     try:
-        history = trainer.fit()
+        driven = wrap_workers(workers) if wrap_workers is not None else workers
+        return Trainer(config, driven, tokenizer, train_loader, val_dataset, reward_fn).fit()
     finally:
         workers.shutdown()
+
+
+def run(config: Config) -> dict[str, float]:
+    """Train with ``config``; returns the run summary (initial/final validation reward, throughput)."""
+    start = time.perf_counter()
+    history = fit(config)
     summary = summarize(history) | {"wall_s": time.perf_counter() - start}
     _print_summary(summary, config)
     return summary

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlpad.algos import compute_gae_advantages, compute_grpo_advantages, kl_penalty, masked_mean
-from rlpad.batch import Batch
+from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
@@ -42,7 +42,7 @@ class Workers(Protocol):
     def compute_values(self, batch: Batch) -> Batch: ...
     def update_actor(self, batch: Batch) -> dict[str, float]: ...
     def update_critic(self, batch: Batch) -> dict[str, float]: ...
-    def sync_weights(self) -> float: ...
+    def sync_weights(self) -> float: ...  # the workers' own seconds (or anything; informational)
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
 
@@ -52,6 +52,14 @@ def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def _pop_worker_s(result: Batch | dict[str, Any], worker_s: dict[str, float], name: str) -> None:
+    """Move the seconds a worker measured for itself (``WORKER_SECONDS``) out of a result into ``worker_s``."""
+    store = result.meta if isinstance(result, Batch) else result
+    seconds = store.pop(WORKER_SECONDS, None) if isinstance(store, dict) else None
+    if seconds is not None:
+        worker_s[name] = worker_s.get(name, 0.0) + float(seconds)
 
 
 def _check_finite(name: str, value: Any, step: int) -> None:
@@ -111,25 +119,40 @@ class Trainer:
                 self.save_checkpoint()
 
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        """One GRPO/PPO step on a batch of prompts; returns its metrics."""
+        """One GRPO/PPO step on a batch of prompts; returns its metrics.
+
+        ``timing_s/<phase>`` is the driver's wall time of each phase, ``worker_s/<phase>`` the
+        seconds the workers measured inside themselves for it (when they report them), and
+        ``timing_s/overhead`` the step's wall time minus the workers' seconds: what the trainer
+        itself costs (reward, advantages, moving batches through Ray, splitting and merging).
+        """
+        step_start = time.perf_counter()
         cfg, algo = self.config, self.config.algorithm
         gae = cfg.uses_critic
         timing: dict[str, float] = {}
+        worker_s: dict[str, float] = {}
         with _timed(timing, "gen"):
             batch = self.workers.generate(prompts, seed=cfg.actor_rollout_ref.rollout.seed + self.step)
+        _pop_worker_s(batch, worker_s, "gen")
         with _timed(timing, "reward"):
             scores, seq_scores = score_batch(batch, self.tokenizer, self.reward_fn)
             _check_finite("reward", seq_scores, self.step)
             batch["token_level_scores"] = scores
         with _timed(timing, "old_log_prob"):
-            batch.update(self.workers.compute_log_prob(batch))
+            out = self.workers.compute_log_prob(batch)
+        _pop_worker_s(out, worker_s, "old_log_prob")
+        batch.update(out)
         metrics: dict[str, float] = _mismatch_metrics(batch, "mismatch/")
         if cfg.uses_ref:
             with _timed(timing, "ref"):
-                batch.update(self.workers.compute_ref_log_prob(batch))
+                out = self.workers.compute_ref_log_prob(batch)
+            _pop_worker_s(out, worker_s, "ref")
+            batch.update(out)
         if gae:
             with _timed(timing, "values"):
-                batch.update(self.workers.compute_values(batch))
+                out = self.workers.compute_values(batch)
+            _pop_worker_s(out, worker_s, "values")
+            batch.update(out)
         mask = batch["response_mask"].float()
         rewards = scores
         if algo.use_kl_in_reward:
@@ -147,11 +170,14 @@ class Trainer:
             batch["advantages"], batch["returns"] = adv, returns
         if gae:
             with _timed(timing, "update_critic"):
-                metrics.update(self.workers.update_critic(batch))
+                critic_metrics = self.workers.update_critic(batch)
+            _pop_worker_s(critic_metrics, worker_s, "update_critic")
+            metrics.update(critic_metrics)
         actor_batch, corr_metrics = self._corrected(batch)
         metrics.update(corr_metrics)
         with _timed(timing, "update_actor"):
             actor_metrics = self.workers.update_actor(actor_batch)
+        _pop_worker_s(actor_metrics, worker_s, "update_actor")
         metrics.update(actor_metrics)
         # The workers skip the optimizer step on a non-finite gradient norm; stop here so the
         # run ends with the weights of the last good step.
@@ -159,8 +185,15 @@ class Trainer:
             if key in metrics:
                 _check_finite(key, metrics[key], self.step)
         with _timed(timing, "sync"):
-            self.workers.sync_weights()
+            sync_s = self.workers.sync_weights()
+        if isinstance(sync_s, int | float):
+            worker_s["sync"] = float(sync_s)
         metrics.update(self._batch_metrics(batch, seq_scores, timing))
+        wall = time.perf_counter() - step_start
+        metrics["timing_s/step_wall"] = wall
+        metrics.update({f"worker_s/{k}": v for k, v in worker_s.items()})
+        if worker_s:
+            metrics["timing_s/overhead"] = wall - sum(worker_s.values())
         return metrics
 
     def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

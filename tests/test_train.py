@@ -67,6 +67,12 @@ def test_ppo_recipe_trains_critic_padded_path(tmp_path):
     losses = [r["critic/vf_loss"] for r in steps]
     assert len(set(losses)) == 3 and losses[-1] < losses[0]  # the value loss moves (down)
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
+    for r in steps:  # every worker phase reports its own seconds; they fit inside the driver's
+        phases = ("gen", "old_log_prob", "values", "update_critic", "update_actor", "sync")
+        assert all(0 < r[f"worker_s/{p}"] <= r[f"timing_s/{p}"] for p in phases), r
+        assert r["timing_s/overhead"] == pytest.approx(
+            r["timing_s/step_wall"] - sum(r[f"worker_s/{p}"] for p in phases))
+        assert 0 < r["timing_s/overhead"] < r["timing_s/step_wall"]
 
 
 @pytest.mark.parametrize("mode, threshold", [("token_tis", 1.1), ("seq_mask", 1.05)])

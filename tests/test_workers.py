@@ -8,7 +8,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from rlpad.batch import Batch  # noqa: E402
+from rlpad.batch import WORKER_SECONDS, Batch  # noqa: E402
 from rlpad.config import ActorRolloutRefConfig  # noqa: E402
 from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
@@ -79,11 +79,15 @@ def test_group_log_prob_matches_single_process(actor_group, initial_checkpoint, 
 
 
 def run_update(worker_or_group, batch: Batch, overrides: dict) -> dict:
+    """The update's metrics without the worker's own seconds (timing, not a result)."""
     if isinstance(worker_or_group, WorkerGroup):
         worker_or_group.call("set_config", overrides)
-        return worker_or_group.call_batch("update_actor", batch, chunk_rows=ROWS, return_grads=True)
-    worker_or_group.set_config(overrides)
-    return worker_or_group.update_actor(batch, return_grads=True)
+        out = worker_or_group.call_batch("update_actor", batch, chunk_rows=ROWS, return_grads=True)
+    else:
+        worker_or_group.set_config(overrides)
+        out = worker_or_group.update_actor(batch, return_grads=True)
+    assert out.pop(WORKER_SECONDS) > 0
+    return out
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -133,6 +137,7 @@ def test_checkpoint_resume_equals_uninterrupted(actor_group, initial_checkpoint,
 
     actor_group.call("load_checkpoint", str(tmp_path / "step1"))
     resumed = actor_group.call_batch("update_actor", b2, chunk_rows=chunk)
+    assert resumed.pop(WORKER_SECONDS) > 0 and uninterrupted.pop(WORKER_SECONDS) > 0  # timing, not a result
     assert resumed == uninterrupted
     for name, t in actor_group.call("full_state_dict")[0].items():
         assert torch.equal(t, state[name]), name

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlpad.batch import Batch
+from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import ActorRolloutRefConfig, CriticConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
@@ -152,6 +152,7 @@ def test_resume_in_a_fresh_worker_equals_uninterrupted(tmp_path):
     assert second.update_steps == 1 and torch.equal(torch.get_rng_state(), torch.load(
         tmp_path / "ck" / "extra_rank0.pt", weights_only=False)["rng"]["torch"])  # fmt: skip
     m_resumed = second.update_actor(b2)
+    assert m_resumed.pop(WORKER_SECONDS) > 0 and m_uninterrupted.pop(WORKER_SECONDS) > 0  # timing, not a result
     assert m_resumed == m_uninterrupted
     assert m_resumed["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # warm-up step 2 of 3
     for name, t in second.full_state_dict().items():
@@ -173,6 +174,7 @@ def test_checkpointing_chunking_and_budget_keep_results(batch):
     for key in ("old_log_probs", "entropy"):
         assert (out_a[key] - out_b[key]).abs().max() <= 1e-5
     grads_a, grads_b = m_a.pop("grads"), m_b.pop("grads")
+    assert m_a.pop(WORKER_SECONDS) > 0 and m_b.pop(WORKER_SECONDS) > 0
     for k, g in grads_a.items():
         assert float((grads_b[k] - g).norm() / g.norm()) <= 1e-5, k
     assert m_b == pytest.approx(m_a, rel=1e-5)

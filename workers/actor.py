@@ -28,7 +28,7 @@ from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
 from rlpad.rollout.buckets import plan_buckets
-from workers.fsdp import FSDPWorker, check_rollout_batch, full_tensor
+from workers.fsdp import FSDPWorker, check_rollout_batch, full_tensor, reports_seconds
 
 __all__ = ["ActorWorker"]
 
@@ -97,6 +97,7 @@ class ActorWorker(FSDPWorker):
     def _temperature(self, batch: Batch) -> float:
         return float(batch.meta.get("temperature", self.config.rollout.temperature))
 
+    @reports_seconds
     def compute_log_prob(self, batch: Batch, *, update_layout: bool = False) -> Batch:
         """``old_log_probs`` and ``entropy`` (B, R) of the response tokens, under the current weights.
 
@@ -122,6 +123,7 @@ class ActorWorker(FSDPWorker):
         )  # fmt: skip
         return Batch({"old_log_probs": log_probs, "entropy": entropy}, meta={"temperature": t})
 
+    @reports_seconds
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``."""
         self._check(batch, FORWARD_KEYS, [], "compute_ref_log_prob")
@@ -157,6 +159,7 @@ class ActorWorker(FSDPWorker):
             loss = loss + acfg.kl_loss_coef * shares["kl_loss"]
         return loss, shares
 
+    @reports_seconds
     def update_actor(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
         """PPO/GRPO policy update on this rank's rows; returns metrics equal on every rank.
 

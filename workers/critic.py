@@ -13,7 +13,7 @@ from rlpad.batch import Batch
 from rlpad.config import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
-from workers.fsdp import FSDPWorker, check_rollout_batch
+from workers.fsdp import FSDPWorker, check_rollout_batch, reports_seconds
 
 __all__ = ["CriticWorker"]
 
@@ -71,6 +71,7 @@ class CriticWorker(FSDPWorker):
         c = self.config
         return c.ppo_micro_batch_size_per_gpu, (c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None)
 
+    @reports_seconds
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R) of the response tokens (0 on padding)."""
         self._check(batch, FORWARD_KEYS, [], "compute_values")
@@ -88,6 +89,7 @@ class CriticWorker(FSDPWorker):
         shares["vpred_mean"] = (masked_sum(vpreds, mask) / norms["global_tokens"]).detach()
         return loss, shares
 
+    @reports_seconds
     def update_critic(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
         """Clipped value-loss update (same epochs / mini / micro-batch rules and loss scaling as the actor)."""
         c = self.config

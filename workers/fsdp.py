@@ -14,8 +14,10 @@ the micro-batch count, token budget or world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,19 +34,33 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlpad.algos import batch_normalizers
-from rlpad.batch import Batch
+from rlpad.batch import Batch, worker_seconds
 from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
 
-__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port", "full_tensor"]  # free_port: from workers.net
+__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port", "full_tensor",  # free_port: from workers.net
+           "reports_seconds"]
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Time a worker method inside the worker and attach the seconds to its Batch or metrics dict
+    (``rlpad.batch.WORKER_SECONDS``): the trainer's overhead is its wall time minus these."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = method(*args, **kwargs)
+        return worker_seconds(result, time.perf_counter() - start)
+
+    return wrapper
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlpad.batch import Batch
+from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.seqlen import balance_across_ranks, reverse_index
 from workers.net import free_port
 from workers.placement import Node, plan_nodes, release, reserve
@@ -168,7 +168,13 @@ class WorkerGroup:
         refs = [getattr(w, method).remote(batch.index(p), **kwargs) for w, p in zip(self.workers, parts)]
         results = self._gather(refs)
         if all(isinstance(r, Batch) for r in results):
-            return Batch.concat(results).index(reverse_index(parts))
+            merged = Batch.concat(results).index(reverse_index(parts))
+            seconds = [r.meta[WORKER_SECONDS] for r in results if WORKER_SECONDS in r.meta]
+            if seconds:  # the group is as fast as its slowest rank
+                merged.meta[WORKER_SECONDS] = max(seconds)
+            return merged
+        if isinstance(results[0], dict) and all(isinstance(r, dict) and WORKER_SECONDS in r for r in results):
+            return results[0] | {WORKER_SECONDS: max(r[WORKER_SECONDS] for r in results)}
         return results[0]
 
     def shutdown(self) -> None:

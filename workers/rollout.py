@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rlpad.batch import Batch
+from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import NamedTensors, build_rollout
 from rlpad.rollout.base import named_pairs
@@ -46,8 +46,11 @@ class RolloutWorker:
         return True
 
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
-        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate."""
-        return self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset)
+        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate.
+        ``meta["worker_s"]`` is the seconds spent here."""
+        start = time.perf_counter()
+        out = self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset)
+        return worker_seconds(out, time.perf_counter() - start)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
@@ -144,6 +147,9 @@ class RolloutReplicas:
             rollout_response_tokens=sum(int(p.meta.get("rollout_response_tokens", 0)) for p in parts),
             rollout_replicas=len(parts),
         )
+        seconds = [p.meta[WORKER_SECONDS] for p in parts if WORKER_SECONDS in p.meta]
+        if seconds:  # the replicas run side by side: the slowest one's
+            out.meta[WORKER_SECONDS] = max(seconds)
         return out
 
     def update_weights(self, named_tensors: NamedTensors) -> float:

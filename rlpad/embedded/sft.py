@@ -1,8 +1,9 @@
 """Supervised warm-start of the embedded default model, cached on disk.
 
 :func:`warm_start` builds a tiny Qwen2 model (fp32, head size 32 so vLLM's CPU attention runs it)
-and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it the toy addition task of
-:mod:`rlpad.embedded.toy` for a few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
+and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedded task of
+:mod:`rlpad.embedded.tasks` (the toy addition by default, or ``toy_long``, alphabet runs) for a
+few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
 both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
 of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
 string), and is written to a temporary folder first and renamed into place, so an interrupted run
@@ -14,7 +15,8 @@ problems right, so GRPO has reward variance to learn from and room to improve. T
 about 10 s on one CPU thread and give 0.15-0.3 greedy validation accuracy; ``target_accuracy``
 can stop earlier at a chosen accuracy on training problems instead.
 
-Command: ``python -m rlpad.embedded.sft [--steps N] [--seed S]`` prints the path and the validation accuracy.
+Command: ``python -m rlpad.embedded.sft [--task toy_long] [--steps N] [--seed S]`` prints the path and the
+validation accuracy and reward.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpad.config import SFTConfig
 from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
-from rlpad.embedded.toy import sft_examples, split_pairs
 
 __all__ = [
     "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "encode", "greedy_answers", "main",
-    "probe_pairs", "read_info", "sft_loss", "train_sft", "val_accuracy", "warm_start",
+    "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
 ]
 
 SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
@@ -54,7 +56,7 @@ DEFAULT_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_att
                                     head_dim=32, intermediate_size=256)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 INFO_FILE = "rlpad_sft.json"
-MAX_ANSWER_TOKENS = 4  # the longest answer ("40") plus EOS, with one spare
+MAX_ANSWER_TOKENS = 4  # the toy task's longest answer ("40") plus EOS, with one spare
 
 
 # ----------------------------------------------------------------------------- data
@@ -105,19 +107,20 @@ def train_sft(
     tokenizer: PreTrainedTokenizerBase,
     cfg: SFTConfig,
     *,
+    task: str = "toy",
     callback: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place with AdamW on batches of ``cfg.batch_size`` toy examples from the
-    training pool of the ``(cfg.n_val, cfg.data_seed)`` split (never a validation problem).
+    """Train ``model`` in place with AdamW on batches of ``cfg.batch_size`` examples of the embedded
+    ``task`` (:mod:`rlpad.embedded.tasks`), none from the ``(cfg.n_val, cfg.data_seed)`` validation split.
 
     Runs ``cfg.steps`` steps, or fewer with ``cfg.target_accuracy``: every ``cfg.eval_every`` steps
-    the greedy accuracy on :func:`probe_pairs` (training problems) is measured and training stops
+    the greedy accuracy on the task's probe (training problems) is measured and training stops
     once it reaches the target. Returns the per-step losses; ``callback(step, loss)`` runs after
     every step.
     """
-    examples = sft_examples(cfg.steps * cfg.batch_size, seed=cfg.data_seed, n_val=cfg.n_val,
-                            max_operand=cfg.max_operand)
-    probe = probe_pairs(cfg) if cfg.target_accuracy is not None else []
+    spec = get_task(task)
+    examples = spec.sft_examples(cfg, cfg.steps * cfg.batch_size)
+    probe = spec.probe_examples(cfg) if cfg.target_accuracy is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
     losses = []
@@ -133,7 +136,8 @@ def train_sft(
         losses.append(loss.item())
         if callback is not None:
             callback(step, losses[-1])
-        if probe and (step + 1) % cfg.eval_every == 0 and accuracy(model, tokenizer, probe) >= cfg.target_accuracy:
+        if probe and (step + 1) % cfg.eval_every == 0 and \
+                accuracy(model, tokenizer, probe, spec.max_answer_tokens) >= cfg.target_accuracy:
             break
     model.eval()
     return losses
@@ -166,34 +170,43 @@ def greedy_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, p
     return texts
 
 
-def accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[int, int]]) -> float:
-    """Greedy exact-match accuracy on the problems ``a+b=`` of ``pairs``."""
+def accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]],
+             max_new_tokens: int = MAX_ANSWER_TOKENS) -> float:
+    """Greedy exact-match accuracy on ``(prompt, answer)`` examples."""
     model.eval()
-    answers = greedy_answers(model, tokenizer, [f"{a}+{b}=" for a, b in pairs])
-    return sum(ans == str(a + b) for ans, (a, b) in zip(answers, pairs)) / len(pairs)
+    answers = greedy_answers(model, tokenizer, [p for p, _ in examples], max_new_tokens)
+    return sum(got == want for got, (_, want) in zip(answers, examples)) / len(examples)
 
 
-def probe_pairs(cfg: SFTConfig, n: int = 100) -> list[tuple[int, int]]:
-    """The first ``n`` problems of the training pool: the early-stopping probe (no validation problem)."""
-    pool, _ = split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)
-    return pool[:n]
+def val_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig, task: str = "toy") -> float:
+    """Greedy exact-match accuracy on the validation problems of ``task`` (the held-out split of ``cfg``)."""
+    spec = get_task(task)
+    return accuracy(model, tokenizer, spec.val_examples(cfg), spec.max_answer_tokens)
 
 
-def val_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig) -> float:
-    """Greedy exact-match accuracy on the toy validation problems (the held-out split of ``cfg``)."""
-    return accuracy(model, tokenizer, split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)[1])
+def val_score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: SFTConfig, task: str = "toy") -> float:
+    """Mean task reward of the greedy answers to the validation problems (what GRPO validation reports)."""
+    spec = get_task(task)
+    examples = spec.val_examples(cfg)
+    model.eval()
+    answers = greedy_answers(model, tokenizer, [p for p, _ in examples], spec.max_answer_tokens)
+    return sum(spec.score(got, want) for got, (_, want) in zip(answers, examples)) / len(examples)
 
 
 # ----------------------------------------------------------------------------- cache
 
 
-def _settings(cfg: SFTConfig, seed: int, dims: dict[str, Any]) -> dict[str, Any]:
+def _settings(cfg: SFTConfig, seed: int, dims: dict[str, Any], task: str = "toy") -> dict[str, Any]:
     config = tiny_config(ARCH, **dims).to_dict()
     config.pop("transformers_version", None)
     tokenizer = build_tokenizer()
     sft = {k: v for k, v in asdict(cfg).items() if k not in ("enable", "cache_dir")}
-    return {"version": SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
-            "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template}
+    out = {"version": SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
+           "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template}
+    version = get_task(task).version
+    if version is not None:  # the default task keeps the key it always had
+        out["task"] = version
+    return out
 
 
 def check_vllm_shape(config: Any) -> None:
@@ -206,9 +219,9 @@ def check_vllm_shape(config: Any) -> None:
         raise ValueError(f"head_dim={head_dim} is not a head size vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}")
 
 
-def cache_key(cfg: SFTConfig, *, seed: int = 0, **arch_overrides: Any) -> str:
+def cache_key(cfg: SFTConfig, *, seed: int = 0, task: str = "toy", **arch_overrides: Any) -> str:
     """A 16-hex-digit hash of everything that determines the warm-started weights."""
-    settings = _settings(cfg, seed, {**DEFAULT_DIMS, **arch_overrides})
+    settings = _settings(cfg, seed, {**DEFAULT_DIMS, **arch_overrides}, task)
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -216,11 +229,13 @@ def warm_start(
     sft_cfg: SFTConfig | None = None,
     *,
     seed: int = 0,
+    task: str = "toy",
     callback: Callable[[int, float], None] | None = None,
     verbose: bool = False,
     **arch_overrides: Any,
 ) -> str:
-    """Path of the warm-started tiny model + tokenizer, trained now or found in the cache.
+    """Path of the tiny model + tokenizer warm-started on the embedded ``task``, trained now or
+    found in the cache.
 
     ``arch_overrides`` replace entries of :data:`DEFAULT_DIMS` (or any Qwen2 config field).
     Deterministic in ``seed``: training runs single-threaded (the model is tiny, so this costs
@@ -230,7 +245,8 @@ def warm_start(
     cfg = sft_cfg or SFTConfig()
     dims = {**DEFAULT_DIMS, **arch_overrides}
     check_vllm_shape(tiny_config(ARCH, **dims))
-    key = cache_key(cfg, seed=seed, **dims)
+    spec = get_task(task)
+    key = cache_key(cfg, seed=seed, task=task, **dims)
     root = os.path.abspath(os.path.expanduser(cfg.cache_dir))
     final = os.path.join(root, f"sft-{key}")
     if os.path.isfile(os.path.join(final, INFO_FILE)):
@@ -252,14 +268,16 @@ def warm_start(
                     def log(s: int, l: float) -> None:
                         if (s + 1) % every == 0:
                             print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
-                losses = train_sft(model, tokenizer, cfg, callback=callback or log)
-                val_acc, probe_acc = val_accuracy(model, tokenizer, cfg), accuracy(model, tokenizer, probe_pairs(cfg))
+                losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log)
+                val_acc = val_accuracy(model, tokenizer, cfg, task)
+                probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)
+                val_reward = val_score(model, tokenizer, cfg, task)
         finally:
             torch.set_num_threads(threads)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        info = {"key": key, "settings": _settings(cfg, seed, dims), "val_accuracy": val_acc,
-                "probe_accuracy": probe_acc, "steps_run": len(losses),
+        info = {"key": key, "settings": _settings(cfg, seed, dims, task), "task": task, "val_accuracy": val_acc,
+                "val_reward": val_reward, "probe_accuracy": probe_acc, "steps_run": len(losses),
                 "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
                 "seconds": round(time.perf_counter() - start, 2)}
         with open(os.path.join(tmp, INFO_FILE), "w") as f:  # written last: its presence marks a complete cache
@@ -293,13 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--cache-dir", default=defaults.cache_dir)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default="toy", help="embedded task: toy (addition) or toy_long (list reversal)")
     p.add_argument("--verbose", action="store_true", help="print the loss every 10%% of the steps")
     args = p.parse_args(argv)
     cfg = replace(defaults, steps=args.steps, lr=args.lr, batch_size=args.batch_size, cache_dir=args.cache_dir)
-    path = warm_start(cfg, seed=args.seed, verbose=args.verbose)
+    path = warm_start(cfg, seed=args.seed, task=args.task, verbose=args.verbose)
     info = read_info(path)
     print(path)
-    print(f"val_accuracy {info['val_accuracy']:.3f}  sft_seconds {info['seconds']}")
+    print(f"val_accuracy {info['val_accuracy']:.3f}  val_reward {info.get('val_reward', float('nan')):.3f}  "
+          f"sft_seconds {info['seconds']}")
     return 0
 
 

@@ -1,0 +1,80 @@
+"""The embedded tasks by name: what the warm-start trains on and what ``<task>:train`` / ``<task>:val`` hold.
+
+``toy`` is small-number addition (:mod:`rlpad.embedded.toy`, short sequences); ``toy_long`` is
+an alphabet run (:mod:`rlpad.embedded.toy_long`, responses of 2-53 tokens, a padding-heavy batch).
+A recipe names a task through ``actor_rollout_ref.model.path: embedded:<task>`` and
+``data.train_files: [<task>:train]``; the ``sft`` section's ``n_val`` and ``data_seed`` (and
+``max_operand`` for ``toy``) pick the split, so the warm-start never sees a validation problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlpad.config import SFTConfig
+from rlpad.embedded import toy, toy_long
+
+__all__ = ["TASKS", "EmbeddedTask", "get_task"]
+
+Example = tuple[str, str]  # (user message, answer)
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """One embedded task; every callable takes the run's :class:`SFTConfig` (its split settings)."""
+
+    name: str
+    sft_examples: Callable[[SFTConfig, int], list[Example]]  # (cfg, n): training examples
+    val_examples: Callable[[SFTConfig], list[Example]]  # the held-out validation problems
+    probe_examples: Callable[[SFTConfig], list[Example]]  # training problems for early stopping
+    write_dataset: Callable[[str, SFTConfig], tuple[str, str]]  # (out_dir, cfg) -> (train, val) paths
+    dataset_tag: Callable[[SFTConfig], str]  # cache folder name of the dataset
+    score: Callable[[str, str], float]  # the task's reward of a response given the answer
+    max_answer_tokens: int  # longest answer + EOS (greedy decoding stops there)
+    version: str | None  # enters the warm-start cache key (None: the key the default always had)
+
+
+def _toy_val(cfg: SFTConfig) -> list[Example]:
+    return [(f"{a}+{b}=", str(a + b)) for a, b in toy.split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)[1]]
+
+
+def _toy_probe(cfg: SFTConfig) -> list[Example]:
+    pool, _ = toy.split_pairs(cfg.n_val, cfg.data_seed, cfg.max_operand)
+    return [(f"{a}+{b}=", str(a + b)) for a, b in pool[:100]]
+
+
+TASKS: dict[str, EmbeddedTask] = {
+    "toy": EmbeddedTask(
+        name="toy",
+        sft_examples=lambda cfg, n: toy.sft_examples(n, seed=cfg.data_seed, n_val=cfg.n_val,
+                                                     max_operand=cfg.max_operand),
+        val_examples=_toy_val,
+        probe_examples=_toy_probe,
+        write_dataset=lambda out, cfg: toy.write_toy_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed,
+                                                             max_operand=cfg.max_operand),
+        dataset_tag=lambda cfg: f"toy-{cfg.data_seed}-{cfg.n_val}-{cfg.max_operand}",
+        score=toy.toy_score,
+        max_answer_tokens=4,  # the longest answer ("40") plus EOS, with one spare
+        version=None,
+    ),
+    "toy_long": EmbeddedTask(
+        name="toy_long",
+        sft_examples=lambda cfg, n: toy_long.sft_examples(n, seed=cfg.data_seed, n_val=cfg.n_val),
+        val_examples=lambda cfg: [(toy_long.prompt_of(p), toy_long.answer_of(p))
+                                  for p in toy_long.split_problems(cfg.n_val, cfg.data_seed)[1]],
+        probe_examples=lambda cfg: toy_long.sft_examples(100, seed=cfg.data_seed + 1000, n_val=cfg.n_val),
+        write_dataset=lambda out, cfg: toy_long.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
+        dataset_tag=lambda cfg: f"toy_long-{cfg.data_seed}-{cfg.n_val}",
+        score=toy_long.run_score,
+        max_answer_tokens=toy_long.MAX_RESPONSE_TOKENS,
+        version="toy_long-alphabet-1",
+    ),
+}
+
+
+def get_task(name: str) -> EmbeddedTask:
+    """The task called ``name``; ValueError listing the known ones otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown embedded task {name!r}; known: {sorted(TASKS)}")
+    return TASKS[name]
