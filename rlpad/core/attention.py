@@ -5,7 +5,9 @@ On CUDA with flash-attn installed the model uses transformers' ``flash_attention
 ``rlpad_varlen``, through transformers' ``AttentionInterface``: causal sdpa run per sequence
 (sequences of equal length batched into one call; GQA; optional sliding window), so no token
 ever attends across a sequence boundary and no nnz x nnz mask is built. With a padding mask
-(the padded path) it defers to sdpa.
+(the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments`` it runs
+the shared-prompt attention (:mod:`rlpad.core.shared_attention`, varlen flash kernels on CUDA),
+which is why ``share_prompts`` needs ``rlpad_varlen`` on every device.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlpad.core.shared_attention import shared_prompt_attention
+from rlpad.core.shared_prompt import SEGMENTS_KWARG
 
 VARLEN_ATTENTION = "rlpad_varlen"
 VARLEN_IMPLEMENTATIONS = frozenset({VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3"})
@@ -44,9 +49,16 @@ def varlen_implementation(device: torch.device | str) -> str:
     return "flash_attention_2" if flash_attention_available(device) else VARLEN_ATTENTION
 
 
-def require_varlen_attention(model: PreTrainedModel) -> None:
-    """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs)."""
+def require_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False) -> None:
+    """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs);
+    ``share_prompts`` needs ``rlpad_varlen`` itself (it reads the shared-prompt segments)."""
     impl = model.config._attn_implementation
+    if share_prompts and impl != VARLEN_ATTENTION:
+        raise ValueError(
+            f"share_prompts=True needs the {VARLEN_ATTENTION!r} attention (it runs flash kernels on CUDA), the model "
+            f"uses {impl!r}; load it with rlpad.core.models.load_causal_lm(..., share_prompts=True) or call "
+            f"rlpad.core.attention.set_varlen_attention(model, share_prompts=True)"
+        )
     if impl not in VARLEN_IMPLEMENTATIONS:
         raise ValueError(
             f"use_remove_padding=True needs a varlen attention ({sorted(VARLEN_IMPLEMENTATIONS)}), the model uses "
@@ -54,9 +66,10 @@ def require_varlen_attention(model: PreTrainedModel) -> None:
         )
 
 
-def set_varlen_attention(model: PreTrainedModel) -> str:
-    """Switch ``model`` to the varlen attention for its device; returns the implementation name."""
-    name = varlen_implementation(next(model.parameters()).device)
+def set_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False) -> str:
+    """Switch ``model`` to the varlen attention for its device (``rlpad_varlen`` everywhere with
+    ``share_prompts``); returns the implementation name."""
+    name = VARLEN_ATTENTION if share_prompts else varlen_implementation(next(model.parameters()).device)
     model.set_attn_implementation(name)
     return name
 
@@ -114,11 +127,15 @@ def varlen_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("rlpad_varlen attention supports neither logit soft-capping nor attention sinks")
+    window = sliding_window if sliding_window else None
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if segments is not None:  # a shared-prompt row (rlpad.core.shared_prompt)
+        out = shared_prompt_attention(query, key, value, segments, scale=scaling, dropout=dropout, window=window)
+        return out, None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # GQA: expand the key/value heads once for the whole row
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    window = sliding_window if sliding_window else None
     if query.shape[0] > 1:  # an unpadded batch: each row is one sequence
         return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
     bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])

@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.core.attention import varlen_implementation
+from rlpad.core.attention import VARLEN_ATTENTION, varlen_implementation
 
 __all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
@@ -30,14 +30,16 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    share_prompts: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
     The model always gets a varlen-capable attention (flash_attention_2 on CUDA with flash-attn,
-    rlpad's own ``rlpad_varlen`` elsewhere), which serves both the padded and the packed path.
+    rlpad's own ``rlpad_varlen`` elsewhere), which serves both the padded and the packed path;
+    ``share_prompts`` picks ``rlpad_varlen`` on every device (the shared-prompt forward needs it).
     """
     torch_dtype = parse_dtype(dtype)
-    attn = varlen_implementation(device)
+    attn = VARLEN_ATTENTION if share_prompts else varlen_implementation(device)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
