@@ -29,6 +29,7 @@ class ModelConfig:
     path: str = "tiny:qwen2"
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
+    share_prompts: bool = False  # each distinct prompt once per group in the packed row (needs use_remove_padding)
     enable_gradient_checkpointing: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole

@@ -43,7 +43,8 @@ class ActorWorker(FSDPWorker):
         self._init_distributed()
         mcfg = self.config.model
         model = load_causal_lm(
-            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code
+            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
+            share_prompts=mcfg.share_prompts,
         )
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -67,8 +68,9 @@ class ActorWorker(FSDPWorker):
 
     def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
         self._require_model()
-        use_rmpad = self.config.model.use_remove_padding
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, self.model, use_rmpad))
+        mcfg = self.config.model
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, self.model, mcfg.use_remove_padding,
+                                                mcfg.share_prompts))  # fmt: skip
 
     def _forward_keys(self, batch: Batch) -> list[str]:
         return FORWARD_KEYS + (["position_ids"] if "position_ids" in batch else [])
@@ -78,7 +80,7 @@ class ActorWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
-            temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
+            share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 

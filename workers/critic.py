@@ -33,7 +33,8 @@ class CriticWorker(FSDPWorker):
         """Join the process group, build and shard the value model, build AdamW + warm-up."""
         self._init_distributed()
         mcfg = self.config.model
-        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code)
+        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
+                            share_prompts=mcfg.share_prompts)  # fmt: skip
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)
@@ -45,7 +46,7 @@ class CriticWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
-            check=False,  # the whole batch was checked where it entered (_check)
+            share_prompts=self.config.model.share_prompts, check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 
     @staticmethod
@@ -55,8 +56,9 @@ class CriticWorker(FSDPWorker):
 
     def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
         self._require_model()
-        backbone, use_rmpad = self.root.backbone, self.config.model.use_remove_padding
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, use_rmpad))
+        backbone, mcfg = self.root.backbone, self.config.model
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, mcfg.use_remove_padding,
+                                                mcfg.share_prompts))  # fmt: skip
 
     def _keys(self, batch: Batch, extra: list[str]) -> list[str]:
         return FORWARD_KEYS + extra + (["position_ids"] if "position_ids" in batch else [])
