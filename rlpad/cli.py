@@ -24,6 +24,10 @@ def _bench(args: argparse.Namespace) -> int:
         from rlpad.bench.logprob import run
 
         run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
+    elif args.what == "prefix":
+        from rlpad.bench.prefix import run as run_prefix
+
+        run_prefix((args.models or ["40m"])[0], reps=args.reps, out=args.out or "results/bench_prefix.json")
     elif args.what == "workers":
         from workers.bench import run_worker_bench  # the Ray side
 
@@ -48,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size")
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout"])
+    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")

@@ -105,8 +105,7 @@ def test_negative_control_responses_seeing_each_other_differ(batch):
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     row = pack_shared_prompts(ids, mask, pos, RESPONSE)
     seg = row.segments
-    starts = sorted(int(i[0, 0]) for _, idx in seg.prompt_blocks for i in idx.split(1))
-    cu = torch.tensor([*starts, seg.total], dtype=torch.int32)
+    cu = torch.tensor([*seg.prompt_starts, seg.total], dtype=torch.int32)
     with torch.no_grad():
         good, _ = run(model, batch, share=True)
         hidden = model.model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,

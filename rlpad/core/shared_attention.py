@@ -5,9 +5,8 @@ own keys] with a bottom-right causal mask (response token i sits at position P +
 sequence), the sliding window counting positions the same way. That is exactly the last L rows of
 the attention of the sequence prompt + response run alone.
 
-* CPU (and any device without a varlen kernel): batched sdpa, one call per prompt length and one
-  per (prompt length, response length) shape; a (L, P + L) boolean mask per shape, made once per
-  forward and reused by every layer.
+* CPU: batched sdpa, one call per prompt length and one per (prompt length, response length)
+  shape; a (L, P + L) boolean mask per shape, made once per forward and reused by every layer.
 * CUDA: two varlen flash calls (flash-attn when installed, else ``torch.nn.attention.varlen``):
   prompts as sequences, then responses as queries over keys gathered as [prompt, own response];
   both kernels align a causal mask bottom-right when queries are fewer than keys.
@@ -32,31 +31,22 @@ def _response_mask(prompt_len: int, length: int, window: int | None, device: tor
     return keep & (diff < window) if window is not None else keep
 
 
-def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(H, T, D) row -> (k, H, n, D) for ``index`` (k, n)."""
-    return t.index_select(1, index.flatten()).unflatten(1, tuple(index.shape)).transpose(0, 1)
-
-
 def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
-    q, k, v = query[0], key[0], value[0]  # (H, T, D)
-    masks = seg.masks
+    # One gather per tensor for all blocks, then split: backward is one index_add and one cat,
+    # not a row-sized zero buffer per block.
+    qs = query[0].index_select(1, seg.q_order).split(seg.q_sizes, dim=1)  # (H, tokens, D) per block
+    ks = key[0].index_select(1, seg.kv_order).split(seg.kv_sizes, dim=1)
+    vs = value[0].index_select(1, seg.kv_order).split(seg.kv_sizes, dim=1)
     outs = []
-    for length, index in seg.prompt_blocks:
-        qb, kb, vb = (_gather(t, index) for t in (q, k, v))
-        if window is not None and length > window:
-            mask = masks.get((0, length, window))
-            if mask is None:
-                mask = masks[(0, length, window)] = _response_mask(0, length, window, q.device)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scale)
+    for (count, plen, length), q, k, v in zip(seg.blocks, qs, ks, vs):
+        q, k, v = (t.unflatten(1, (count, -1)).transpose(0, 1) for t in (q, k, v))  # (count, H, n, D)
+        if plen == 0 and (window is None or length <= window):  # a prompt: plain causal
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
         else:
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, scale=scale)
-        outs.append(out.transpose(0, 1).flatten(1, 2))
-    for plen, length, q_index, kv_index in seg.response_blocks:
-        mask = masks.get((plen, length, window))
-        if mask is None:
-            mask = masks[(plen, length, window)] = _response_mask(plen, length, window, q.device)
-        out = F.scaled_dot_product_attention(_gather(q, q_index), _gather(k, kv_index), _gather(v, kv_index),
-                                             attn_mask=mask, dropout_p=dropout, scale=scale)  # fmt: skip
+            mask = seg.masks.get((plen, length, window))
+            if mask is None:
+                mask = seg.masks[(plen, length, window)] = _response_mask(plen, length, window, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
         outs.append(out.transpose(0, 1).flatten(1, 2))
     # (H, T, D) in block order -> row order -> (1, T, H, D)
     return torch.cat(outs, dim=1).index_select(1, seg.inverse).transpose(0, 1).unsqueeze(0)

@@ -48,17 +48,22 @@ def prompt_groups(
 class SharedSegments:
     """The attention structure of a shared-prompt packed row of ``total`` tokens.
 
-    CPU (batched sdpa): ``prompt_blocks`` = ``(length, index (k, length))`` for prompts of equal
-    length; ``response_blocks`` = ``(prompt_len, length, q_index (k, length), kv_index (k, prompt_len
-    + length))``: queries of k responses of equal shape and their keys [prompt, own response].
-    ``inverse`` (total,) puts the concatenated block outputs back in row order.
+    CPU (batched sdpa): ``blocks`` = ``(count, prompt_len, length)``: ``count`` query sequences of
+    ``length`` tokens over keys [``prompt_len`` prompt tokens, their own tokens]; a prompt itself
+    is a block with ``prompt_len`` 0. ``q_order``/``kv_order`` gather every block's queries/keys
+    from the row in block order (``q_sizes``/``kv_sizes`` tokens per block), so one gather serves
+    all blocks; ``inverse`` puts the concatenated block outputs back in row order.
     CUDA (varlen kernels): prompts as sequences ``prompt_cu``; responses as queries ``resp_cu_q``
     over keys gathered by ``resp_kv_index`` with ``resp_cu_k`` (bottom-right causal).
     """
 
     total: int
-    prompt_blocks: list[tuple[int, torch.Tensor]]
-    response_blocks: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    prompt_starts: list[int]
+    blocks: list[tuple[int, int, int]]
+    q_order: torch.Tensor
+    kv_order: torch.Tensor
+    q_sizes: list[int]
+    kv_sizes: list[int]
     inverse: torch.Tensor
     prompt_index: torch.Tensor
     prompt_cu: torch.Tensor
@@ -92,33 +97,32 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
               device: torch.device) -> SharedSegments:
     """Segments from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
     ar = lambda n: torch.arange(n, device=device)  # noqa: E731
-    by_len: dict[int, list[int]] = {}
-    for start, length in prompts:
-        by_len.setdefault(length, []).append(start)
-    prompt_blocks = [(n, torch.tensor(s, device=device)[:, None] + ar(n)) for n, s in by_len.items()]
+    # Queries of equal shape (prompt length, own length) form one block; prompts are (0, length).
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for start, length in prompts:
+        by_shape.setdefault((0, length), []).append((start, start))
     for start, length, p in responses:
         by_shape.setdefault((prompts[p][1], length), []).append((start, prompts[p][0]))
-    response_blocks = []
+    blocks, q_parts, kv_parts = [], [], []
     for (plen, n), items in by_shape.items():
-        q_start = torch.tensor([s for s, _ in items], device=device)[:, None]
-        p_start = torch.tensor([ps for _, ps in items], device=device)[:, None]
-        q_index = q_start + ar(n)
-        kv_index = torch.cat([p_start + ar(plen), q_index], dim=1)
-        response_blocks.append((plen, n, q_index, kv_index))
-    order = torch.cat([b[1].flatten() for b in prompt_blocks] + [b[2].flatten() for b in response_blocks])
-    inverse = torch.empty_like(order)
-    inverse[order] = ar(order.numel())
-    if order.numel() != total:
-        raise AssertionError(f"segments cover {order.numel()} of {total} packed tokens")
-    prompt_index = torch.cat([s + ar(n) for s, n in prompts])
-    resp_index = torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0)
+        q_index = torch.tensor([s for s, _ in items], device=device)[:, None] + ar(n)
+        kv_index = torch.cat([torch.tensor([ps for _, ps in items], device=device)[:, None] + ar(plen), q_index], 1)
+        blocks.append((len(items), plen, n))
+        q_parts.append(q_index.flatten())
+        kv_parts.append(kv_index.flatten())
+    q_order = torch.cat(q_parts)
+    if q_order.numel() != total:
+        raise AssertionError(f"segments cover {q_order.numel()} of {total} packed tokens")
+    inverse = torch.empty_like(q_order)
+    inverse[q_order] = ar(total)
     kv = [torch.cat([prompts[p][0] + ar(prompts[p][1]), s + ar(n)]) for s, n, p in responses]
     return SharedSegments(
-        total=total, prompt_blocks=prompt_blocks, response_blocks=response_blocks, inverse=inverse,
-        prompt_index=prompt_index, prompt_cu=_cu([n for _, n in prompts], device),
-        prompt_max=max(n for _, n in prompts),
-        resp_index=resp_index, resp_kv_index=torch.cat(kv) if kv else ar(0),
+        total=total, prompt_starts=[s for s, _ in prompts], blocks=blocks, q_order=q_order,
+        kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts], kv_sizes=[t.numel() for t in kv_parts],
+        inverse=inverse, prompt_index=torch.cat([s + ar(n) for s, n in prompts]),
+        prompt_cu=_cu([n for _, n in prompts], device), prompt_max=max(n for _, n in prompts),
+        resp_index=torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0),
+        resp_kv_index=torch.cat(kv) if kv else ar(0),
         resp_cu_q=_cu([n for _, n, _ in responses], device),
         resp_cu_k=_cu([prompts[p][1] + n for _, n, p in responses], device),
         resp_max_q=max((n for _, n, _ in responses), default=0),
