@@ -27,7 +27,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "prefix":
         from rlpad.bench.prefix import run as run_prefix
 
-        run_prefix((args.models or ["40m"])[0], reps=args.reps, out=args.out or "results/bench_prefix.json")
+        run_prefix((args.models or ["40m"])[0], reps=args.reps, groups=args.groups,
+                   out=args.out or "results/bench_prefix.json")
     elif args.what == "workers":
         from workers.bench import run_worker_bench  # the Ray side
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout"])
     bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size")
     bench.add_argument("--reps", type=int, default=3)
+    bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
