@@ -268,6 +268,11 @@ def _token_stat(x: torch.Tensor, mask: torch.Tensor, global_tokens: Normalizer) 
     return stat.detach()
 
 
+def _masked_abs_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of ``|x|`` over valid entries (0 if none)."""
+    return torch.where(mask.bool(), x.abs(), 0.0).amax() if x.numel() else x.new_zeros(())
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -281,19 +286,26 @@ def compute_policy_loss(
     global_tokens: Normalizer = None,
     global_seqs: Normalizer = None,
     loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped policy loss with dual clip: ``(pg_loss, metrics)``.
 
     ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``; per token
     ``max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high))``, and for ``A < 0`` that is
-    capped at ``-A * clip_ratio_c``. Metrics (0-d detached): ``pg_clipfrac`` (the clipped term
-    won), ``pg_clipfrac_lower`` (the dual clip cap bound), ``ppo_kl`` (mean of
-    ``old_log_prob - log_prob``).
+    capped at ``-A * clip_ratio_c``. ``rollout_is_weights`` (B, R), e.g. truncated importance
+    weights pi_old / pi_rollout (:mod:`rlpad.rollout_correction`), multiply each token's term
+    (detached). Metrics (0-d detached): ``pg_clipfrac`` (the clipped term won),
+    ``pg_clipfrac_lower`` (the dual clip cap bound), ``ppo_kl`` (mean of
+    ``old_log_prob - log_prob``) and ``log_ratio_abs_max`` (max of ``|log_prob - old_log_prob|``
+    over valid tokens; a MAX, not a share: reduce it with max over pieces).
     """
     _check_tensors(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
     )
     _check_finite("advantages", advantages)
+    if rollout_is_weights is not None:
+        _check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
+        _check_finite("rollout_is_weights", rollout_is_weights)
     for name, x in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
         if not 0 <= x:
             raise ValueError(f"{name} must be >= 0, got {x}")
@@ -307,6 +319,8 @@ def compute_policy_loss(
     loss_dual = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.min(loss_dual, loss_ppo), loss_ppo)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
     pg_loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode,
         global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=loss_scale_factor,
@@ -317,6 +331,7 @@ def compute_policy_loss(
             (torch.gt(loss_ppo, loss_dual) & negative).float(), response_mask, global_tokens
         ),
         "ppo_kl": _token_stat(-neg_kl, response_mask, global_tokens),
+        "log_ratio_abs_max": _masked_abs_max(log_prob.detach() - old_log_prob, response_mask),
     }
     return pg_loss, metrics
 

@@ -43,6 +43,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_rollout_bench(reps=args.reps)
         print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
               f"weight sync {result['sync_s'] * 1e3:.1f} ms")
+        for dtype, m in result["mismatch"].items():
+            print(f"  rollout ({dtype}) vs actor (fp32) log-probs over {m['tokens']:.0f} tokens: |diff| mean "
+                  f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
+                  f"pearson {m['pearson']:.6f}")
         _write(result, args.out or "results/bench_rollout.json")
     return 0
 

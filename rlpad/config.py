@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
-    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SFTConfig",
+    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
-    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "TRUNCATION_MODES",
+    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "ROLLOUT_CORRECTION_MODES",
+    "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -20,6 +21,8 @@ ADV_ESTIMATORS = ("grpo", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
+ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
+OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 
 
 @dataclass
@@ -64,6 +67,11 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     grad_clip: float = 1.0
+    # How the actor's old log-probs are micro-batched. "update": with this section's mini-/micro-batch
+    # split (ppo_micro_batch_size_per_gpu or the token budget), the one the first epoch's update uses,
+    # so the first mini-batch of every step is exactly on-policy (ratio 1, ppo_kl 0, bitwise).
+    # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
+    old_log_prob_layout: str = "update"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -127,6 +135,14 @@ class CriticConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correct the policy gradient for rollout-vs-actor log-prob mismatch (rlpad/rollout_correction.py)."""
+
+    mode: str = "none"  # none | token_tis | seq_mask
+    threshold: float = 2.0  # C: token_tis caps weights at C, seq_mask keeps geometric-mean ratios in [1/C, C]
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # grpo | gae
     norm_adv_by_std_in_grpo: bool = True
@@ -135,6 +151,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_coef: float = 0.001
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

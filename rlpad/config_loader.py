@@ -27,7 +27,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, TRUNCATION_MODES, Config
+from rlpad.config import (ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES,
+                          TRUNCATION_MODES, Config)
 
 __all__ = [
     "config_from_dict", "config_to_dict", "load_config",
@@ -297,6 +298,11 @@ def validate_config(config: Config) -> Config:
             problems.append(f"{key}.share_prompts=true needs {key}.use_remove_padding=true "
                             "(the shared prompt lives in the packed row)")
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("algorithm.rollout_correction.mode", alg.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
+    if not alg.rollout_correction.threshold > 1.0:
+        problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
+                        "(token_tis caps weights at it, seq_mask keeps geometric-mean ratios in [1/C, C])")
+    one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:

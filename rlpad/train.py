@@ -92,6 +92,12 @@ def _print_summary(summary: dict[str, float], config: Config) -> None:
     for key, value in summary.items():
         if key.startswith("tokens_per_s/"):
             print(f"  tokens/s {key.split('/', 1)[1]:<12} {value:10.0f}")
+    if "mismatch/abs_diff_mean" in summary:
+        print(f"  rollout vs actor    |logp diff| mean {summary['mismatch/abs_diff_mean']:.2e}, max "
+              f"{summary['mismatch/abs_diff_max']:.2e}, k3 KL {summary['mismatch/k3_kl']:.2e} (median over steps)")
+    if "val/mismatch/abs_diff_mean" in summary:
+        print(f"  ... on validation   |logp diff| mean {summary['val/mismatch/abs_diff_mean']:.2e}, max "
+              f"{summary['val/mismatch/abs_diff_max']:.2e}, pearson {summary['val/mismatch/pearson']:.6f}")
     if "padding_ratio" in summary:
         print(f"  padding ratio       {summary['padding_ratio']:.1%}  (use_remove_padding="
               f"{config.actor_rollout_ref.model.use_remove_padding})")

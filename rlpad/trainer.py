@@ -27,6 +27,7 @@ from rlpad.config import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
+from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
 __all__ = ["Trainer", "Workers"]
 
@@ -36,7 +37,7 @@ class Workers(Protocol):
 
     def generate(self, batch: Batch, seed: int) -> Batch: ...
     def generate_validation(self, batch: Batch) -> Batch: ...
-    def compute_log_prob(self, batch: Batch) -> Batch: ...
+    def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch: ...
     def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
     def compute_values(self, batch: Batch) -> Batch: ...
     def update_actor(self, batch: Batch) -> dict[str, float]: ...
@@ -122,6 +123,7 @@ class Trainer:
             batch["token_level_scores"] = scores
         with _timed(timing, "old_log_prob"):
             batch.update(self.workers.compute_log_prob(batch))
+        metrics: dict[str, float] = _mismatch_metrics(batch, "mismatch/")
         if cfg.uses_ref:
             with _timed(timing, "ref"):
                 batch.update(self.workers.compute_ref_log_prob(batch))
@@ -130,7 +132,6 @@ class Trainer:
                 batch.update(self.workers.compute_values(batch))
         mask = batch["response_mask"].float()
         rewards = scores
-        metrics: dict[str, float] = {}
         if algo.use_kl_in_reward:
             kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo.kl_penalty) * mask
             rewards = scores - algo.kl_coef * kl
@@ -147,8 +148,10 @@ class Trainer:
         if gae:
             with _timed(timing, "update_critic"):
                 metrics.update(self.workers.update_critic(batch))
+        actor_batch, corr_metrics = self._corrected(batch)
+        metrics.update(corr_metrics)
         with _timed(timing, "update_actor"):
-            actor_metrics = self.workers.update_actor(batch)
+            actor_metrics = self.workers.update_actor(actor_batch)
         metrics.update(actor_metrics)
         # The workers skip the optimizer step on a non-finite gradient norm; stop here so the
         # run ends with the weights of the last good step.
@@ -159,6 +162,22 @@ class Trainer:
             self.workers.sync_weights()
         metrics.update(self._batch_metrics(batch, seq_scores, timing))
         return metrics
+
+    def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The actor's batch with ``algorithm.rollout_correction`` applied (``rollout_is_weights`` for
+        token_tis, a response mask without the dropped sequences for seq_mask), and its metrics."""
+        rc = self.config.algorithm.rollout_correction
+        if rc.mode == "none":
+            return batch, {}
+        if "rollout_log_probs" not in batch:
+            raise ValueError(f"algorithm.rollout_correction.mode={rc.mode} needs rollout_log_probs from the rollout")
+        weights, loss_mask, metrics = apply_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc.mode, rc.threshold)
+        out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+        out["response_mask"] = loss_mask
+        if weights is not None:
+            out["rollout_is_weights"] = weights
+        return out, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
     def _batch_metrics(self, batch: Batch, seq_scores: torch.Tensor, timing: dict[str, float]) -> dict[str, float]:
         mask = batch["response_mask"].float()
@@ -180,13 +199,20 @@ class Trainer:
     # ---- validation --------------------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
-        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise)."""
-        scores = []
+        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
+        and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
+        scores, parts = [], []
         for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
             batch = self.workers.generate_validation(prompts)
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
+            if "rollout_log_probs" in batch:
+                batch.update(self.workers.compute_log_prob(batch, for_update=False))
+                parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
-        return {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        if parts:
+            out.update(_mismatch_metrics(Batch.concat(parts), "val/mismatch/"))
+        return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -213,6 +239,14 @@ class Trainer:
         print(f"resumed from {path} at step {self.step}")
 
 
+def _mismatch_metrics(batch: Batch, prefix: str) -> dict[str, float]:
+    """:func:`rlpad.rollout_correction.log_prob_mismatch` of the batch, keys prefixed (none without rollout log-probs)."""
+    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+        return {}
+    stats = log_prob_mismatch(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+    return {f"{prefix}{k}": v for k, v in stats.items()}
+
+
 def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
     """Initial/final validation reward and mean per-phase throughput of a run."""
     val = [r["val/reward"] for r in history if "val/reward" in r]
@@ -224,6 +258,13 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
         values = [r[key] for r in steps if key in r and math.isfinite(r[key])]
         if values:
             out[key] = float(np.median(values))
+    for key in ("mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/k3_kl"):
+        values = [r[key] for r in steps if key in r]
+        if values:
+            out[key] = float(np.median(values))
+    val_mismatch = [r for r in history if "val/mismatch/abs_diff_mean" in r]
+    if val_mismatch:
+        out.update({k: v for k, v in val_mismatch[-1].items() if k.startswith("val/mismatch/")})
     if steps:
         out["padding_ratio"] = float(np.mean([r["padding_ratio"] for r in steps]))
         out["step_s"] = float(np.median([r["timing_s/step"] for r in steps]))

@@ -9,35 +9,28 @@ import time
 
 import pytest
 
-from workers.fsdp import free_port
+from ray_cluster import RAY, RayCluster, listening
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")
 
 
 @pytest.fixture
 def ray_head():
-    """A Ray head on 127.0.0.1 (token auth, as Ray 2.60 wants for the job API); stopped afterwards."""
-    env = dict(os.environ, RAY_AUTH_MODE="token")
-    env.pop("RAY_ADDRESS", None)
-    dashboard = free_port()
-    subprocess.run(
-        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--port={free_port()}", f"--dashboard-port={dashboard}", "--num-cpus=8", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True, text=True, timeout=180,
-    )
+    """A Ray head on 127.0.0.1 with its own token; afterwards exactly its processes are ended."""
+    cluster = RayCluster()
+    cluster.start_head(num_cpus=8)
     try:
-        yield f"http://127.0.0.1:{dashboard}", env
+        yield cluster.dashboard_url, cluster.env, cluster
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        cluster.stop()
 
 
 def test_ray_job_submit_runs_tiny_grpo(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, cluster = ray_head
     out_dir = str(tmp_path / "job")
     entry = [sys.executable, "-m", "rlpad.train", "--config", "recipes/grpo_tiny.yaml",
              "trainer.total_training_steps=2", "trainer.test_freq=-1", f"trainer.default_local_dir={out_dir}",
@@ -61,3 +54,5 @@ def test_ray_job_submit_runs_tiny_grpo(ray_head, tmp_path):
     assert sorted(steps) == [0, 1, 2]
     assert 0.0 <= steps[2]["reward/mean"] <= 1.0 and "val/reward" in steps[2]
     assert "validation reward" in logs  # the final summary table was printed
+    sockets = listening(cluster.pids())
+    assert len(sockets) >= 8 and all(addr == "127.0.0.1" for addr, _, _ in sockets), sockets

@@ -84,6 +84,36 @@ def test_vllm_weight_sync(setup):
     assert torch.equal(backend.generate_validation(prompts)["responses"], before)
 
 
+def test_vllm_known_warnings_are_dropped_and_real_ones_kept(setup):
+    """The per-sync RotaryEmbedding warning is dropped; the same warning for a weight really left
+    out of the sync (the final norm) still reaches the log, from the real reload path."""
+    import logging
+
+    from vllm.platforms import current_platform
+
+    from rlpad.rollout.vllm import QUIET_FILTERS
+
+    model, _, backend = setup
+    name = "vllm.model_executor.model_loader.reload.layerwise"
+    rotary, seen = QUIET_FILTERS[name], []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger(name).addHandler(handler)
+    try:
+        before = rotary.dropped
+        backend.update_weights(model.state_dict())
+        assert rotary.dropped > before and seen == []  # the warning came (and was dropped), nothing else
+        backend.update_weights([(k, v) for k, v in model.state_dict().items() if k != "model.norm.weight"])
+        assert seen == ["RMSNorm: Failed to load weights"]  # negative control: a real problem shows
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+        backend.update_weights(model.state_dict())
+    if current_platform.is_cpu():
+        assert QUIET_FILTERS["vllm.v1.worker.cpu_worker"].dropped >= 1  # dropped while the engine started
+    prompts = prompt_batch()
+    assert torch.equal(backend.generate_validation(prompts)["responses"], hf_greedy(model, setup[1], prompts))
+
+
 def test_vllm_bad_prompts(setup, monkeypatch):
     _, _, backend = setup
     prompts = prompt_batch(lengths=(10, 3))
@@ -132,3 +162,36 @@ def test_vllm_seeded_generate_is_reproducible(setup):
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert not torch.equal(first[0], first[1])
+
+
+def test_rollout_vs_actor_mismatch_on_a_real_rollout(setup):
+    """The mismatch metrics on vLLM's own log-probs: the same fp32 weights agree to < 1e-4 per token;
+    an actor whose weights moved (as after an update the engine has not received) is far off, and
+    token_tis / seq_mask then act on it."""
+    from rlpad.core.forward import compute_log_probs
+    from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
+
+    model, _, backend = setup
+    out = backend.generate(prompt_batch(), seed=3)
+
+    def actor_log_probs(m):
+        with torch.no_grad():
+            return compute_log_probs(m, out["input_ids"], out["attention_mask"], out["position_ids"], R,
+                                     use_remove_padding=True, temperature=out.meta["temperature"])[0]
+
+    rollout, mask = out["rollout_log_probs"], out["response_mask"]
+    same = log_prob_mismatch(actor_log_probs(model), rollout, mask)
+    assert same["tokens"] == int(mask.sum()) > 50
+    assert same["abs_diff_max"] < 1e-4 and same["abs_diff_mean"] < 1e-5
+    assert 0 <= same["k3_kl"] < 1e-8 and same["pearson"] > 1 - 1e-8
+
+    old = actor_log_probs(perturbed(model))
+    moved = log_prob_mismatch(old, rollout, mask)
+    assert moved["abs_diff_mean"] > 0.1 and moved["abs_diff_max"] > 1.0
+    assert moved["k3_kl"] > 0.01 and moved["pearson"] < 0.99
+    _, _, tis = apply_rollout_correction(old, rollout, mask, "token_tis", 2.0)
+    assert tis["clipped_token_frac"] > 0 and tis["weight_mean"] < 2.0
+    _, _, drop = apply_rollout_correction(old, rollout, mask, "seq_mask", 1.2)
+    assert 0 < drop["masked_seq_frac"] <= 1
+    _, kept, none = apply_rollout_correction(actor_log_probs(model), rollout, mask, "seq_mask", 1.2)
+    assert torch.equal(kept, mask) and none["masked_seq_frac"] == 0  # no mismatch, nothing dropped

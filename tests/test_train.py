@@ -69,6 +69,30 @@ def test_ppo_recipe_trains_critic_padded_path(tmp_path):
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
 
 
+@pytest.mark.parametrize("mode, threshold", [("token_tis", 1.1), ("seq_mask", 1.05)])
+def test_grpo_with_rollout_correction_still_learns(tmp_path, mode, threshold):
+    """The tiny recipe (full batch size) with the rollout in bf16 against the fp32 actor, so the
+    mismatch is real and the correction acts, for 8 steps: the training reward rises; every step
+    logs the mismatch and the correction, and its first mini-batch is exactly on-policy through
+    the real launcher (old log-probs in the update's layout)."""
+    out = str(tmp_path / mode)
+    run(load_config(GRPO, [f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+                           "trainer.total_training_steps=8", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                           "actor_rollout_ref.rollout.dtype=bfloat16", f"algorithm.rollout_correction.mode={mode}",
+                           f"algorithm.rollout_correction.threshold={threshold}"]))
+    steps = [r for s, r in sorted(records(out).items()) if s > 0]
+    assert len(steps) == 8
+    for r in steps:
+        assert r["actor/first_mini_batch/ppo_kl"] == 0.0 and r["actor/first_mini_batch/log_ratio_abs_max"] == 0.0
+        assert 1e-4 < r["mismatch/abs_diff_mean"] < 0.1 and r["mismatch/pearson"] > 0.99  # bf16 vs fp32
+        assert r["actor/log_ratio_abs_max"] > 0  # later mini-batches see the moved policy
+    acted = "rollout_corr/clipped_token_frac" if mode == "token_tis" else "rollout_corr/masked_seq_frac"
+    assert any(r[acted] > 0 for r in steps) and all(r[acted] < 0.5 for r in steps)
+    reward = [r["reward/mean"] for r in steps]
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.05, reward
+    assert "val/mismatch/abs_diff_mean" in records(out)[8]  # the validation summary measures it too
+
+
 def test_dead_worker_names_role_rank_and_checkpoint(tmp_path):
     import ray
 

@@ -163,3 +163,66 @@ def test_ref_group_log_probs_and_dead_rank(ray_session):
             group.call_batch("compute_ref_log_prob", batch)
     finally:
         group.shutdown()
+
+
+def with_short_responses(batch: Batch, length: int = 1) -> Batch:
+    """Every other row cut to ``length`` response tokens. On CPU the LM-head matmul of a piece that
+    scores fewer than 4 tokens takes another kernel, so such a row's log-probs depend on whether it
+    is scored alone or with others: the batch variance the old layout runs into."""
+    rows = torch.arange(0, len(batch), 2)
+    batch["attention_mask"][rows, P + length:] = 0
+    batch["response_mask"][rows, length:] = 0
+    batch["input_ids"][rows, P + length:] = 0
+    return batch
+
+
+ON_POLICY_CASES = {
+    # log-prob micro-batches of 1 row, update micro-batches of 3 rows, two mini-batches per step
+    "rows": ({"rollout.log_prob_micro_batch_size_per_gpu": 1, "actor.ppo_micro_batch_size_per_gpu": 3,
+              "actor.use_dynamic_bsz": False, "actor.shuffle": False}),
+    # token budgets on both sides (log-prob P + R = 20 tokens: a row or two per piece; update 60),
+    # shuffled mini-batches
+    "budgets": ({"rollout.log_prob_use_dynamic_bsz": True, "rollout.log_prob_max_token_len_per_gpu": P + R,
+                 "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 3 * (P + R), "actor.shuffle": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ON_POLICY_CASES))
+def test_first_mini_batch_is_exactly_on_policy(actor_group, initial_checkpoint, case):
+    """Old log-probs computed in the update's layout: ratio == 1 and ppo_kl == 0 bitwise on the first
+    mini-batch of every step; the old behaviour (log-prob micro-batches) misses by the kernels' batch
+    variance (negative control)."""
+    rows, mini = 4 * ROWS, 2 * ROWS  # two mini-batches per step, 8 rows per rank in each
+    base = {"actor.ppo_mini_batch_size": mini, "actor.loss_agg_mode": "token-mean", "actor.ppo_epochs": 1,
+            "rollout.log_prob_use_dynamic_bsz": False, **ON_POLICY_CASES[case]}
+    actor_group.call("set_config", base)
+    try:
+        results = {}
+        for layout in (True, False):
+            actor_group.call("load_checkpoint", initial_checkpoint)
+            firsts, overall = [], []
+            for step in range(3):
+                batch = with_short_responses(ppo_batch(rows, P, R, vocab_size=VOCAB, seed=40 + step))
+                if layout:  # as RayWorkers.compute_log_prob does with old_log_prob_layout=update
+                    old = actor_group.call_batch("compute_log_prob", batch, chunk_rows=mini, update_layout=True)
+                else:
+                    old = actor_group.call_batch("compute_log_prob", batch)
+                batch.update(old)
+                m = actor_group.call_batch("update_actor", batch, chunk_rows=mini)
+                firsts.append((m["actor/first_mini_batch/ppo_kl"], m["actor/first_mini_batch/log_ratio_abs_max"]))
+                overall.append(m["actor/log_ratio_abs_max"])
+            results[layout] = firsts, overall
+    finally:
+        actor_group.call("set_config", {"actor.ppo_mini_batch_size": ROWS, "actor.shuffle": False,
+                                        "rollout.log_prob_micro_batch_size_per_gpu": 2,
+                                        "rollout.log_prob_use_dynamic_bsz": False, "actor.use_dynamic_bsz": False,
+                                        "actor.ppo_micro_batch_size_per_gpu": 4,
+                                        "actor.ppo_max_token_len_per_gpu": BUDGET})
+    firsts, overall = results[True]
+    assert firsts == [(0.0, 0.0)] * 3  # exactly: every token's log-ratio is 0, so ratio == exp(0) == 1
+    assert all(o > 1e-3 for o in overall)  # the second mini-batch sees the moved policy: the metric is live
+    # Negative control: computed in other pieces, the short rows' log-probs differ in the last bits,
+    # so the first mini-batch is not exactly on-policy; by the batch variance only.
+    old_firsts, _ = results[False]
+    assert all(mx > 0 for _, mx in old_firsts), old_firsts
+    assert all(abs(kl) < 1e-5 and mx < 1e-4 for kl, mx in old_firsts), old_firsts

@@ -5,7 +5,13 @@ process (world 1) or as one rank of a Ray worker group (:mod:`workers.group`).
 
 Batch keys (see docs/design.md): ``input_ids``, ``attention_mask`` (B, P+R), optional
 ``position_ids``, ``responses`` (B, R); ``update_actor`` also needs ``response_mask``,
-``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``.
+``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``; an optional
+``rollout_is_weights`` (B, R) multiplies each token's policy-gradient term (rollout correction).
+
+Exactly on-policy first mini-batch: ``compute_log_prob(batch, update_layout=True)`` computes the
+old log-probs with the update's mini-/micro-batch split (see ``FSDPWorker._forward_all``), so the
+first mini-batch of the following ``update_actor`` on the same shard sees every row through the
+same packed forward: its ratio is exactly 1 and its ppo_kl exactly 0.
 """
 
 from __future__ import annotations
@@ -87,18 +93,28 @@ class ActorWorker(FSDPWorker):
     def _temperature(self, batch: Batch) -> float:
         return float(batch.meta.get("temperature", self.config.rollout.temperature))
 
-    def compute_log_prob(self, batch: Batch) -> Batch:
+    def compute_log_prob(self, batch: Batch, *, update_layout: bool = False) -> Batch:
         """``old_log_probs`` and ``entropy`` (B, R) of the response tokens, under the current weights.
 
-        Micro-batches follow ``rollout.log_prob_*`` (verl's names); temperature from ``batch.meta``.
+        Micro-batches follow ``rollout.log_prob_*`` (verl's names), or with ``update_layout`` the
+        first epoch of the coming ``update_actor`` on this same shard (``actor.ppo_mini_batch_size``,
+        ``ppo_micro_batch_size_per_gpu`` / ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``,
+        ``shuffle``). Temperature from ``batch.meta``.
         """
         self._check(batch, FORWARD_KEYS, [], "compute_log_prob")
-        rcfg = self.config.rollout
         t = self._temperature(batch)
+        if update_layout:
+            acfg = self.config.actor
+            micro, budget = acfg.ppo_micro_batch_size_per_gpu, acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None
+            layout = (acfg.ppo_mini_batch_size * self.config.rollout.n, acfg.shuffle)
+        else:
+            rcfg = self.config.rollout
+            micro = rcfg.log_prob_micro_batch_size_per_gpu
+            budget = rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None
+            layout = None
         log_probs, entropy = self._forward_all(
-            batch, self._forward_keys(batch), rcfg.log_prob_micro_batch_size_per_gpu,
-            rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None,
-            lambda piece: self._log_probs(piece, t, True),
+            batch, self._forward_keys(batch), micro, budget, lambda piece: self._log_probs(piece, t, True),
+            update_layout=layout,
         )  # fmt: skip
         return Batch({"old_log_probs": log_probs, "entropy": entropy}, meta={"temperature": t})
 
@@ -124,7 +140,7 @@ class ActorWorker(FSDPWorker):
         high = acfg.clip_ratio if acfg.clip_ratio_high is None else acfg.clip_ratio_high
         pg_loss, shares = compute_policy_loss(
             piece["old_log_probs"], log_prob, piece["advantages"], mask, low, high, acfg.clip_ratio_c,
-            acfg.loss_agg_mode, **norms,
+            acfg.loss_agg_mode, **norms, rollout_is_weights=piece.tensors.get("rollout_is_weights"),
         )  # fmt: skip
         shares["pg_loss"] = pg_loss
         loss = pg_loss
@@ -151,7 +167,9 @@ class ActorWorker(FSDPWorker):
         acfg = self.config.actor
         keys = FORWARD_KEYS + ["response_mask", "old_log_probs", "advantages"]
         keys += ["ref_log_probs"] if acfg.use_kl_loss else []
+        keys += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         finite = ["old_log_probs", "advantages"] + (["ref_log_probs"] if acfg.use_kl_loss else [])
+        finite += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         self._check(batch, keys, finite, "update_actor")
         t = self._temperature(batch)
         metrics = self._ppo_update(
@@ -160,7 +178,7 @@ class ActorWorker(FSDPWorker):
             shuffle=acfg.shuffle, micro_rows=acfg.ppo_micro_batch_size_per_gpu,
             max_tokens=acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None,
             grad_clip=acfg.grad_clip, loss_fn=lambda piece, norms: self._policy_loss(piece, norms, t),
-            prefix="actor", return_grads=return_grads,
+            prefix="actor", return_grads=return_grads, first_keys=("ppo_kl", "log_ratio_abs_max"),
         )  # fmt: skip
         if return_grads:
             metrics["grads"] = {_hf_name(k): v for k, v in metrics["grads"].items()}

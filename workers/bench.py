@@ -89,11 +89,11 @@ def run_worker_bench(
     from rlpad.embedded.tiny import build_tokenizer, tiny_model
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
+    from workers.launcher import init_local_ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+        init_local_ray(max(world_size, os.cpu_count() or 1), log_to_driver=False)
     tmp = tempfile.TemporaryDirectory(prefix="rlpad-bench-")
     group = None
     try:

@@ -157,6 +157,13 @@ class FSDPWorker:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu()
 
+    def _all_max_float(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over the ranks (float64, on CPU)."""
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device).reshape(-1)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu()
+
     def _all_max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
@@ -234,33 +241,49 @@ class FSDPWorker:
         return pieces, [p for p in parts if p]
 
     def _forward_all(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None,
-                     fn: Callable[[Batch], tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        """``fn`` on every micro-batch without gradients; outputs concatenated in the batch's row order."""
-        self._require_model()
-        self.root.eval()
-        pieces, real = self._pieces(batch, keys, micro_rows, max_tokens)
-        outs: list[tuple[torch.Tensor, ...]] = []
-        with torch.no_grad():
-            for piece, is_real in pieces:
-                out = fn(piece)
-                if is_real:
-                    outs.append(tuple(o.float().cpu() for o in out))
-        return [restore_order(torch.cat([o[i] for o in outs]), real) for i in range(len(outs[0]))]
+                     fn: Callable[[Batch], tuple[torch.Tensor, ...]], *,
+                     update_layout: tuple[int, bool] | None = None) -> list[torch.Tensor]:
+        """``fn`` on every micro-batch without gradients; outputs concatenated in the batch's row order.
 
-    # ------------------------------------------------------------------ training loop
-
-    def _ppo_update(
-        self, batch: Batch, *, keys: list[str], mini_rows: int, epochs: int, shuffle: bool,
-        micro_rows: int | None, max_tokens: int | None, grad_clip: float, loss_fn: LossFn, prefix: str,
-        return_grads: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Epochs x mini-batches x micro-batches with global normalisers; mean metrics over mini-batches.
-
-        ``mini_rows`` counts rows of the GLOBAL mini-batch (all ranks). ``loss_fn(piece, norms)``
-        returns the piece's SHARE of the mini-batch loss and metric shares (summed over pieces and ranks).
+        ``update_layout=(mini_rows, shuffle)``: split exactly as the FIRST epoch of :meth:`_ppo_update`
+        with the same arguments splits it (mini-batches of ``mini_rows`` global rows in the epoch-0
+        order, then micro-batches by ``micro_rows`` / ``max_tokens``), so each row goes through the
+        same packed forward here and in that epoch's update; call it before the update, as its
+        order depends on the update count.
         """
         self._require_model()
-        local_mini = mini_rows // self.world_size
+        self.root.eval()
+        if update_layout is None:
+            chunks = [torch.arange(len(batch))]
+        else:
+            mini_rows, shuffle = update_layout
+            local_mini = self._check_mini(batch, mini_rows, self.role)
+            order = self._epoch_order(len(batch), 0, shuffle)
+            chunks = [order[s : s + local_mini] for s in range(0, len(batch), local_mini)]
+        results: list[list[torch.Tensor]] = []
+        with torch.no_grad():
+            for rows in chunks:
+                pieces, real = self._pieces(batch.index(rows), keys, micro_rows, max_tokens)
+                outs: list[tuple[torch.Tensor, ...]] = []
+                for piece, is_real in pieces:
+                    out = fn(piece)  # dummy pieces run too: every rank joins every FSDP collective
+                    if is_real:
+                        outs.append(tuple(o.float().cpu() for o in out))
+                results.append([restore_order(torch.cat([o[i] for o in outs]), real) for i in range(len(outs[0]))])
+        order = torch.cat(chunks)
+        merged = [torch.cat([r[i] for r in results]) for i in range(len(results[0]))]
+        return [torch.empty_like(m).index_copy_(0, order, m) for m in merged]
+
+    def _epoch_order(self, n: int, epoch: int, shuffle: bool) -> torch.Tensor:
+        """This rank's row order in ``epoch`` of the coming update (a permutation when ``shuffle``)."""
+        if not shuffle:
+            return torch.arange(n)
+        key = ((self.seed * 1_000_003 + self.update_steps) * 1009 + epoch) * 131 + self.rank
+        return torch.randperm(n, generator=torch.Generator().manual_seed(key))
+
+    def _check_mini(self, batch: Batch, mini_rows: int, prefix: str) -> int:
+        """Per-rank mini-batch rows; ValueError on every rank if the batch does not split into them."""
+        local_mini = mini_rows // self.world_size if mini_rows >= 1 else 0
 
         def check() -> None:
             if mini_rows < 1 or mini_rows % self.world_size:
@@ -272,16 +295,32 @@ class FSDPWorker:
                 )
 
         self._agree(check)
+        return local_mini
+
+    # ------------------------------------------------------------------ training loop
+
+    def _ppo_update(
+        self, batch: Batch, *, keys: list[str], mini_rows: int, epochs: int, shuffle: bool,
+        micro_rows: int | None, max_tokens: int | None, grad_clip: float, loss_fn: LossFn, prefix: str,
+        return_grads: bool = False, first_keys: tuple[str, ...] = (),
+    ) -> dict[str, Any]:  # fmt: skip
+        """Epochs x mini-batches x micro-batches with global normalisers; mean metrics over mini-batches.
+
+        ``mini_rows`` counts rows of the GLOBAL mini-batch (all ranks). ``loss_fn(piece, norms)``
+        returns the piece's SHARE of the mini-batch loss and metric shares (summed over pieces and ranks);
+        a metric named ``*_max`` is a maximum instead (max over pieces, ranks and mini-batches).
+        ``first_keys``: also report those metrics of the first mini-batch of the first epoch, the one
+        the policy has not moved for yet, as ``{prefix}/first_mini_batch/{key}``.
+        """
+        self._require_model()
+        local_mini = self._check_mini(batch, mini_rows, prefix)
         self.root.train()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR of this call's steps
         history: dict[str, list[float]] = {}
         grads: dict[str, torch.Tensor] = {}
+        first: dict[str, float] = {}
         for epoch in range(epochs):
-            order = torch.arange(len(batch))
-            if shuffle:
-                key = ((self.seed * 1_000_003 + self.update_steps) * 1009 + epoch) * 131 + self.rank
-                gen = torch.Generator().manual_seed(key)
-                order = torch.randperm(len(batch), generator=gen)
+            order = self._epoch_order(len(batch), epoch, shuffle)
             for start in range(0, len(batch), local_mini):
                 mini = batch.index(order[start : start + local_mini])
                 norms = self._all_sum(list(batch_normalizers(mini["response_mask"]).values()))
@@ -293,22 +332,38 @@ class FSDPWorker:
                     (loss * (self.world_size if is_real else 0.0)).backward()
                     if is_real:
                         for k, v in shares.items():
-                            sums[k] = sums.get(k, 0.0) + v.detach().double().cpu()
-                names = sorted(sums)
-                totals = self._all_sum(torch.stack([torch.as_tensor(sums[k]) for k in names])) if names else []
-                stats = {f"{prefix}/{k}": float(v) for k, v in zip(names, totals)}
+                            v = v.detach().double().cpu()
+                            if k.endswith("_max"):
+                                sums[k] = torch.maximum(sums[k], v) if k in sums else v
+                            else:
+                                sums[k] = sums.get(k, 0.0) + v
+                stats = self._reduce_stats(sums, prefix)
                 if return_grads:
                     grads = self._full_grads()
                 stats[f"{prefix}/grad_norm"] = self._optimizer_step(grad_clip)
+                if epoch == 0 and start == 0:
+                    first = {f"{prefix}/first_mini_batch/{k}": stats[f"{prefix}/{k}"] for k in first_keys
+                             if f"{prefix}/{k}" in stats}
                 for k, v in stats.items():
                     history.setdefault(k, []).append(v)
         self.scheduler.step()
         self.update_steps += 1
-        metrics: dict[str, Any] = {k: sum(v) / len(v) for k, v in history.items()}
+        metrics: dict[str, Any] = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in history.items()}
+        metrics.update(first)
         metrics[f"{prefix}/lr"] = lr
         if return_grads:
             metrics["grads"] = grads
         return metrics
+
+    def _reduce_stats(self, sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
+        """Per-rank metric shares -> totals over the ranks (``*_max`` metrics: the max)."""
+        out: dict[str, float] = {}
+        for names, reduce in (([k for k in sorted(sums) if not k.endswith("_max")], self._all_sum),
+                              ([k for k in sorted(sums) if k.endswith("_max")], self._all_max_float)):
+            if names:
+                totals = reduce(torch.stack([torch.as_tensor(sums[k]) for k in names]))
+                out.update({f"{prefix}/{k}": float(v) for k, v in zip(names, totals)})
+        return out
 
     def _optimizer_step(self, grad_clip: float) -> float:
         """Clip to ``grad_clip`` (if > 0) and step; skip the step on a non-finite norm. Returns the norm."""

