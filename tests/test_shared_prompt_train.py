@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
 from rlpad.config_loader import load_config
 from rlpad.data import build_datasets
 from rlpad.core.models import load_tokenizer
@@ -33,15 +34,23 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.workers, name)
 
-    def compute_log_prob(self, batch):
-        out = self.workers.compute_log_prob(batch)
-        self.seen.append((batch["input_ids"].clone(), batch["response_mask"].clone(), out["old_log_probs"].clone()))
+    def compute_log_prob(self, batch, **kwargs):
+        out = self.workers.compute_log_prob(batch, **kwargs)
+        if kwargs.get("for_update", True):  # the step's old log-probs (not a validation pass)
+            self.seen.append((batch["input_ids"].clone(), batch["response_mask"].clone(), out["old_log_probs"].clone()))
         return out
 
 
-def grpo_run(out_dir: str, share: bool) -> list:
-    from workers.launcher import launch_workers
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
 
+    init_local_ray(4, runtime_env={"env_vars": QUIET_ENV})  # one Ray for both runs
+    yield
+    ray.shutdown()
+
+
+def grpo_run(out_dir: str, share: bool) -> list:
     config = resolve_embedded(load_config(GRPO, [
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
@@ -60,7 +69,7 @@ def grpo_run(out_dir: str, share: bool) -> list:
     return workers.seen
 
 
-def test_grpo_old_log_probs_equal_with_and_without_shared_prompts(tmp_path):
+def test_grpo_old_log_probs_equal_with_and_without_shared_prompts(ray_session, tmp_path):
     plain = grpo_run(str(tmp_path / "plain"), share=False)
     shared = grpo_run(str(tmp_path / "shared"), share=True)
     assert len(plain) == len(shared) == STEPS
