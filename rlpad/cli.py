@@ -20,6 +20,18 @@ def _bench(args: argparse.Namespace) -> int:
         from rlpad.bench.report import run_all
 
         run_all(args.out or "results", reps=args.reps)
+    elif args.device == "cuda":
+        if args.what != "logprob":
+            print(f"error: --device cuda is for `rlpad bench logprob`, not {args.what!r}", file=sys.stderr)
+            return 2
+        from rlpad.bench.logprob_cuda import run_cuda
+
+        try:
+            result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _write(result, args.out or "results/bench_logprob_cuda.json")
     elif args.what == "logprob":
         from rlpad.bench.logprob import run
 
@@ -37,8 +49,15 @@ def _bench(args: argparse.Namespace) -> int:
               f"compute_log_prob {result['speedup']['compute_log_prob']:.2f}x, "
               f"update_actor {result['speedup']['update_actor']:.2f}x")
         _write(result, args.out or "results/bench_workers.json")
+    elif args.what == "sync":
+        from workers.bench_sync import print_sync, run_sync_bench  # the Ray side
+
+        result = run_sync_bench(tuple(args.models or ("40m", "160m")), reps=args.reps)
+        print_sync(result)
+        _write(result, args.out or "results/bench_sync.json")
     else:
         from rlpad.bench.rollout import run_rollout_bench
+        from workers.bench_replicas import run_replica_bench  # the Ray side
 
         result = run_rollout_bench(reps=args.reps)
         print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
@@ -47,6 +66,10 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"  rollout ({dtype}) vs actor (fp32) log-probs over {m['tokens']:.0f} tokens: |diff| mean "
                   f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
                   f"pearson {m['pearson']:.6f}")
+        result["replicas"] = run_replica_bench(reps=args.reps)
+        for run in result["replicas"]["runs"]:
+            print(f"  {run['replicas']} replica(s): {run['tokens_per_s']:.0f} generated tokens/s "
+                  f"({result['replicas']['speedup'][str(run['replicas'])]:.2f}x of 1)")
         _write(result, args.out or "results/bench_rollout.json")
     return 0
 
@@ -57,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size")
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync"])
+    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size; sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="logprob: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+    bench.add_argument("--micro-rows", type=int, default=16, help="logprob --device cuda: rows per micro-batch")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)

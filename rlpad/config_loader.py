@@ -27,8 +27,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import (ADV_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES,
-                          TRUNCATION_MODES, Config)
+from rlpad.config import (
+    ADV_ESTIMATORS, ATTN_IMPLEMENTATIONS, BACKENDS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
+    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
+)
 
 __all__ = [
     "config_from_dict", "config_to_dict", "load_config",
@@ -298,6 +300,13 @@ def validate_config(config: Config) -> Config:
             problems.append(f"{key}.share_prompts=true needs {key}.use_remove_padding=true "
                             "(the shared prompt lives in the packed row)")
     one_of("trainer.device", trainer.device, DEVICES)
+    one_of("trainer.backend", trainer.backend, BACKENDS)
+    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if config.uses_critic else [])
+    for key, model in models:
+        one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if model.attn_implementation == "sdpa" and model.use_remove_padding:
+            problems.append(f"{key}.attn_implementation=sdpa runs the padded path only; set {key}.use_remove_padding=false "
+                            "or choose auto / rlpad_varlen / flash_attention_2")
     one_of("algorithm.rollout_correction.mode", alg.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
     if not alg.rollout_correction.threshold > 1.0:
         problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
@@ -316,6 +325,19 @@ def validate_config(config: Config) -> Config:
                         "and needs n >= 2 (or use algorithm.adv_estimator=gae)")
     if rollout.val_kwargs.n < 1:
         problems.append(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} must be >= 1")
+    if rollout.tensor_model_parallel_size < 1:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
+                        "must be >= 1")
+    if rollout.num_replicas is not None and rollout.num_replicas < 1:
+        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas} must be >= 1 "
+                        "(or null for the default)")
+    elif rollout.name == "hf" and (rollout.num_replicas or 1) > 1:
+        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: the hf backend seeds a whole "
+                        "generate call, not each prompt, so replicas would change the samples; use 1 or name=vllm")
+    elif trainer.backend == "local" and (rollout.num_replicas or 1) > 1:
+        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: trainer.backend=local runs "
+                        "one rollout engine in the driver process; use 1 or trainer.backend=ray")
+    positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),
         ("data.val_batch_size", d.val_batch_size, True),
@@ -350,7 +372,7 @@ def validate_config(config: Config) -> Config:
         problems.append("optim.lr must be >= 0")
 
     # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
-    world = max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
+    world = 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
     n = max(rollout.n, 1)
     sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if config.uses_critic else [])
     for key, sec in sections:

@@ -1,7 +1,8 @@
 """``python -m rlpad.train --config recipes/<name>.yaml [a.b.c=value ...]`` (also ``rlpad train``).
 
 Locally it starts a Ray head on 127.0.0.1 itself; under ``ray job submit`` (RAY_ADDRESS set) it
-joins that cluster. Two embedded names make the default recipe self-contained on a fresh
+joins that cluster. ``trainer.backend=local`` runs the same workers in this process instead (no
+Ray, world size 1; workers/local.py). Two embedded names make the default recipe self-contained on a fresh
 machine: ``actor_rollout_ref.model.path: embedded:toy`` is the tiny Qwen2 model warm-started on
 the toy task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files: [toy:train]`` /
 ``data.val_files: [toy:val]`` are the toy dataset of :mod:`rlpad.embedded.toy` (written on first use).
@@ -69,10 +70,8 @@ def run(config: Config) -> dict[str, float]:
     os.makedirs(out_dir, exist_ok=True)
     save_config(config, os.path.join(out_dir, "config.yaml"))
 
-    from workers.launcher import launch_workers  # the Ray side
-
     start = time.perf_counter()
-    workers = launch_workers(config)
+    workers = _launch(config)
     trainer = Trainer(config, workers, tokenizer, train_loader, val_dataset, reward_fn)
     try:
         history = trainer.fit()
@@ -81,6 +80,17 @@ def run(config: Config) -> dict[str, float]:
     summary = summarize(history) | {"wall_s": time.perf_counter() - start}
     _print_summary(summary, config)
     return summary
+
+
+def _launch(config: Config):
+    """The worker stack named by ``trainer.backend``: Ray actors, or everything in this process."""
+    if config.trainer.backend == "local":
+        from workers.local import launch_local_workers  # no Ray
+
+        return launch_local_workers(config)
+    from workers.launcher import launch_workers  # the Ray side
+
+    return launch_workers(config)
 
 
 def _print_summary(summary: dict[str, float], config: Config) -> None:

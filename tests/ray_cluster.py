@@ -141,9 +141,10 @@ class RayCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment for clients of this cluster (`ray job ...`, drivers): its token, no RAY_ADDRESS."""
+        """Environment for clients of this cluster (`ray job ...`, drivers): its token, no RAY_ADDRESS,
+        and the single-node switch as the head has it (a driver of a multi-node cluster needs "1")."""
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", MARKER)}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, **{SINGLE_NODE_ENV: "0" if self.local_only else "1"})
         return env
 
     @property
@@ -174,6 +175,8 @@ class RayCluster:
 
     def add_node(self, num_cpus: int, *, ip: str = "127.0.0.2") -> RayNode:
         """Join a node with node IP ``ip`` (a loopback address other than 127.0.0.1 works)."""
+        if not self.nodes:
+            raise RuntimeError("start the head first")
         if self.local_only:
             raise ValueError("a head started with local_only=True cannot take other nodes in Ray 2.60; "
                              "start it with local_only=False")

@@ -147,6 +147,12 @@ def test_missing_or_malformed_recipe(tmp_path):
     (["actor_rollout_ref.rollout.top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
     (["trainer.logger=[console,wandbb]"], "'wandbb' is not valid"),
     (["actor_rollout_ref.model.dtype=float64"], "actor_rollout_ref.model.dtype='float64'"),
+    (["actor_rollout_ref.rollout.num_replicas=0"], "actor_rollout_ref.rollout.num_replicas=0 must be >= 1"),
+    (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.num_replicas=2"],
+     "hf backend seeds a whole generate call"),
+    (["trainer.backend=local", "actor_rollout_ref.rollout.num_replicas=2"], "trainer.backend=local runs one rollout"),
+    (["actor_rollout_ref.rollout.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb=0.0 must be > 0"),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], "tensor_model_parallel_size=0 must be >= 1"),
 ])
 def test_semantic_checks(overrides, wanted):
     with pytest.raises(ValueError) as e:
@@ -176,3 +182,13 @@ def test_yaml_round_trip(tmp_path):
     assert config_to_dict(cfg)["actor_rollout_ref"]["rollout"]["n"] == 4
 
 
+def test_rollout_replicas_default_and_explicit():
+    from rlpad.config import rollout_replicas
+
+    cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert rollout_replicas(cfg, cuda=True) == 4  # 8 rollout GPUs / TP 2
+    assert rollout_replicas(cfg, cuda=False) == 1
+    cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.num_replicas=3"])
+    assert rollout_replicas(cfg, cuda=False) == rollout_replicas(cfg, cuda=True) == 3
+    assert load_config(RECIPE).actor_rollout_ref.rollout.weight_sync_bucket_mb == 512

@@ -185,7 +185,8 @@ def test_check_finds_a_mismatch(pins, lock):
 
 def test_gpu_pins_meet_rlpads_own_requirements(pins):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for line in project["dependencies"] + project["optional-dependencies"]["gpu"]:
+    extras = project["optional-dependencies"]
+    for line in project["dependencies"] + extras["gpu"] + extras["flash"]:
         req = Requirement(line)
         name = canonicalize_name(req.name)
         if name in pins:
@@ -219,6 +220,19 @@ def test_gpu_image_installs_with_the_pins(lock):
     assert (int(cuda[1]), int(cuda[2])) == (toolkit.major, toolkit.minor)
     # the Python the pins were checked for is the one the image installs
     assert f"python{check_pins.IMAGE_PYTHON}-venv" in runs(GPU)[0]
+
+
+def test_flash_attn_is_optional_in_the_image_and_the_extras():
+    # The gpu extra and the default image run remove-padding on torch's varlen kernel; flash-attn
+    # comes with the flash extra, and in the image only with --build-arg WITH_FLASH_ATTN=1.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(canonicalize_name(Requirement(r).name) == "flash-attn" for r in extras["gpu"])
+    assert [canonicalize_name(Requirement(r).name) for r in extras["flash"]] == ["flash-attn"]
+    assert ("ARG", "WITH_FLASH_ATTN=0") in instructions(GPU)
+    flash_runs = [r for r in runs(GPU) if "flash-attn" in r]
+    assert len(flash_runs) == 1
+    assert re.match(r'if \[ "\$\{WITH_FLASH_ATTN\}" = "1" \]; then .* pip install .*flash-attn; fi$', flash_runs[0]), flash_runs
+    assert "[gpu]" in runs(GPU)[-1] or any('[gpu]"' in r for r in runs(GPU))
 
 
 # ---------- the Ray node script ----------

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ray_cluster import MARKER, SINGLE_NODE_ENV, RayCluster, RayNode, node_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from ray_cluster import RAY, RayCluster, listening
 
 pytest.importorskip("vllm")

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from rlpad.config import DataConfig, RolloutConfig  # noqa: E402
 from rlpad.rollout.hf import HFRollout  # noqa: E402
 from test_rollout_layout import P, R, assert_rollout_layout, make_model, perturbed, prompt_batch, save_model  # noqa: E402
-from workers.rollout import create_rollout_actor  # noqa: E402
+from workers.rollout import RolloutReplicas, create_rollout_actor  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -45,9 +45,39 @@ def test_rollout_worker_generates_and_takes_weights_as_ray_actor(ray_session, tm
         ray.kill(actor)
 
 
-def test_weights_pass_from_a_two_rank_fsdp_actor_group_to_the_rollout_actor(ray_session, tmp_path):
-    """update_actor on a 2-rank FSDP2 group changes the policy; full_state_dict -> update_weights
-    makes vLLM's greedy outputs equal HF's for the actor's new weights (saved with save_hf)."""
+def test_one_and_two_replicas_sample_the_same_responses(ray_session, tmp_path):
+    """Seeded sampling per prompt by its index in the step's batch: a 2-replica split gives the
+    1-replica responses; a slice seeded from index 0 (no offset) does not (negative control)."""
+    path = save_model(make_model(), tmp_path)
+    prompts = prompt_batch(lengths=(10, 3, 7, 1, 5, 10, 4))  # 7 prompts: slices of 4 and 3
+    one = RolloutReplicas(path, ROLLOUT, DATA, num_replicas=1)
+    try:
+        single = one.generate(prompts, seed=11)
+        single_val = one.generate_validation(prompts)
+    finally:
+        one.shutdown()
+    two = RolloutReplicas(path, ROLLOUT, DATA, num_replicas=2)
+    try:
+        split = two.generate(prompts, seed=11)
+        split_val = two.generate_validation(prompts)
+        assert split.meta["rollout_replicas"] == 2
+        assert split.meta["rollout_response_tokens"] == int(split["response_mask"].sum())
+        unshifted = ray.get(two.actors[1].generate.remote(prompts.index(slice(4, 7)), seed=11))
+    finally:
+        two.shutdown()
+    assert_rollout_layout(split, prompts, n=ROLLOUT.n)
+    assert list(split["uid"]) == list(single["uid"])
+    assert torch.equal(split["responses"], single["responses"])
+    assert torch.equal(split["response_mask"], single["response_mask"])
+    torch.testing.assert_close(split["rollout_log_probs"], single["rollout_log_probs"], rtol=0, atol=1e-5)
+    assert torch.equal(split_val["responses"], single_val["responses"])
+    assert not torch.equal(unshifted["responses"], single["responses"][4 * ROLLOUT.n:])
+
+
+def test_bucketed_weight_push_from_a_two_rank_fsdp_group_to_two_replicas(ray_session, tmp_path):
+    """update_actor on a 2-rank FSDP2 group changes the policy; push_weights sends it in several
+    buckets straight to two vLLM replicas, whose greedy outputs then equal HF's for the actor's
+    new weights (saved with save_hf)."""
     from transformers import AutoModelForCausalLM
 
     from rlpad.config import ActorRolloutRefConfig
@@ -60,21 +90,22 @@ def test_weights_pass_from_a_two_rank_fsdp_actor_group_to_the_rollout_actor(ray_
     cfg.model.path, cfg.rollout.n = path, 1
     cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.optim.lr = 8, 4, 0.05
     group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2)
-    rollout = create_rollout_actor(path, ROLLOUT, DATA, num_cpus=1)
+    replicas = RolloutReplicas(path, ROLLOUT, DATA, num_replicas=2)
     try:
         prompts = prompt_batch()
-        before = ray.get(rollout.generate_validation.remote(prompts))["responses"]
+        before = [ray.get(a.generate_validation.remote(prompts))["responses"] for a in replicas.actors]
         vocab = make_model().config.vocab_size
         group.call_batch("update_actor", ppo_batch(8, 6, 6, vocab_size=vocab, seed=1), chunk_rows=8)
-        state = group.call("full_state_dict")[0]
-        assert "lm_head.weight" in state  # tied head sent explicitly (vLLM-CPU packs its own copy)
-        ray.get(rollout.update_weights.remote(state))
-        after = ray.get(rollout.generate_validation.remote(prompts))["responses"]
+        stats, other = group.call("push_weights", replicas.actors, 64 << 10)  # 64 KiB: one block per bucket
+        assert other is None and stats["buckets"] >= 3  # the non-block unit + 2 decoder blocks
         group.call("save_hf", str(tmp_path / "trained"))
         trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for t in trained.state_dict().values())
         reference = HFRollout(trained, ROLLOUT, DATA, tokenizer_path=path).generate_validation(prompts)["responses"]
-        assert (after != before).any(1).sum() >= 2
-        assert torch.equal(after, reference)
+        for actor, old in zip(replicas.actors, before):
+            after = ray.get(actor.generate_validation.remote(prompts))["responses"]
+            assert (after != old).any(1).sum() >= 2
+            assert torch.equal(after, reference)
     finally:
         group.shutdown()
-        ray.kill(rollout)
+        replicas.shutdown()

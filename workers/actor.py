@@ -26,8 +26,9 @@ from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
-from rlpad.core.models import load_causal_lm, load_tokenizer
-from workers.fsdp import FSDPWorker, check_rollout_batch
+from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
+from rlpad.rollout.buckets import plan_buckets
+from workers.fsdp import FSDPWorker, check_rollout_batch, full_tensor
 
 __all__ = ["ActorWorker"]
 
@@ -45,19 +46,23 @@ class ActorWorker(FSDPWorker):
         self.model = None  # the HF causal LM inside the FSDP root
 
     def init_model(self) -> None:
-        """Join the process group, load the model, shard it (FSDP2), build AdamW + warm-up (actor only)."""
+        """Join the process group, build the model (read by rank 0 only, see
+        :meth:`FSDPWorker._shard_from_rank0`), shard it (FSDP2), build AdamW + warm-up (actor only)."""
         self._init_distributed()
         mcfg = self.config.model
-        model = load_causal_lm(
-            mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
-            share_prompts=mcfg.share_prompts,
-        )
+        path = self._local_path(mcfg.path)
+        attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
+        if self.reads_checkpoint:  # loaded on the CPU; sharding moves each rank's rows to its device
+            model = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
+        else:
+            model = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "ref":
             model.requires_grad_(False)
         self.model = model
-        self.root = self._shard(LogProbModel(model), model)
+        self.root = self._shard_from_rank0(LogProbModel(model), model)
         if self.role == "actor":
             self._build_optimizer(self.config.actor.optim)
 
@@ -86,8 +91,7 @@ class ActorWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
-            share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy,
-            logits_chunk_size=mcfg.logits_chunk_size,
+            share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 
@@ -187,17 +191,72 @@ class ActorWorker(FSDPWorker):
 
     # ------------------------------------------------------------------ weights out
 
+    def _hf_sources(self) -> list[tuple[str, str]]:
+        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding."""
+        self._require_model()
+        keys = list(self.root.state_dict().keys())
+        pairs = [(_hf_name(k), k) for k in keys]
+        if "lm_head.weight" not in {n for n, _ in pairs} and getattr(self.model.config, "tie_word_embeddings", False):
+            embed = [k for n, k in pairs if n.endswith("embed_tokens.weight")]
+            if not embed:
+                raise RuntimeError(f"{self.role}: tied embeddings but no embed_tokens.weight in the state dict")
+            pairs.append(("lm_head.weight", embed[0]))
+        return pairs
+
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied.
 
         A collective: every rank must iterate it to the end.
         """
-        seen = False
-        for name, tensor in self.iter_full_tensors(prefix="model."):
-            seen |= name == "lm_head.weight"
-            yield name, tensor
-        if not seen and getattr(self.model.config, "tie_word_embeddings", False):
-            yield "lm_head.weight", self.model.get_input_embeddings().weight.full_tensor().detach()
+        state = self.root.state_dict() if self.root is not None else None
+        for name, key in self._hf_sources():
+            yield name, full_tensor(state[key]).detach()
+
+    def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
+        """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
+        sources = self._hf_sources()
+        state = self.root.state_dict()
+        sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
+        return plan_buckets(sizes, bucket_bytes)
+
+    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
+
+        A collective: every rank gathers every tensor (FSDP2 all-gathers) and must iterate to the
+        end; only rank 0 keeps them (the other ranks yield empty buckets). At most one bucket is
+        held at a time by this generator.
+        """
+        plan = self._bucket_plan(bucket_bytes)
+        state, sources = self.root.state_dict(), dict(self._hf_sources())
+        for names in plan:
+            bucket = []
+            for name in names:
+                full = full_tensor(state[sources[name]]).detach()
+                if self.rank == 0:
+                    bucket.append((name, full.cpu()))
+            yield bucket
+
+    def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2) -> dict[str, float] | None:
+        """Send the full weights to every rollout replica in buckets, without the driver; a collective.
+
+        Rank 0 gathers each bucket (with every rank) and puts it once in the Ray object store for
+        all replicas (workers.rollout.push_weight_buckets); returns its stats on rank 0, ``None``
+        elsewhere.
+        """
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
+        if not replicas or max_in_flight < 1:  # checked on every rank, before any collective
+            raise ValueError(f"push_weights needs >= 1 replica and max_in_flight >= 1, got {len(replicas)}, "
+                             f"{max_in_flight}")
+        buckets = self.iter_weight_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
+
+        partial = len(self._bucket_plan(bucket_bytes)) > 1
+        return push_weight_buckets(buckets, replicas, max_in_flight=max_in_flight, partial=partial)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU, for the rollout sync (``None`` off rank 0 if ``rank0_only``)."""
@@ -216,7 +275,7 @@ class ActorWorker(FSDPWorker):
             self.model.save_pretrained(path, state_dict=state)
             mcfg = self.config.model
             try:
-                load_tokenizer(mcfg.tokenizer_path or mcfg.path).save_pretrained(path)
+                load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path)).save_pretrained(path)
             except (OSError, ValueError):
                 pass  # no tokenizer next to the weights: the weights alone are still loadable
         if self.world_size > 1:

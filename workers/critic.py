@@ -11,7 +11,7 @@ from typing import Any
 from rlpad.algos import compute_value_loss, masked_sum
 from rlpad.batch import Batch
 from rlpad.config import CriticConfig
-from rlpad.core.models import load_causal_lm
+from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
 from workers.fsdp import FSDPWorker, check_rollout_batch
 
@@ -33,13 +33,18 @@ class CriticWorker(FSDPWorker):
         """Join the process group, build and shard the value model, build AdamW + warm-up."""
         self._init_distributed()
         mcfg = self.config.model
-        lm = load_causal_lm(mcfg.path, dtype=mcfg.dtype, device=self.device, trust_remote_code=mcfg.trust_remote_code,
-                            share_prompts=mcfg.share_prompts)  # fmt: skip
+        path = self._local_path(mcfg.path)
+        attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
+        if self.reads_checkpoint:  # the other ranks build on the meta device and receive their shards
+            lm = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
+        else:
+            lm = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)
         del lm  # the LM head is not part of the critic
-        self.root = self._shard(value_model, value_model.backbone)
+        self.root = self._shard_from_rank0(value_model, value_model.backbone)
         self._build_optimizer(self.config.optim)
 
     def _values(self, piece: Batch):

@@ -37,8 +37,10 @@ from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.seqlen import count_micro_batches, pack_units_by_rows, restore_order, shared_units, split_by_token_budget
+from workers.net import free_port, pin_interface
+from workers.sharded_init import fill_from_rank0
 
-__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port"]
+__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port", "full_tensor"]  # free_port: from workers.net
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -46,16 +48,8 @@ INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective); a plain tensor as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -75,6 +69,8 @@ class FSDPWorker:
         master_port: int | None = None,
         seed: int = 1,
         timeout_s: float = 1800.0,
+        resolve_path: Callable[[str], str] | None = None,
+        device: str | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must be in [0, {world_size})")
@@ -83,7 +79,14 @@ class FSDPWorker:
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         self.seed, self.timeout_s = seed, timeout_s
-        cuda = torch.cuda.is_available()
+        self.resolve_path = resolve_path  # driver path -> readable path on this node (workers.staging)
+        self.socket_ifname: str | None = None
+        self.paths_read: dict[str, str] = {}  # config path -> the path this rank read
+        if device not in (None, "auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        cuda = torch.cuda.is_available() if device in (None, "auto") else device == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ValueError(f"{self.role}: device=cuda but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.root: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -91,6 +94,21 @@ class FSDPWorker:
         self.update_steps = 0  # completed update calls (= LR scheduler steps)
 
     # ------------------------------------------------------------------ set-up
+
+    def set_rendezvous(self, master_addr: str, master_port: int) -> None:
+        """Where rank 0 listens (its node IP and a free port there); call before ``init_model``."""
+        self.master_addr, self.master_port = master_addr, int(master_port)
+
+    def rank_info(self) -> dict[str, Any]:
+        """What this rank used to join its group: rendezvous, socket interface, host, pid."""
+        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "master_addr": self.master_addr, "master_port": self.master_port,
+                "socket_ifname": self.socket_ifname, "paths_read": dict(self.paths_read)}
+
+    def _local_path(self, path: str) -> str:
+        local = self.resolve_path(path) if self.resolve_path is not None else path
+        self.paths_read[path] = local
+        return local
 
     def _init_distributed(self) -> None:
         if dist.is_initialized():
@@ -104,15 +122,19 @@ class FSDPWorker:
                 if self.world_size > 1:
                     raise ValueError(f"{self.role}: master_port is required when world_size > 1")
                 self.master_port = free_port(self.master_addr)
-            if self.master_addr in ("127.0.0.1", "localhost") and os.path.exists("/sys/class/net/lo"):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo traffic on the loopback
             cuda = self.device.type == "cuda"
+            self.socket_ifname = pin_interface(self.master_addr, cuda)
             dist.init_process_group(
                 "cpu:gloo,cuda:nccl" if cuda else "gloo",
                 init_method=f"tcp://{self.master_addr}:{self.master_port}",
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s),
             )  # fmt: skip
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    @property
+    def reads_checkpoint(self) -> bool:
+        """Only rank 0 reads the weights; the other ranks build on the meta device and receive shards."""
+        return self.rank == 0 or self.world_size == 1
 
     def _shard(self, root: nn.Module, inner: nn.Module) -> nn.Module:
         """``fully_shard`` each decoder layer of ``inner``, then ``root`` (embeddings, norm, heads)."""
@@ -123,6 +145,18 @@ class FSDPWorker:
             if type(module).__name__ in layer_types:
                 fully_shard(module, mesh=self.mesh)
         fully_shard(root, mesh=self.mesh)
+        return root
+
+    def _shard_from_rank0(self, root: nn.Module, inner: nn.Module) -> nn.Module:
+        """Shard ``root`` (loaded on rank 0, on the meta device elsewhere); every rank receives its
+        rows from rank 0 (:func:`workers.sharded_init.fill_from_rank0`)."""
+        if self.world_size == 1:
+            return self._shard(root, inner)
+        full = {name: p.detach() for name, p in root.named_parameters()} if self.reads_checkpoint else None
+        self._shard(root, inner)
+        if not self.reads_checkpoint:
+            root.to_empty(device=self.device)
+        fill_from_rank0(root, full, rank=self.rank, world_size=self.world_size, device=self.device)
         return root
 
     def _build_optimizer(self, optim_cfg: Any) -> None:
@@ -368,7 +402,7 @@ class FSDPWorker:
     def _optimizer_step(self, grad_clip: float) -> float:
         """Clip to ``grad_clip`` (if > 0) and step; skip the step on a non-finite norm. Returns the norm."""
         params = [p for p in self.root.parameters() if p.grad is not None]
-        norm = _full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
         if torch.isfinite(norm):
             if grad_clip and grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
@@ -379,7 +413,7 @@ class FSDPWorker:
     def _full_grads(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients by parameter name; a collective: every rank must call it."""
         return {
-            name: _full(p.grad).detach().float().cpu().clone()
+            name: full_tensor(p.grad).detach().float().cpu().clone()
             for name, p in self.root.named_parameters() if p.grad is not None
         }  # fmt: skip
 
@@ -389,7 +423,7 @@ class FSDPWorker:
         """``(name, full tensor)`` for every state-dict entry, ``prefix`` stripped; a collective."""
         self._require_model()
         for name, t in self.root.state_dict().items():
-            full = _full(t).detach()
+            full = full_tensor(t).detach()
             yield (name[len(prefix):] if prefix and name.startswith(prefix) else name), full
 
     def _state_dicts(self) -> tuple[dict, dict]:

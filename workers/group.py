@@ -1,12 +1,16 @@
 """N Ray actors of one role forming ONE torch.distributed group, driven from the trainer.
 
-``WorkerGroup(ActorWorker, config, role="actor", world_size=2)`` reserves a placement group
-(one bundle per rank, packed on one node), starts the actors with RANK / WORLD_SIZE /
-MASTER_ADDR=127.0.0.1 / a free MASTER_PORT, and calls ``init_model`` on all of them (gloo on
-CPU, nccl on CUDA). ``call_batch`` splits a batch across the ranks with equal row counts and
-balanced token work (rlpad.seqlen), runs the method on every rank and merges the results back
-in the caller's row order; with ``model.share_prompts`` whole prompt groups go to one rank. A
-rank whose actor died raises ``RuntimeError`` naming role and rank.
+``WorkerGroup(ActorWorker, config, role="actor", nnodes=2, ranks_per_node=4)`` plans the nodes
+(:mod:`workers.placement`: the first nodes in IP order with room, ``ValueError`` naming what each
+node lacks otherwise), reserves one STRICT_PACK placement group per node (a bundle per rank,
+pinned to that node), starts the actors node by node (ranks 0..3 on the first node, 4..7 on the
+second), asks rank 0 for its node IP and a free port there (MASTER_ADDR / MASTER_PORT of every
+rank) and calls ``init_model`` on all of them (gloo on CPU, nccl on CUDA; each rank picks the
+network interface that reaches rank 0). ``world_size=N`` alone means one node with N ranks.
+
+``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
+(rlpad.seqlen), runs the method on every rank and merges the results back in the caller's row
+order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. A rank whose actor died raises ``RuntimeError`` naming role and rank.
 """
 
 from __future__ import annotations
@@ -15,15 +19,34 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import Batch
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
-from workers.fsdp import free_port
+from workers.net import free_port
+from workers.placement import Node, plan_nodes, release, reserve
 
-__all__ = ["WorkerGroup"]
+__all__ = ["WorkerGroup", "ray_rank_class"]
+
+
+def ray_rank_class(worker_cls: type) -> Any:
+    """``ray.remote`` of ``worker_cls`` plus what only a Ray actor can tell: its node and a port there."""
+
+    class RayRank(worker_cls):  # type: ignore[misc, valid-type]
+        def node(self) -> dict[str, str]:
+            return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
+
+        def rendezvous_endpoint(self) -> tuple[str, int]:
+            """This node's IP and a TCP port free on it (asked from rank 0: MASTER_ADDR / MASTER_PORT)."""
+            ip = ray.util.get_node_ip_address()
+            return ip, free_port(ip)
+
+        def rank_info(self) -> dict[str, Any]:
+            return super().rank_info() | self.node()
+
+    RayRank.__name__ = RayRank.__qualname__ = worker_cls.__name__  # what the Ray state API shows
+    return ray.remote(RayRank)
 
 
 class WorkerGroup:
@@ -35,42 +58,54 @@ class WorkerGroup:
         config: Any,
         *,
         role: str,
-        world_size: int,
+        world_size: int | None = None,
+        nnodes: int = 1,
+        ranks_per_node: int | None = None,
+        nodes: list[Node] | None = None,
         num_cpus_per_worker: float = 1,
         num_gpus_per_worker: float | None = None,
         init_model: bool = True,
         ready_timeout_s: float = 300.0,
         **worker_kwargs: Any,
     ):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if ranks_per_node is None:
+            if world_size is None or world_size % nnodes:
+                raise ValueError(f"{role}: give ranks_per_node, or a world_size divisible by nnodes={nnodes}")
+            ranks_per_node = world_size // nnodes
+        if ranks_per_node < 1 or nnodes < 1:
+            raise ValueError(f"{role}: nnodes ({nnodes}) and ranks_per_node ({ranks_per_node}) must be >= 1")
+        if world_size is not None and world_size != nnodes * ranks_per_node:
+            raise ValueError(f"{role}: world_size={world_size} != nnodes {nnodes} x ranks_per_node {ranks_per_node}")
+        world_size = nnodes * ranks_per_node
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= world_size else 0
         self.role, self.world_size = role, world_size
         self._worker_cls, self._config = worker_cls, config
         bundle = {"CPU": num_cpus_per_worker} | ({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})
-        self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
-        try:
-            ray.get(self._pg.ready(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            remove_placement_group(self._pg)
-            raise RuntimeError(
-                f"{role}: could not reserve {world_size} x {bundle} on one node within {ready_timeout_s:.0f} s "
-                f"(cluster has {ray.cluster_resources()})"
-            ) from e
-        port = free_port()
-        remote_cls = ray.remote(worker_cls)
+        if nodes is None:
+            nodes = plan_nodes(nnodes, {k: v * ranks_per_node for k, v in bundle.items()}, what=f"{role} group")
+        if len(nodes) != nnodes:
+            raise ValueError(f"{role}: {len(nodes)} nodes given for nnodes={nnodes}")
+        self.nodes = nodes
+        self._pgs = reserve(nodes, ranks_per_node, bundle, what=f"{role} group", timeout_s=ready_timeout_s)
+        remote_cls = ray_rank_class(worker_cls)
         self.workers = [
             remote_cls.options(
                 num_cpus=num_cpus_per_worker,
                 num_gpus=num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote(config, role=role, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                     master_port=port, **worker_kwargs)  # fmt: skip
-            for rank in range(world_size)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=local),
+            ).remote(config, role=role, rank=n * ranks_per_node + local, world_size=world_size, **worker_kwargs)
+            for n, pg in enumerate(self._pgs)
+            for local in range(ranks_per_node)
         ]
+        self.master_addr, self.master_port = self._gather([self.workers[0].rendezvous_endpoint.remote()])[0]
+        self.call("set_rendezvous", self.master_addr, self.master_port)
         if init_model:
             self.call("init_model")
+
+    def rank_info(self) -> list[dict[str, Any]]:
+        """Per rank: node IP / id, pid, and the MASTER_ADDR / port and socket interface it used."""
+        return self.call("rank_info")
 
     def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Results per rank; the first failure is raised as soon as it arrives (others may be stuck
@@ -162,4 +197,4 @@ class WorkerGroup:
             except Exception:  # already gone
                 pass
         self.workers = []
-        remove_placement_group(self._pg)
+        release(self._pgs)

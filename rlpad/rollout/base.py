@@ -64,24 +64,28 @@ class RolloutBackend(ABC):
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
 
-    def generate(self, batch: Batch, seed: int | None = None) -> Batch:
+    def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B prompt rows -> B*n rollout rows sampled with the rollout config.
 
-        With ``seed`` the samples depend only on (seed, prompt position): the trainer passes
-        ``rollout.seed + step`` so a resumed run samples exactly what an uninterrupted one did.
+        With ``seed`` the samples of a prompt depend only on (seed, its index in the step's
+        batch): the trainer passes ``rollout.seed + step`` so a resumed run samples exactly what an
+        uninterrupted one did. ``prompt_offset`` is the index of this batch's first prompt in the
+        step's batch, for a replica that generates one slice of it (vLLM backend; HF seeds the call).
         """
-        return self._generate(batch, self.sampling, seed)
+        if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
+            raise ValueError(f"prompt_offset must be an int >= 0, got {prompt_offset!r}")
+        return self._generate(batch, self.sampling, seed, prompt_offset)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout: greedy, or ``rollout.val_kwargs`` sampling when ``do_sample``."""
         return self._generate(batch, self.val_sampling)
 
-    def _generate(self, batch: Batch, sampling: Sampling, seed: int | None = None) -> Batch:
+    def _generate(self, batch: Batch, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         batch.require("input_ids", "attention_mask", who="rollout.generate")
         prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
         start = time.perf_counter()
-        responses, log_probs = self._sample(prompts, sampling, seed)
+        responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
         seconds = time.perf_counter() - start
         out = build_rollout_batch(
             batch, prompts, responses, log_probs, n=sampling.n, prompt_width=batch["input_ids"].shape[1],
@@ -92,13 +96,27 @@ class RolloutBackend(ABC):
         return out
 
     @abstractmethod
-    def _sample(self, prompts: list[list[int]], sampling: Sampling,
-                seed: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(self, prompts: list[list[int]], sampling: Sampling, seed: int | None = None,
+                prompt_offset: int = 0) -> tuple[list[list[int]], list[list[float]]]:
         """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
 
     @abstractmethod
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
+        """Load some full weights (HF names, whole units: rlpad.rollout.buckets); returns the seconds.
+
+        Weights not named keep their values; call :meth:`finish_weight_update` after the last bucket.
+        ``partial``: one bucket of several (a backend may then skip its "weights not loaded" warnings).
+        """
+
+    def finish_weight_update(self) -> None:
+        """Drop state computed with the old weights (vLLM: the prefix cache)."""
+
     def update_weights(self, named_tensors: NamedTensors) -> float:
-        """Load full weights (HF checkpoint names) into the backend; returns the seconds taken."""
+        """Load full weights (HF checkpoint names) in one bucket; returns the seconds taken."""
+        start = time.perf_counter()
+        self.load_weights_bucket(named_tensors)
+        self.finish_weight_update()
+        return time.perf_counter() - start
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

@@ -39,7 +39,10 @@ class HFRollout(RolloutBackend):
         self._calls = 0
 
     @torch.no_grad()
-    def _sample(self, prompts, sampling: Sampling, seed: int | None = None):
+    def _sample(self, prompts, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0):
+        if prompt_offset and seed is not None:
+            raise ValueError("the hf rollout seeds a whole generate call, not each prompt: it cannot generate "
+                             "a slice of a step's batch (prompt_offset > 0); use one replica or rollout.name=vllm")
         rows = [p for p in prompts for _ in range(sampling.n)]  # prompt-major, interleaved
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device
@@ -65,8 +68,8 @@ class HFRollout(RolloutBackend):
         log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         return new.cpu().tolist(), log_probs.cpu().tolist()
 
-    def update_weights(self, named_tensors: NamedTensors) -> float:
-        """Copy full weights (HF names) into the model; returns the seconds taken."""
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
+        """Copy full weights (HF names; all or some) into the model; returns the seconds taken."""
         start = time.perf_counter()
         _, unexpected = self.model.load_state_dict(dict(named_pairs(named_tensors)), strict=False)
         if unexpected:

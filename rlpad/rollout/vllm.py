@@ -9,13 +9,14 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
-__all__ = ["KnownWarningFilter", "QUIET_FILTERS", "VLLMRollout"]
+__all__ = ["QUIET_FILTERS", "KnownWarningFilter", "VLLMRollout"]
 
 
 class KnownWarningFilter(logging.Filter):
@@ -50,6 +51,24 @@ QUIET_FILTERS = {
     "vllm.v1.worker.cpu_worker": KnownWarningFilter(
         "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
 }
+
+# vLLM's loggers that warn, per reload call, about layers a (partial) reload did not touch.
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
+                  "vllm.model_executor.model_loader.reload.layerwise")
+
+
+@contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Raise the given loggers to ERROR for the duration of the block."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 class VLLMRollout(RolloutBackend):
@@ -91,7 +110,7 @@ class VLLMRollout(RolloutBackend):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)))
 
-    def _sample(self, prompts, sampling, seed=None):
+    def _sample(self, prompts, sampling, seed=None, prompt_offset=0):
         from vllm import SamplingParams
 
         def params(request_seed: int | None) -> SamplingParams:
@@ -101,8 +120,11 @@ class VLLMRollout(RolloutBackend):
                 detokenize=False, seed=request_seed,
             )
 
-        # One seed per prompt (distinct, so different prompts do not share random draws).
-        per_prompt = params(None) if seed is None else [params(seed * 1_000_003 + i) for i in range(len(prompts))]
+        # One seed per prompt from its index in the step's batch (distinct, so prompts do not share
+        # random draws; global, so a replica generating a slice samples what one engine would).
+        per_prompt = params(None) if seed is None else [
+            params(seed * 1_000_003 + prompt_offset + i) for i in range(len(prompts))
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:
@@ -112,20 +134,27 @@ class VLLMRollout(RolloutBackend):
                 log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
         return responses, log_probs
 
-    def update_weights(self, named_tensors: NamedTensors) -> float:
-        """Load full weights into the live engine and reset the prefix cache; returns the seconds.
+    def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
+        """Load full tensors of whole units (rlpad.rollout.buckets) into the live engine; returns the seconds.
 
-        With tied embeddings a missing ``lm_head.weight`` is sent as a copy of the embedding:
-        vLLM's CPU backend keeps its own pre-packed LM head, which reloading the embedding alone
-        leaves stale.
+        One ``reload_weights`` per bucket: vLLM reloads layer by layer and puts back the current
+        weights of every layer the bucket does not name, warning about each; ``partial`` (one
+        bucket of several, whose sender covers every weight: rlpad.rollout.buckets.plan_buckets)
+        silences those warnings for this call. With tied embeddings a bucket holding the
+        embedding but no ``lm_head.weight`` also sends it as the head: vLLM's CPU backend keeps its
+        own pre-packed LM head, which reloading the embedding alone leaves stale.
         """
         weights: Iterable[tuple[str, torch.Tensor]] = self._with_tied_head(named_tensors)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or self.rollout.tensor_model_parallel_size > 1:
             weights = list(weights)  # crosses a process boundary: must be picklable
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        with _quiet(*RELOAD_LOGGERS) if partial else nullcontext():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         return time.perf_counter() - start
+
+    def finish_weight_update(self) -> None:
+        """Reset the prefix cache (its KV entries were computed with the old weights)."""
+        self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine and free its KV cache (the backend is unusable afterwards)."""

