@@ -44,6 +44,11 @@ def _bench(args: argparse.Namespace) -> int:
             name = os.path.splitext(os.path.basename(recipe))[0]
             out = args.out if args.out and len(recipes) == 1 else f"results/bench_e2e_{name}.json"
             run_e2e(recipe, steps=args.steps, overrides=args.set or (), out=out)
+    elif args.what == "prefix":
+        from rlpad.bench.prefix import run as run_prefix
+
+        run_prefix((args.models or ["40m"])[0], reps=args.reps, groups=args.groups,
+                   out=args.out or "results/bench_prefix.json")
     elif args.what == "workers":
         from workers.bench import run_worker_bench  # the Ray side
 
@@ -83,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "workers", "rollout", "sync", "e2e"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); workers: one size; sync: sizes (40m 160m)")
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e"])
+    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size; sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
+    bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

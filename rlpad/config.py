@@ -35,6 +35,7 @@ class ModelConfig:
     path: str = "tiny:qwen2"
     tokenizer_path: str | None = None  # defaults to ``path``
     use_remove_padding: bool = True
+    share_prompts: bool = False  # each distinct prompt once per group in the packed row (needs use_remove_padding)
     # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
     attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False

@@ -295,6 +295,10 @@ def validate_config(config: Config) -> Config:
     for key, dt in (("actor_rollout_ref.model.dtype", arr.model.dtype), ("critic.model.dtype", critic.model.dtype),
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, DTYPE_NAMES)
+    for key, mcfg in (("actor_rollout_ref.model", arr.model), ("critic.model", critic.model)):
+        if mcfg.share_prompts and not mcfg.use_remove_padding:
+            problems.append(f"{key}.share_prompts=true needs {key}.use_remove_padding=true "
+                            "(the shared prompt lives in the packed row)")
     one_of("trainer.device", trainer.device, DEVICES)
     one_of("trainer.backend", trainer.backend, BACKENDS)
     models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if config.uses_critic else [])

@@ -15,6 +15,10 @@ Everything here works on a list of per-row lengths (valid tokens, e.g.
   in one place; on the ranks themselves compute ``count_micro_batches`` locally, all-reduce
   the MAX, and pass it as ``min_num_micro_batches``.
 * ``restore_order`` puts outputs computed partition by partition back in the original order.
+* Shared prompts (``model.share_prompts``): ``shared_units`` cuts the groups of rows sharing a
+  prompt into units a split keeps whole; a unit costs ``P + sum(R_i)`` tokens (the prompt once).
+  ``pack_units_by_rows`` fills row-count micro-batches with whole units;
+  ``balance_units_across_ranks`` gives each rank whole units when that keeps row counts equal.
 
 Work model: a transformer layer costs about ``24 h^2 s`` FLOPs in its matmuls and ``2 h s^2``
 in causal attention for a sequence of ``s`` tokens and hidden size ``h``, so work is
@@ -36,11 +40,14 @@ __all__ = [
     "LINEAR_COEF",
     "QUAD_COEF",
     "balance_across_ranks",
+    "balance_units_across_ranks",
     "count_micro_batches",
     "karmarkar_karp",
+    "pack_units_by_rows",
     "restore_order",
     "reverse_index",
     "sequence_work",
+    "shared_units",
     "split_by_token_budget",
     "split_ranks_by_token_budget",
 ]
@@ -310,3 +317,69 @@ def restore_order(outputs: Any, partitions: Sequence[Sequence[int]]) -> Any:
             raise ValueError(f"outputs have {len(outputs)} rows, partitions hold {len(rev)}")
         return [outputs[j] for j in rev]
     raise TypeError(f"outputs must be a tensor, numpy array or list, got {type(outputs).__name__}")
+
+
+def shared_units(
+    groups: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    max_token_len: int | None = None,
+    max_rows: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """``(units, tokens)``: each group of rows sharing a prompt, cut into consecutive pieces whose
+    shared-prompt token count ``P + sum(R_i)`` fits ``max_token_len`` and whose rows fit
+    ``max_rows`` (when given); ``tokens[u]`` is unit u's count. A row alone over the budget raises."""
+    plens, rlens = _as_lengths(prompt_lengths, "prompt_lengths"), _as_lengths(response_lengths, "response_lengths")
+    units: list[list[int]] = []
+    tokens: list[int] = []
+    for group in groups:
+        current: list[int] = []
+        used = 0
+        for row in group:
+            prompt, cost = plens[row], rlens[row]
+            if max_token_len is not None and prompt + cost > max_token_len:
+                raise ValueError(f"sequence {row} has {prompt + cost} tokens, more than the micro-batch budget "
+                                 f"max_token_len={max_token_len}")  # fmt: skip
+            over_tokens = max_token_len is not None and prompt + used + cost > max_token_len
+            over_rows = max_rows is not None and len(current) >= max_rows
+            if current and (over_tokens or over_rows):
+                units.append(current)
+                tokens.append(prompt + used)
+                current, used = [], 0
+            current.append(row)
+            used += cost
+        if current:
+            units.append(current)
+            tokens.append(plens[current[0]] + used)
+    return units, tokens
+
+
+def pack_units_by_rows(unit_rows: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Unit indices per micro-batch of at most ``max_rows`` rows, whole units in order (a unit
+    larger than ``max_rows`` gets a micro-batch of its own)."""
+    parts: list[list[int]] = []
+    rows = 0
+    for u, n in enumerate(_as_lengths(unit_rows, "unit_rows")):
+        if not parts or rows + n > max_rows:
+            parts.append([])
+            rows = 0
+        parts[-1].append(u)
+        rows += n
+    return parts
+
+
+def _shared_work(tokens: int, rows: int) -> float:
+    return LINEAR_COEF * tokens + QUAD_COEF * tokens * tokens / max(rows, 1)
+
+
+def balance_units_across_ranks(
+    units: Sequence[Sequence[int]], tokens: Sequence[int], world_size: int
+) -> list[list[int]] | None:
+    """Row indices per rank made of whole units (work balanced by Karmarkar-Karp), or ``None`` when
+    whole units cannot give every rank the same row count (units of unequal size, or a count that
+    ``world_size`` does not divide): the caller then splits rows (``balance_across_ranks``)."""
+    sizes = {len(u) for u in units}
+    if len(sizes) != 1 or len(units) % world_size:
+        return None
+    work = [_shared_work(t, len(u)) for u, t in zip(units, tokens)]
+    return [sorted(r for u in part for r in units[u]) for part in karmarkar_karp(work, world_size, equal_size=True)]

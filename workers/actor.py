@@ -52,7 +52,7 @@ class ActorWorker(FSDPWorker):
         mcfg = self.config.model
         path = self._local_path(mcfg.path)
         attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
-                    trust_remote_code=mcfg.trust_remote_code)
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
         if self.reads_checkpoint:  # loaded on the CPU; sharding moves each rank's rows to its device
             model = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
         else:
@@ -79,8 +79,9 @@ class ActorWorker(FSDPWorker):
 
     def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
         self._require_model()
-        use_rmpad = self.config.model.use_remove_padding
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, self.model, use_rmpad))
+        mcfg = self.config.model
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, self.model, mcfg.use_remove_padding,
+                                                mcfg.share_prompts))  # fmt: skip
 
     def _forward_keys(self, batch: Batch) -> list[str]:
         return FORWARD_KEYS + (["position_ids"] if "position_ids" in batch else [])
@@ -90,7 +91,7 @@ class ActorWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
-            temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
+            share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 

@@ -35,7 +35,7 @@ class CriticWorker(FSDPWorker):
         mcfg = self.config.model
         path = self._local_path(mcfg.path)
         attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
-                    trust_remote_code=mcfg.trust_remote_code)
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
         if self.reads_checkpoint:  # the other ranks build on the meta device and receive their shards
             lm = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
         else:
@@ -51,7 +51,7 @@ class CriticWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
-            check=False,  # the whole batch was checked where it entered (_check)
+            share_prompts=self.config.model.share_prompts, check=False,  # the whole batch was checked where it entered (_check)
         )  # fmt: skip
 
     @staticmethod
@@ -61,8 +61,9 @@ class CriticWorker(FSDPWorker):
 
     def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
         self._require_model()
-        backbone, use_rmpad = self.root.backbone, self.config.model.use_remove_padding
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, use_rmpad))
+        backbone, mcfg = self.root.backbone, self.config.model
+        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, mcfg.use_remove_padding,
+                                                mcfg.share_prompts))  # fmt: skip
 
     def _keys(self, batch: Batch, extra: list[str]) -> list[str]:
         return FORWARD_KEYS + extra + (["position_ids"] if "position_ids" in batch else [])

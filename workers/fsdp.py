@@ -37,7 +37,8 @@ from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
 from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
-from rlpad.seqlen import count_micro_batches, restore_order, split_by_token_budget
+from rlpad.core.shared_prompt import prompt_groups
+from rlpad.seqlen import count_micro_batches, pack_units_by_rows, restore_order, shared_units, split_by_token_budget
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
 
@@ -256,10 +257,35 @@ class FSDPWorker:
         count = self._all_max(len(parts))
         return parts + [[] for _ in range(count - len(parts))]
 
+    def _share_prompts(self) -> bool:
+        return bool(getattr(getattr(self.config, "model", None), "share_prompts", False))
+
+    def _shared_micro_splits(self, batch: Batch, micro_rows: int | None, max_tokens: int | None) -> list[list[int]]:
+        """Micro-batches of whole prompt groups (``model.share_prompts``): a token budget counts
+        ``P + sum(R_i)`` per group; a row count packs whole groups. Same collective count rule."""
+        mask = batch["attention_mask"]
+        prompt_cols = mask.shape[1] - int(batch["responses"].shape[1])
+        groups = prompt_groups(batch["input_ids"], mask, batch.tensors.get("position_ids"), mask.shape[1] - prompt_cols)
+        plens, rlens = mask[:, :prompt_cols].sum(-1).tolist(), mask[:, prompt_cols:].sum(-1).tolist()
+        if max_tokens is not None:
+            units, tokens = shared_units(groups, plens, rlens, max_token_len=max_tokens)
+            count = self._all_max(count_micro_batches(tokens, max_tokens))
+            parts = split_by_token_budget(tokens, max_tokens, count)
+        else:
+            if micro_rows is None or micro_rows < 1:
+                raise ValueError(f"{self.role}: micro-batch size must be >= 1, got {micro_rows}")
+            units, _ = shared_units(groups, plens, rlens, max_rows=micro_rows)
+            parts = pack_units_by_rows([len(u) for u in units], micro_rows)
+            parts += [[] for _ in range(self._all_max(len(parts)) - len(parts))]
+        return [sorted(r for u in p for r in units[u]) for p in parts]
+
     def _pieces(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None):
         """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch (an empty
         split becomes a dummy copy of row 0), and the index lists of the real splits."""
-        parts = self._micro_splits(batch["attention_mask"].sum(-1), micro_rows, max_tokens)
+        if self._share_prompts():
+            parts = self._shared_micro_splits(batch, micro_rows, max_tokens)
+        else:
+            parts = self._micro_splits(batch["attention_mask"].sum(-1), micro_rows, max_tokens)
         sub = batch.select(*keys)
         pieces = ((sub.index(p or [0]).to(self.device), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
@@ -482,7 +508,7 @@ def finite_check(batch: Batch, keys: list[str], who: str) -> None:
 
 
 def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: str, model: nn.Module,
-                        use_remove_padding: bool) -> int:
+                        use_remove_padding: bool, share_prompts: bool = False) -> int:
     """The one check of a batch entering a worker: keys, (B, R) response tensors, finite values and
     the model inputs (:func:`rlpad.core.forward.check_model_inputs`); returns R.
 
@@ -502,7 +528,8 @@ def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: s
     finite_check(batch, finite, who)
     try:
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
-                           response_length, use_remove_padding=use_remove_padding)  # fmt: skip
+                           response_length, use_remove_padding=use_remove_padding,
+                           share_prompts=share_prompts)  # fmt: skip
     except TypeError as e:
         raise ValueError(f"{who}: {e}") from e
     return response_length

@@ -10,7 +10,7 @@ network interface that reaches rank 0). ``world_size=N`` alone means one node wi
 
 ``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
 (rlpad.seqlen), runs the method on every rank and merges the results back in the caller's row
-order. A rank whose actor died raises ``RuntimeError`` naming role and rank.
+order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. A rank whose actor died raises ``RuntimeError`` naming role and rank.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.seqlen import balance_across_ranks, reverse_index
+from rlpad.core.shared_prompt import prompt_groups
+from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
 from workers.net import free_port
 from workers.placement import Node, plan_nodes, release, reserve
 
@@ -148,12 +149,29 @@ class WorkerGroup:
             raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {self.world_size} ranks")
         lengths = batch["attention_mask"].sum(-1).tolist()
         size = chunk_rows or len(batch)
+        share = bool(getattr(getattr(self._config, "model", None), "share_prompts", False))
         parts: list[list[int]] = [[] for _ in range(self.world_size)]
         for start in range(0, len(batch), size):
             chunk = lengths[start : start + size]
-            for rank, idx in enumerate(balance_across_ranks(chunk, min(self.world_size, len(chunk)))):
+            split = self._split_groups(batch, start, len(chunk)) if share else None
+            if split is None:
+                split = balance_across_ranks(chunk, min(self.world_size, len(chunk)))
+            for rank, idx in enumerate(split):
                 parts[rank].extend(start + i for i in idx)
         return parts
+
+    def _split_groups(self, batch: Batch, start: int, rows: int) -> list[list[int]] | None:
+        """With ``model.share_prompts``: whole prompt groups per rank (equal row counts), or None
+        when the groups' sizes do not allow it (then rows are split as usual)."""
+        batch.require("input_ids", "responses", who=self.role)
+        sl = slice(start, start + rows)
+        ids, mask = batch["input_ids"][sl], batch["attention_mask"][sl]
+        pos = batch.tensors.get("position_ids")
+        response_length = int(batch["responses"].shape[1])
+        groups = prompt_groups(ids, mask, pos[sl] if pos is not None else None, response_length)
+        prompt_cols = mask.shape[1] - response_length
+        units, tokens = shared_units(groups, mask[:, :prompt_cols].sum(-1).tolist(), mask[:, prompt_cols:].sum(-1).tolist())
+        return balance_units_across_ranks(units, tokens, self.world_size)
 
     def call_batch(self, method: str, batch: Batch, *, chunk_rows: int | None = None, **kwargs: Any) -> Any:
         """``method(shard, **kwargs)`` on every rank with its shard of ``batch`` (see :meth:`split`).

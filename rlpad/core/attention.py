@@ -13,7 +13,9 @@ through transformers' ``AttentionInterface``:
   one call; GQA; optional sliding window).
 
 Either way no token attends across a sequence boundary and no nnz x nnz mask is built. With a
-padding mask (the padded path) it defers to sdpa.
+padding mask (the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments``
+it runs the shared-prompt attention (:mod:`rlpad.core.shared_attention`, varlen flash kernels on
+CUDA), which is why ``share_prompts`` needs ``rlpad_varlen`` on every device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlpad.core.shared_attention import shared_prompt_attention
+from rlpad.core.shared_prompt import SEGMENTS_KWARG
 
 VARLEN_ATTENTION = "rlpad_varlen"
 VARLEN_IMPLEMENTATIONS = frozenset({VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3"})
@@ -120,9 +125,16 @@ def varlen_implementation(device: torch.device | str) -> str:
     return "flash_attention_2" if flash_attention_available(device) else VARLEN_ATTENTION
 
 
-def require_varlen_attention(model: PreTrainedModel) -> None:
-    """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs)."""
+def require_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False) -> None:
+    """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs);
+    ``share_prompts`` needs ``rlpad_varlen`` itself (it reads the shared-prompt segments)."""
     impl = model.config._attn_implementation
+    if share_prompts and impl != VARLEN_ATTENTION:
+        raise ValueError(
+            f"share_prompts=True needs the {VARLEN_ATTENTION!r} attention (it runs flash kernels on CUDA), the model "
+            f"uses {impl!r}; load it with attn_implementation='rlpad_varlen' (model.attn_implementation) or call "
+            f"rlpad.core.attention.set_varlen_attention(model, share_prompts=True)"
+        )
     if impl not in VARLEN_IMPLEMENTATIONS:
         raise ValueError(
             f"use_remove_padding=True needs a varlen attention ({sorted(VARLEN_IMPLEMENTATIONS)}), the model uses "
@@ -130,9 +142,10 @@ def require_varlen_attention(model: PreTrainedModel) -> None:
         )
 
 
-def set_varlen_attention(model: PreTrainedModel) -> str:
-    """Switch ``model`` to the varlen attention for its device; returns the implementation name."""
-    name = varlen_implementation(next(model.parameters()).device)
+def set_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False) -> str:
+    """Switch ``model`` to the varlen attention for its device (``rlpad_varlen`` everywhere with
+    ``share_prompts``); returns the implementation name."""
+    name = VARLEN_ATTENTION if share_prompts else varlen_implementation(next(model.parameters()).device)
     model.set_attn_implementation(name)
     return name
 
@@ -190,11 +203,15 @@ def varlen_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("rlpad_varlen attention supports neither logit soft-capping nor attention sinks")
+    window = sliding_window if sliding_window else None
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if segments is not None:  # a shared-prompt row (rlpad.core.shared_prompt)
+        out = shared_prompt_attention(query, key, value, segments, scale=scaling, dropout=dropout, window=window)
+        return out, None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # GQA: expand the key/value heads once for the whole row
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    window = sliding_window if sliding_window else None
     if query.shape[0] == 1 and _use_torch_varlen(query, dropout):
         cu_seqlens, max_seqlen = _packed_cu_seqlens(kwargs, query.shape[2], query.device)
         return _torch_varlen(query, key, value, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

@@ -11,6 +11,11 @@ tokens, by one of two paths, equal per token:
 * remove-padding: the valid tokens packed into one (1, nnz) row, position ids restarting at 0
   per sequence, ``cu_seqlens`` telling the varlen attention where sequences end.
 
+* shared-prompt (``share_prompts``, on top of remove-padding): rows with an identical prompt
+  form a group whose prompt is packed once, followed by each row's response
+  (:mod:`rlpad.core.shared_prompt`); the attention reads the group structure from the forward
+  keyword ``rlpad_shared_segments`` (:mod:`rlpad.core.shared_attention`).
+
 Either way only the N hidden states that score a valid response token leave the core.
 :func:`compute_log_probs` is core + LM head + :func:`rlpad.core.padding.pad_input` back to (B, R);
 the critic (:mod:`rlpad.core.value`) is core + value head + the same scatter.
@@ -24,9 +29,10 @@ from torch import nn
 from rlpad.core.attention import require_varlen_attention
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.padding import index_first_axis, pad_input, unpad_input
+from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
 from rlpad.rollout.layout import check_rollout_tensors
 
-__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "compute_log_probs", "position_ids_from_mask",
+__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs", "position_ids_from_mask",
            "scoring_hidden_states"]
 
 
@@ -48,13 +54,22 @@ def check_model_inputs(
     response_length: int,
     *,
     use_remove_padding: bool,
+    share_prompts: bool = False,
 ) -> None:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
-    ``model``) and, for remove-padding, that the model runs a varlen attention."""
+    ``model``) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
+    for ``share_prompts``, which needs remove-padding)."""
+    check_share_prompts(use_remove_padding, share_prompts)
     check_rollout_tensors(model.get_input_embeddings().num_embeddings, input_ids, attention_mask, position_ids,
                           response_length)  # fmt: skip
     if use_remove_padding:
-        require_varlen_attention(model)
+        require_varlen_attention(model, share_prompts=share_prompts)
+
+
+def check_share_prompts(use_remove_padding: bool, share_prompts: bool) -> None:
+    """ValueError when ``share_prompts`` is asked without ``use_remove_padding``."""
+    if share_prompts and not use_remove_padding:
+        raise ValueError("share_prompts=True needs use_remove_padding=True (the shared prompt lives in the packed row)")
 
 
 def scoring_hidden_states(
@@ -65,13 +80,16 @@ def scoring_hidden_states(
     response_length: int,
     *,
     use_remove_padding: bool,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
 
     Valid response token (b, t) is scored by the hidden state of token (b, P + t - 1), a valid
-    token of the same sequence (P = S - R): in the packed row that is its slot in the gather.
+    token of the same sequence (P = S - R): in the packed row that is its slot in the gather; with
+    ``share_prompts`` token 0 of every row of a group reads the group's one last prompt token.
     """
+    check_share_prompts(use_remove_padding, share_prompts)
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     batch, seqlen = input_ids.shape
@@ -83,6 +101,13 @@ def scoring_hidden_states(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
+    if share_prompts:
+        row = pack_shared_prompts(input_ids, attention_mask, position_ids, response_length)
+        hidden = backbone(
+            input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=None, use_cache=False,
+            **{SEGMENTS_KWARG: row.segments},
+        ).last_hidden_state[0]
+        return hidden.index_select(0, row.score_index), response_idx
     ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
     packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)
     hidden = backbone(
@@ -115,6 +140,7 @@ def compute_log_probs(
     response_length: int,
     *,
     use_remove_padding: bool,
+    share_prompts: bool = False,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     logits_chunk_size: int | None = None,
@@ -124,6 +150,8 @@ def compute_log_probs(
 
     Differentiable. ``use_remove_padding`` picks the packed (1, nnz) forward, which needs the model
     to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.core.attention`).
+    ``share_prompts`` (with remove-padding) packs each distinct prompt once for all its responses
+    (:mod:`rlpad.core.shared_prompt`); equal per token, needs the ``rlpad_varlen`` attention.
     ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.core.logprob`).
     ``check=False`` skips the input checks for a caller that ran :func:`check_model_inputs` once on
     the whole batch (the workers do, where a batch enters them).
@@ -132,13 +160,14 @@ def compute_log_probs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits_chunk_size is not None and logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1 or None, got {logits_chunk_size}")
+    check_share_prompts(use_remove_padding, share_prompts)
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts)  # fmt: skip
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
-        use_remove_padding=use_remove_padding,
+        use_remove_padding=use_remove_padding, share_prompts=share_prompts,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)

@@ -7,6 +7,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.attn_choice import resolve_attn_implementation
 
 __all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
@@ -24,6 +25,16 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def _attn(choice: str, device, use_remove_padding: bool, share_prompts: bool) -> str:
+    """The attention implementation: :func:`resolve_attn_implementation`, or ``rlpad_varlen`` for
+    ``share_prompts`` (ValueError for another explicit choice)."""
+    if share_prompts:
+        if choice not in ("auto", VARLEN_ATTENTION):
+            raise ValueError(f"share_prompts needs attn_implementation 'auto' or {VARLEN_ATTENTION!r}, got {choice!r}")
+        choice = VARLEN_ATTENTION
+    return resolve_attn_implementation(choice, device, use_remove_padding=use_remove_padding)
+
+
 def load_causal_lm(
     path: str,
     *,
@@ -33,6 +44,7 @@ def load_causal_lm(
     attn_implementation: str = "auto",
     use_remove_padding: bool = True,
     attn_device: str | torch.device | None = None,
+    share_prompts: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
@@ -42,9 +54,10 @@ def load_causal_lm(
     attention (flash_attention_2 on CUDA with flash-attn, rlpad's own ``rlpad_varlen`` elsewhere),
     which serves both the padded and the packed path; an explicit choice that cannot run here,
     or ``sdpa`` with ``use_remove_padding``, raises ValueError before anything is loaded.
+    ``share_prompts`` needs ``rlpad_varlen`` (``auto`` picks it on every device).
     """
     torch_dtype = parse_dtype(dtype)
-    attn = resolve_attn_implementation(attn_implementation, attn_device or device, use_remove_padding=use_remove_padding)
+    attn = _attn(attn_implementation, attn_device or device, use_remove_padding, share_prompts)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
@@ -65,6 +78,7 @@ def empty_causal_lm(
     trust_remote_code: bool = False,
     attn_implementation: str = "auto",
     use_remove_padding: bool = True,
+    share_prompts: bool = False,
 ) -> PreTrainedModel:
     """The model :func:`load_causal_lm` would return, built on the meta device from the config alone.
 
@@ -72,7 +86,7 @@ def empty_causal_lm(
     attention implementation is chosen for ``attn_device``, where the weights will live.
     """
     torch_dtype = parse_dtype(dtype)
-    attn = resolve_attn_implementation(attn_implementation, attn_device, use_remove_padding=use_remove_padding)
+    attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_config
 

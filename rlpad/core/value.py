@@ -25,17 +25,20 @@ def compute_values(
     response_length: int,
     *,
     use_remove_padding: bool,
+    share_prompts: bool = False,
     check: bool = True,
 ) -> torch.Tensor:
     """Values ``(B, R)`` in fp32 of the response tokens; zero on padding. Differentiable.
 
+    ``share_prompts``: each distinct prompt once (see :func:`rlpad.core.forward.scoring_hidden_states`).
     ``check=False`` skips the input checks (the caller ran :func:`check_model_inputs` already).
     """
     if check:
         check_model_inputs(backbone, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
-        backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding
+        backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
+        share_prompts=share_prompts,
     )
     values = value_head(hidden).float()  # (N, 1)
     return pad_input(values, response_idx, input_ids.shape[0], response_length).squeeze(-1)
@@ -60,8 +63,8 @@ class ValueModel(nn.Module):
         self.value_head = head.to(dtype=ref.dtype, device=ref.device)
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
-                check: bool = True):
+                share_prompts: bool = False, check: bool = True):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
-            use_remove_padding=use_remove_padding, check=check,
+            use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check,
         )

@@ -9,7 +9,7 @@ import torch
 
 from rlpad.core.forward import position_ids_from_mask
 
-__all__ = ["rollout_batch"]
+__all__ = ["grpo_batch", "rollout_batch"]
 
 
 def rollout_batch(
@@ -57,4 +57,54 @@ def rollout_batch(
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         response_mask=attention_mask[:, prompt_length:],
+    )
+
+
+def grpo_batch(
+    groups: int,
+    n: int,
+    prompt_length: int,
+    response_length: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    shuffle: bool = False,
+    min_prompt: int = 1,
+    pad_id: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A GRPO-shaped rollout batch: ``groups`` prompts x ``n`` responses each, (groups*n, P+R).
+
+    Prompt lengths are drawn in [min_prompt, P] per group (group 0 full length), response lengths
+    in [1, R] per row (row 0 full length, row 1 one token when n > 1). Rows of a group are
+    adjacent unless ``shuffle``. Also returns ``group`` (rows,): the group of each row.
+    """
+    if groups < 1 or n < 1 or not 1 <= min_prompt <= prompt_length or response_length < 1:
+        raise ValueError("groups, n, response_length must be >= 1 and 1 <= min_prompt <= prompt_length")
+    gen = torch.Generator().manual_seed(seed)
+    rows = groups * n
+    prompt_lens = torch.randint(min_prompt, prompt_length + 1, (groups,), generator=gen)
+    prompt_lens[0] = prompt_length
+    response_lens = torch.randint(1, response_length + 1, (rows,), generator=gen)
+    response_lens[0] = response_length
+    if n > 1:
+        response_lens[1] = 1
+    group = torch.arange(groups).repeat_interleave(n)
+    if shuffle:
+        perm = torch.randperm(rows, generator=gen)
+        group, response_lens = group[perm], response_lens[perm]
+    seqlen = prompt_length + response_length
+    prompts = torch.randint(pad_id + 1, vocab_size, (groups, prompt_length), generator=gen)
+    input_ids = torch.randint(pad_id + 1, vocab_size, (rows, seqlen), generator=gen)
+    input_ids[:, :prompt_length] = prompts[group]
+    cols = torch.arange(seqlen)
+    start = prompt_length - prompt_lens[group]
+    end = prompt_length + response_lens
+    attention_mask = ((cols >= start[:, None]) & (cols < end[:, None])).long()
+    input_ids = torch.where(attention_mask.bool(), input_ids, pad_id)
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        response_mask=attention_mask[:, prompt_length:],
+        group=group,
     )

@@ -1,0 +1,169 @@
+"""Shared-prompt packing: each distinct prompt of a rollout batch once, followed by its responses.
+
+GRPO samples n responses per prompt, so a batch holds every prompt n times. Rows whose prompt part
+(valid tokens and positions of the first ``S - R`` columns) is identical form a group, wherever they
+sit in the batch. The packed row holds, per group, the prompt once, then each row's valid response
+tokens; response position ids continue from the prompt's (taken from the rows' own position ids)::
+
+    rows            packed (1, T)
+    P P P a a ·     [P P P] [a a] [b b b] [c]
+    P P P b b b      0 1 2   3 4   3 4 5   3
+    P P P c · ·
+
+The attention this row needs (:class:`SharedSegments`, passed to ``rlpad_varlen`` as the forward
+keyword ``rlpad_shared_segments``): prompt tokens causal among themselves; a response's tokens see
+the whole prompt and causally their own response, never another response or group. Response
+token 0 of every row is scored by the hidden state of its group's last prompt token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "pack_shared_prompts", "prompt_groups"]
+
+# The forward keyword transformers passes on to the attention function.
+SEGMENTS_KWARG = "rlpad_shared_segments"
+
+
+def prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int
+) -> list[list[int]]:
+    """Rows grouped by identical prompt part (valid tokens and their positions), in order of first
+    appearance; rows inside a group ascending. Padding slots do not count (their token is ignored)."""
+    prompt_cols = input_ids.shape[1] - response_length
+    mask = attention_mask[:, :prompt_cols].bool()
+    ids = torch.where(mask, input_ids[:, :prompt_cols].long(), -1)
+    key = ids if position_ids is None else torch.cat([ids, torch.where(mask, position_ids[:, :prompt_cols].long(), -1)], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    groups: dict[int, list[int]] = {}
+    for row, g in enumerate(inverse.tolist()):
+        groups.setdefault(g, []).append(row)
+    return list(groups.values())  # dicts keep insertion order: first appearance
+
+
+@dataclass
+class SharedSegments:
+    """The attention structure of a shared-prompt packed row of ``total`` tokens.
+
+    CPU (batched sdpa): ``blocks`` = ``(count, prompt_len, length)``: ``count`` query sequences of
+    ``length`` tokens over keys [``prompt_len`` prompt tokens, their own tokens]; a prompt itself
+    is a block with ``prompt_len`` 0. ``q_order``/``kv_order`` gather every block's queries/keys
+    from the row in block order (``q_sizes``/``kv_sizes`` tokens per block), so one gather serves
+    all blocks; ``inverse`` puts the concatenated block outputs back in row order.
+    CUDA (varlen kernels): prompts as sequences ``prompt_cu``; responses as queries ``resp_cu_q``
+    over keys gathered by ``resp_kv_index`` with ``resp_cu_k`` (bottom-right causal).
+    """
+
+    total: int
+    prompt_starts: list[int]
+    blocks: list[tuple[int, int, int]]
+    q_order: torch.Tensor
+    kv_order: torch.Tensor
+    q_sizes: list[int]
+    kv_sizes: list[int]
+    inverse: torch.Tensor
+    prompt_index: torch.Tensor
+    prompt_cu: torch.Tensor
+    prompt_max: int
+    resp_index: torch.Tensor
+    resp_kv_index: torch.Tensor
+    resp_cu_q: torch.Tensor
+    resp_cu_k: torch.Tensor
+    resp_max_q: int
+    resp_max_k: int
+    masks: dict = field(default_factory=dict)  # CPU masks by (prompt_len, length, window), shared by the layers
+
+
+@dataclass
+class SharedPromptRow:
+    """A packed shared-prompt row: ``input_ids``/``position_ids`` (1, T), its ``segments``, and
+    ``score_index`` (N,): the packed slot whose hidden state scores each valid response token, in
+    the row-major order of ``attention_mask[:, -R:].nonzero()``."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: SharedSegments
+    score_index: torch.Tensor
+
+
+def _cu(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], total: int,
+              device: torch.device) -> SharedSegments:
+    """Segments from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
+    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+    # Queries of equal shape (prompt length, own length) form one block; prompts are (0, length).
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for start, length in prompts:
+        by_shape.setdefault((0, length), []).append((start, start))
+    for start, length, p in responses:
+        by_shape.setdefault((prompts[p][1], length), []).append((start, prompts[p][0]))
+    blocks, q_parts, kv_parts = [], [], []
+    for (plen, n), items in by_shape.items():
+        q_index = torch.tensor([s for s, _ in items], device=device)[:, None] + ar(n)
+        kv_index = torch.cat([torch.tensor([ps for _, ps in items], device=device)[:, None] + ar(plen), q_index], 1)
+        blocks.append((len(items), plen, n))
+        q_parts.append(q_index.flatten())
+        kv_parts.append(kv_index.flatten())
+    q_order = torch.cat(q_parts)
+    if q_order.numel() != total:
+        raise AssertionError(f"segments cover {q_order.numel()} of {total} packed tokens")
+    inverse = torch.empty_like(q_order)
+    inverse[q_order] = ar(total)
+    kv = [torch.cat([prompts[p][0] + ar(prompts[p][1]), s + ar(n)]) for s, n, p in responses]
+    return SharedSegments(
+        total=total, prompt_starts=[s for s, _ in prompts], blocks=blocks, q_order=q_order,
+        kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts], kv_sizes=[t.numel() for t in kv_parts],
+        inverse=inverse, prompt_index=torch.cat([s + ar(n) for s, n in prompts]),
+        prompt_cu=_cu([n for _, n in prompts], device), prompt_max=max(n for _, n in prompts),
+        resp_index=torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0),
+        resp_kv_index=torch.cat(kv) if kv else ar(0),
+        resp_cu_q=_cu([n for _, n, _ in responses], device),
+        resp_cu_k=_cu([prompts[p][1] + n for _, n, p in responses], device),
+        resp_max_q=max((n for _, n, _ in responses), default=0),
+        resp_max_k=max((prompts[p][1] + n for _, n, p in responses), default=0),
+    )  # fmt: skip
+
+
+def pack_shared_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+) -> SharedPromptRow:
+    """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
+    each group's prompt once; see the module docstring."""
+    batch, seqlen = input_ids.shape
+    prompt_cols = seqlen - response_length
+    device = input_ids.device
+    prompt_lens = attention_mask[:, :prompt_cols].sum(1).tolist()
+    resp_lens = attention_mask[:, prompt_cols:].sum(1).tolist()
+    src: list[torch.Tensor] = []  # flat (B*S) indices of the packed tokens, in packed order
+    prompts: list[tuple[int, int]] = []
+    responses: list[tuple[int, int, int]] = []
+    first_slot = [0] * batch  # packed slot scoring response token 0 of each row
+    resp_start = [0] * batch
+    cursor = 0
+    for g, rows in enumerate(prompt_groups(input_ids, attention_mask, position_ids, response_length)):
+        plen = int(prompt_lens[rows[0]])
+        src.append(rows[0] * seqlen + torch.arange(prompt_cols - plen, prompt_cols, device=device))
+        prompts.append((cursor, plen))
+        cursor += plen
+        last_prompt = cursor - 1
+        for r in rows:
+            first_slot[r], resp_start[r] = last_prompt, cursor
+            n = int(resp_lens[r])
+            if n:
+                src.append(r * seqlen + torch.arange(prompt_cols, prompt_cols + n, device=device))
+                responses.append((cursor, n, g))
+                cursor += n
+    flat = torch.cat(src)
+    packed_ids = input_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    packed_pos = position_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    # Response token t > 0 of row r is scored by packed slot resp_start[r] + t - 1.
+    score = [torch.cat([torch.tensor([first_slot[r]], device=device), resp_start[r] + torch.arange(int(n) - 1, device=device)])
+             for r, n in enumerate(resp_lens) if n]  # fmt: skip
+    score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long, device=device)
+    return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor, device), score_index)
