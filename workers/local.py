@@ -21,11 +21,12 @@ destroys the shared group.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 
-from rlpad.batch import Batch
+from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
 from rlpad.rollout import build_rollout
 from workers.actor import ActorWorker
@@ -72,7 +73,10 @@ class LocalWorkers:
     # ---- rollout ------------------------------------------------------------------------------
 
     def generate(self, batch: Batch, seed: int) -> Batch:
-        return self.rollout.generate(batch, seed=seed)
+        start = time.perf_counter()
+        out = self.rollout.generate(batch, seed=seed)
+        out.meta[WORKER_SECONDS] = time.perf_counter() - start  # in process: the worker's time is the call's
+        return out
 
     def generate_validation(self, batch: Batch) -> Batch:
         return self.rollout.generate_validation(batch)
