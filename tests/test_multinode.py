@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = ("timing_s/", "tokens_per_s/")
+TIMING = ("timing_s/", "tokens_per_s/", "worker_s/")  # wall-clock figures
 
 
 @pytest.fixture(scope="module")
