@@ -292,3 +292,22 @@ def _agent_http_problem(node: RayNode, timeout: float = 60.0) -> str:
                 return ""
         time.sleep(0.5)
     return f"{node.command}\n{node.output}\nthe dashboard agent did not record its HTTP port within {timeout:.0f} s"
+
+
+def submit_job(address: str, env: dict[str, str], working_dir: str, entry: list[str],
+               timeout_s: float = 900) -> tuple[str, str, str]:
+    """`ray job submit --no-wait` of ``entry``, then wait for its end; returns (job id, status, logs)."""
+    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--working-dir", working_dir, "--no-wait",
+                             "--", *entry], env=env, capture_output=True, text=True, timeout=300)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+    deadline, status = time.time() + timeout_s, ""
+    while time.time() < deadline:
+        status = subprocess.run([RAY, "job", "status", "--address", address, job_id], env=env,
+                                capture_output=True, text=True, timeout=60).stdout
+        if re.search(r"succeeded|failed|stopped", status, re.IGNORECASE):
+            break
+        time.sleep(3)
+    logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    return job_id, status, logs

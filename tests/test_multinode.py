@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ray_cluster import RAY, RayCluster
+from ray_cluster import RayCluster, submit_job
 from workers.net import interface_towards
 
 pytest.importorskip("vllm")
@@ -51,20 +51,7 @@ def _submit(address: str, env: dict, out_dir: str, *overrides: str) -> tuple[str
     entry = [sys.executable, "-m", "rlpad.train", "--config", "recipes/grpo_tiny.yaml", "trainer.total_training_steps=2",
              "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.default_local_dir={out_dir}",
              "trainer.logger=[jsonl]", *overrides]
-    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--working-dir", ROOT, "--no-wait", "--", *entry],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert submit.returncode == 0, submit.stdout + submit.stderr
-    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
-    deadline, status = time.time() + 900, ""
-    while time.time() < deadline:
-        status = subprocess.run([RAY, "job", "status", "--address", address, job_id], env=env,
-                                capture_output=True, text=True, timeout=60).stdout
-        if re.search(r"succeeded|failed|stopped", status, re.IGNORECASE):
-            break
-        time.sleep(3)
-    logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env,
-                          capture_output=True, text=True, timeout=60).stdout
-    return job_id, status, logs
+    return submit_job(address, env, ROOT, entry)
 
 
 STATE = """

@@ -3,12 +3,10 @@
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 import pytest
-from ray_cluster import RAY, RayCluster, listening
+from ray_cluster import RayCluster, listening, submit_job
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -34,19 +32,7 @@ def test_ray_job_submit_runs_tiny_grpo(ray_head, tmp_path):
     entry = [sys.executable, "-m", "rlpad.train", "--config", "recipes/grpo_tiny.yaml",
              "trainer.total_training_steps=2", "trainer.test_freq=-1", f"trainer.default_local_dir={out_dir}",
              f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]"]
-    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--working-dir", ROOT, "--no-wait", "--", *entry],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert submit.returncode == 0, submit.stdout + submit.stderr
-    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
-    deadline, status = time.time() + 900, ""
-    while time.time() < deadline:
-        status = subprocess.run([RAY, "job", "status", "--address", address, job_id], env=env,
-                                capture_output=True, text=True, timeout=60).stdout
-        if re.search(r"succeeded|failed|stopped", status, re.IGNORECASE):
-            break
-        time.sleep(3)
-    logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env,
-                          capture_output=True, text=True, timeout=60).stdout
+    _, status, logs = submit_job(address, env, ROOT, entry)
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-4000:]}"
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         steps = {r["step"]: r for r in map(json.loads, f)}
