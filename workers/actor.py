@@ -28,7 +28,8 @@ from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
 from rlpad.rollout.buckets import plan_buckets
-from workers.fsdp import FSDPWorker, check_rollout_batch, full_tensor, reports_seconds
+from workers.batch_check import check_rollout_batch
+from workers.fsdp import FSDPWorker, full_tensor, reports_seconds
 
 __all__ = ["ActorWorker"]
 

@@ -13,7 +13,8 @@ from rlpad.batch import Batch
 from rlpad.config import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
-from workers.fsdp import FSDPWorker, check_rollout_batch, reports_seconds
+from workers.batch_check import check_rollout_batch
+from workers.fsdp import FSDPWorker, reports_seconds
 
 __all__ = ["CriticWorker"]
 

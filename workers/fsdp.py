@@ -16,37 +16,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
-from rlpad.core.forward import check_model_inputs
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.seqlen import count_micro_batches, pack_units_by_rows, restore_order, shared_units, split_by_token_budget
+from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
 
-__all__ = ["FSDPWorker", "check_rollout_batch", "finite_check", "free_port", "full_tensor",  # free_port: from workers.net
+__all__ = ["FSDPWorker", "free_port", "full_tensor",  # free_port: from workers.net
            "reports_seconds"]
 
-# (B, S) model inputs; every other batch tensor a worker reads is (B, R).
-INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -69,7 +63,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDPWorker:
+class FSDPWorker(CheckpointMixin):
     """Base of the FSDP2 workers: process group, sharding, micro-batching, optimizer step, checkpoints."""
 
     role = "worker"
@@ -442,94 +436,7 @@ class FSDPWorker:
             full = full_tensor(t).detach()
             yield (name[len(prefix):] if prefix and name.startswith(prefix) else name), full
 
-    def _state_dicts(self) -> tuple[dict, dict]:
-        optims = [self.optimizer] if self.optimizer is not None else []
-        return get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
-
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded checkpoint (torch.distributed.checkpoint) of weights, optimizer, LR schedule, step and RNG."""
-        self._require_model()
-        model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
-        os.makedirs(path, exist_ok=True)
-        dcp.save(state, checkpoint_id=path)
-        extra = {
-            "update_steps": self.update_steps,
-            "world_size": self.world_size,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": {
-                "torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            },
-        }  # fmt: skip
-        torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
-        if self.world_size > 1:
-            dist.barrier()
-
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (weights reshard to this world size; RNG per rank)."""
-        self._require_model()
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise ValueError(f"{self.role}: {path!r} is not a checkpoint directory (no .metadata)")
-        model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
-        dcp.load(state, checkpoint_id=path)
-        optims = [self.optimizer] if self.optimizer is not None else []
-        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
-        own = os.path.join(path, f"extra_rank{self.rank}.pt")
-        extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
-        self.update_steps = int(extra["update_steps"])
-        if self.scheduler is not None and extra["scheduler"] is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        if os.path.exists(own) and extra["world_size"] == self.world_size:
-            rng = extra["rng"]
-            torch.set_rng_state(rng["torch"])
-            np.random.set_state(rng["numpy"])
-            random.setstate(rng["python"])
-            if rng["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-        if self.world_size > 1:
-            dist.barrier()
-
     def shutdown(self) -> None:
         """Destroy the process group (the worker is unusable afterwards)."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def finite_check(batch: Batch, keys: list[str], who: str) -> None:
-    """ValueError naming the first of ``keys`` holding NaN/inf (rows listed)."""
-    for key in keys:
-        x = batch[key]
-        bad = ~torch.isfinite(x.float())
-        if bool(bad.any()):
-            rows = bad.reshape(x.shape[0], -1).any(-1).nonzero().flatten().tolist()
-            raise ValueError(f"{who}: {key} contains NaN or inf (rows {rows[:8]})")
-
-
-def check_rollout_batch(batch: Batch, keys: list[str], finite: list[str], who: str, model: nn.Module,
-                        use_remove_padding: bool, share_prompts: bool = False) -> int:
-    """The one check of a batch entering a worker: keys, (B, R) response tensors, finite values and
-    the model inputs (:func:`rlpad.core.forward.check_model_inputs`); returns R.
-
-    Micro-batches of a checked batch are scored with ``check=False``.
-    """
-    if not isinstance(batch, Batch):
-        raise ValueError(f"{who}: expected an rlpad.batch.Batch, got {type(batch).__name__}")
-    batch.require(*keys, who=who)
-    if len(batch) == 0:
-        raise ValueError(f"{who}: empty batch")
-    response_length = int(batch["responses"].shape[1])
-    for k in keys:
-        x = batch[k]
-        if k not in INPUT_KEYS and tuple(x.shape) != (len(batch), response_length):
-            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
-                             f"{(len(batch), response_length)}")
-    finite_check(batch, finite, who)
-    try:
-        check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
-                           response_length, use_remove_padding=use_remove_padding,
-                           share_prompts=share_prompts)  # fmt: skip
-    except TypeError as e:
-        raise ValueError(f"{who}: {e}") from e
-    return response_length

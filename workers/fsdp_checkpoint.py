@@ -1,0 +1,72 @@
+"""Sharded checkpoints of an FSDP2 worker: weights, optimizer, LR schedule, step count and RNG.
+
+A mixin of :class:`workers.fsdp.FSDPWorker` (it uses ``root``, ``optimizer``, ``scheduler``,
+``update_steps``, ``rank``, ``world_size``). Weights reshard on load, so a run saved on N ranks
+resumes on M.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = ["CheckpointMixin"]
+
+
+class CheckpointMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` for an FSDP2 worker (torch.distributed.checkpoint)."""
+
+    def _state_dicts(self) -> tuple[dict, dict]:
+        optims = [self.optimizer] if self.optimizer is not None else []
+        return get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded checkpoint (torch.distributed.checkpoint) of weights, optimizer, LR schedule, step and RNG."""
+        self._require_model()
+        model_sd, optim_sd = self._state_dicts()
+        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
+        os.makedirs(path, exist_ok=True)
+        dcp.save(state, checkpoint_id=path)
+        extra = {
+            "update_steps": self.update_steps,
+            "world_size": self.world_size,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": {
+                "torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            },
+        }  # fmt: skip
+        torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (weights reshard to this world size; RNG per rank)."""
+        self._require_model()
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise ValueError(f"{self.role}: {path!r} is not a checkpoint directory (no .metadata)")
+        model_sd, optim_sd = self._state_dicts()
+        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
+        dcp.load(state, checkpoint_id=path)
+        optims = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        own = os.path.join(path, f"extra_rank{self.rank}.pt")
+        extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+        self.update_steps = int(extra["update_steps"])
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if os.path.exists(own) and extra["world_size"] == self.world_size:
+            rng = extra["rng"]
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        if self.world_size > 1:
+            dist.barrier()
