@@ -47,17 +47,7 @@ def rollout_batch(
             response_lens[1] = 1
     seqlen = prompt_length + response_length
     input_ids = torch.randint(pad_id + 1, vocab_size, (batch, seqlen), generator=gen)
-    cols = torch.arange(seqlen)
-    start = prompt_length - prompt_lens
-    end = prompt_length + response_lens
-    attention_mask = ((cols >= start[:, None]) & (cols < end[:, None])).long()
-    input_ids = torch.where(attention_mask.bool(), input_ids, pad_id)
-    return dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        response_mask=attention_mask[:, prompt_length:],
-    )
+    return _layout(input_ids, prompt_length, prompt_lens, response_lens, pad_id)
 
 
 def grpo_batch(
@@ -96,15 +86,19 @@ def grpo_batch(
     prompts = torch.randint(pad_id + 1, vocab_size, (groups, prompt_length), generator=gen)
     input_ids = torch.randint(pad_id + 1, vocab_size, (rows, seqlen), generator=gen)
     input_ids[:, :prompt_length] = prompts[group]
-    cols = torch.arange(seqlen)
-    start = prompt_length - prompt_lens[group]
+    return _layout(input_ids, prompt_length, prompt_lens[group], response_lens, pad_id) | {"group": group}
+
+
+def _layout(input_ids: torch.Tensor, prompt_length: int, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
+            pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of ``prompt_lens`` + right-padded responses of ``response_lens`` tokens."""
+    cols = torch.arange(input_ids.shape[1])
+    start = prompt_length - prompt_lens
     end = prompt_length + response_lens
     attention_mask = ((cols >= start[:, None]) & (cols < end[:, None])).long()
-    input_ids = torch.where(attention_mask.bool(), input_ids, pad_id)
     return dict(
-        input_ids=input_ids,
+        input_ids=torch.where(attention_mask.bool(), input_ids, pad_id),
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         response_mask=attention_mask[:, prompt_length:],
-        group=group,
     )
