@@ -221,25 +221,22 @@ def varlen_attention_forward(
     bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])
     if len(bounds) == 2:  # one sequence
         return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
-    # Sequences of equal length run as one batch (one sdpa call per distinct length); a length
-    # seen once runs on a view of the packed row. Pieces are put back in row order with one cat.
+    # One split of the row into per-sequence views (its backward is one cat, not a row-sized zero
+    # buffer per sequence as slicing would give); sequences of equal length run as one batch (one
+    # sdpa call per distinct length); the outputs go back in row order with one cat.
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    qs, ks, vs = (t[0].split(lengths, dim=1) for t in (query, key, value))  # (heads, length, dim) views
     by_length: dict[int, list[int]] = {}
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        by_length.setdefault(e - s, []).append(s)
-    pieces: dict[int, torch.Tensor] = {}  # start -> (1, heads, length, dim)
-    for length, starts in by_length.items():
-        if len(starts) == 1:
-            s = starts[0]
-            q, k, v = (t[:, :, s : s + length] for t in (query, key, value))
-            pieces[s] = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
-            continue
-        idx = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(length, device=query.device)).flatten()
-        q, k, v = (t[0].index_select(1, idx).unflatten(1, (len(starts), length)).transpose(0, 1)
-                   for t in (query, key, value))  # (sequences, heads, length, dim)
+    for i, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(lengths)
+    for idx in by_length.values():
+        q, k, v = (torch.stack([parts[i] for i in idx]) if len(idx) > 1 else parts[idx[0]].unsqueeze(0)
+                   for parts in (qs, ks, vs))  # (sequences, heads, length, dim)
         out = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
-        pieces.update(zip(starts, out.unsqueeze(1).unbind(0)))
-    # (1, length, heads, dim) views of sdpa's outputs, in row order; cat's backward only slices.
-    return torch.cat([pieces[s].transpose(1, 2) for s in sorted(pieces)], dim=1), None
+        for i, piece in zip(idx, out.unbind(0)):
+            outs[i] = piece
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0), None  # (1, total, heads, dim)
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
