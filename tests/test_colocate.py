@@ -88,12 +88,15 @@ def run(address: str, out_dir: str, *overrides: str) -> tuple[list[dict], Record
     return history, seen[0]
 
 
-def test_colocated_equals_separate_with_offload_and_shares_bundles(ray_session, tmp_path):
+def test_colocated_equals_separate_with_offload_and_shares_bundles(ray_session, tmp_path, capsys):
     separate, sep = run(ray_session, str(tmp_path / "separate"), "trainer.colocate=false",
                         "actor_rollout_ref.rollout.num_replicas=2")
     colocated, col = run(ray_session, str(tmp_path / "colocated"), "trainer.colocate=true",
                          "actor_rollout_ref.actor.fsdp.param_offload=true",
                          "actor_rollout_ref.actor.fsdp.optimizer_offload=true")
+
+    # On CPU, one line says vLLM's sleep frees nothing (the colocated run only), not one per call.
+    assert capsys.readouterr().out.count("vLLM-CPU has no sleep mode") == 1
 
     # Placement, as Ray reports it: colocated, actor rank i and replica i share bundle i of one pool.
     (pool,) = {pg for pg, _ in col.placement["actor"] + col.placement["rollout"]}
