@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m rlpad.train --config recipes/grpo_tiny.yaml
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(VENV)/bin/rlpad bench

@@ -27,15 +27,21 @@ def log_probs_and_entropy(
     return log_probs, entropy
 
 
-def _chunk_stats(hidden, weight, bias, temperature):
-    """fp32 scaled logits z (n, V), softmax p, logsumexp and E_p[z] of one chunk."""
+def _chunk_stats(hidden, weight, bias, temperature, *, probs: bool = True):
+    """fp32 scaled logits z (n, V), softmax p (None unless ``probs``), logsumexp and E_p[z] of one chunk.
+
+    One exp over the chunk: p and the logsumexp both come from exp(z - max z).
+    """
     z = torch.nn.functional.linear(hidden, weight, bias)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if temperature != 1.0:
         z.div_(temperature)
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.softmax(z, dim=-1)
-    mean_z = (p.unsqueeze(1) @ z.unsqueeze(-1)).view(-1)  # E_p[z] without an (n, V) temporary
+    z_max = z.amax(dim=-1, keepdim=True)
+    e = torch.sub(z, z_max).exp_()
+    total = e.sum(dim=-1)
+    lse = total.log().add_(z_max.squeeze(-1))
+    mean_z = (e.unsqueeze(1) @ z.unsqueeze(-1)).view(-1).div_(total)  # E_p[z] without an (n, V) temporary
+    p = e.div_(total.unsqueeze(-1)) if probs else None
     return z, p, lse, mean_z
 
 
@@ -54,7 +60,7 @@ class _ChunkedHead(torch.autograd.Function):
         entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
         for s in range(0, hidden.shape[0], chunk_size):
             e = s + chunk_size
-            z, p, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature)
+            z, _, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, probs=False)
             log_probs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
             entropy[s:e] = lse - mean_z
         ctx.save_for_backward(hidden, weight, bias, labels)
