@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig", "rollout_replicas",
+    "TrainerConfig", "ValidationSamplingConfig", "colocated", "rollout_replicas",
     "ADV_ESTIMATORS", "ATTN_IMPLEMENTATIONS", "BACKENDS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
     "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
@@ -55,6 +55,14 @@ class OptimConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """The actor's state during generation in the colocated layout (``trainer.colocate``)."""
+
+    param_offload: bool = False  # parameters and gradients to host memory while the engine generates
+    optimizer_offload: bool = False  # optimizer state (AdamW moments) to host memory while the engine generates
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n (verl semantics)
     ppo_micro_batch_size_per_gpu: int | None = 4
@@ -78,6 +86,7 @@ class ActorConfig:
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -222,6 +231,10 @@ class TrainerConfig:
     # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
     # process, world size 1, no Ray (workers/local.py)
     backend: str = "ray"
+    # One pool of nnodes x n_gpus_per_node bundles shared by actor, ref, critic and rollout, time-shared
+    # phase by phase (workers/launcher.py); false: each role on its own GPUs. null: true on CUDA (with
+    # backend=ray, tensor_model_parallel_size=1), false on CPU (see colocated).
+    colocate: bool | None = None
 
 
 @dataclass
@@ -245,13 +258,39 @@ class Config:
         return self.algorithm.adv_estimator == "gae"
 
 
+def colocated(config: Config, cuda: bool) -> bool:
+    """Whether the run uses the colocated layout: ``trainer.colocate``, or its default.
+
+    The default (null) is true on CUDA with ``backend=ray``, ``tensor_model_parallel_size=1`` and
+    a rollout that can fill the pool (vLLM, or a pool of one), false otherwise. Raises ValueError
+    when ``actor.fsdp`` offload is asked for without the colocated layout (nothing else would use
+    the freed memory).
+    """
+    trainer, arr = config.trainer, config.actor_rollout_ref
+    rollout, pool = arr.rollout, trainer.n_gpus_per_node * trainer.nnodes
+    on = trainer.colocate
+    if on is None:
+        on = (cuda and trainer.backend == "ray" and rollout.tensor_model_parallel_size == 1
+              and (rollout.name == "vllm" or pool == 1) and rollout.num_replicas in (None, pool))
+    fsdp = arr.actor.fsdp
+    if not on and (fsdp.param_offload or fsdp.optimizer_offload):
+        raise ValueError("actor_rollout_ref.actor.fsdp.param_offload / optimizer_offload free the actor's memory "
+                         "for the rollout engine on the same GPU: they need trainer.colocate=true (resolved to "
+                         f"false here: colocate={trainer.colocate}, {'cuda' if cuda else 'cpu'}, "
+                         f"backend={trainer.backend}, tensor_model_parallel_size={rollout.tensor_model_parallel_size})")
+    return bool(on)
+
+
 def rollout_replicas(config: Config, cuda: bool) -> int:
     """The number of rollout engines: ``rollout.num_replicas``, or its default.
 
-    The default is one engine per ``tensor_model_parallel_size`` GPUs of the rollout's
-    ``n_gpus_per_node x nnodes`` on CUDA, one engine on CPU (and with the HF backend).
+    Colocated (:func:`colocated`): one engine per ``tensor_model_parallel_size`` bundles of the
+    pool. Otherwise the default is one engine per ``tensor_model_parallel_size`` GPUs of the
+    rollout's ``n_gpus_per_node x nnodes`` on CUDA, one engine on CPU (and with the HF backend).
     """
     rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
+    if colocated(config, cuda):
+        return max(1, trainer.n_gpus_per_node * trainer.nnodes // rollout.tensor_model_parallel_size)
     if rollout.num_replicas is not None:
         return rollout.num_replicas
     if not cuda or rollout.name == "hf":

@@ -337,6 +337,26 @@ def validate_config(config: Config) -> Config:
     elif trainer.backend == "local" and (rollout.num_replicas or 1) > 1:
         problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: trainer.backend=local runs "
                         "one rollout engine in the driver process; use 1 or trainer.backend=ray")
+    if trainer.colocate:
+        pool = trainer.n_gpus_per_node * trainer.nnodes
+        if trainer.backend == "local":
+            problems.append("trainer.colocate=true places Ray actors on a shared pool; trainer.backend=local runs "
+                            "everything in one process (set trainer.colocate=false or trainer.backend=ray)")
+        if rollout.tensor_model_parallel_size != 1:
+            problems.append(f"trainer.colocate=true supports actor_rollout_ref.rollout.tensor_model_parallel_size=1 "
+                            f"only (got {rollout.tensor_model_parallel_size}): a tensor-parallel engine would span "
+                            "several bundles of the pool; set trainer.colocate=false for tensor parallelism")
+        elif rollout.num_replicas is not None and rollout.num_replicas != pool:
+            problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: with trainer.colocate=true "
+                            f"every bundle of the pool hosts one engine, so it must be null or {pool} "
+                            "(n_gpus_per_node x nnodes / tensor_model_parallel_size)")
+        if rollout.name == "hf" and pool > 1:
+            problems.append(f"trainer.colocate=true puts one engine on each of the pool's {pool} bundles, and the hf "
+                            "backend cannot be split into replicas; use actor_rollout_ref.rollout.name=vllm or "
+                            "trainer.colocate=false")
+    elif trainer.colocate is False and (actor.fsdp.param_offload or actor.fsdp.optimizer_offload):
+        problems.append("actor_rollout_ref.actor.fsdp.param_offload / optimizer_offload need trainer.colocate=true "
+                        "(they free the actor's memory for the engine on the same GPU)")
     positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),

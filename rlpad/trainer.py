@@ -6,7 +6,9 @@ validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`
 
 The trainer talks to the workers only through :class:`Workers`; ``workers/launcher.py``
 implements it with Ray actors, and anything else with the same methods (a test double, a
-single-process stack) can drive the same loop.
+single-process stack) can drive the same loop. Workers that also have the optional
+:class:`GenerationPhases` hooks get them called around every generation (the colocated layout
+moves GPU memory between the engine and the actor there).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
-__all__ = ["Trainer", "Workers"]
+__all__ = ["GenerationPhases", "Trainer", "Workers"]
 
 
 class Workers(Protocol):
@@ -45,6 +47,14 @@ class Workers(Protocol):
     def sync_weights(self) -> float: ...  # the workers' own seconds (or anything; informational)
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
+
+
+class GenerationPhases(Protocol):
+    """Optional hooks of a :class:`Workers`: called right before and right after each
+    ``generate`` / ``generate_validation`` call (their time is ``timing_s/switch``)."""
+
+    def begin_generation(self) -> None: ...
+    def end_generation(self) -> None: ...
 
 
 @contextmanager
@@ -131,7 +141,7 @@ class Trainer:
         gae = cfg.uses_critic
         timing: dict[str, float] = {}
         worker_s: dict[str, float] = {}
-        with _timed(timing, "gen"):
+        with self._generation(timing), _timed(timing, "gen"):
             batch = self.workers.generate(prompts, seed=cfg.actor_rollout_ref.rollout.seed + self.step)
         _pop_worker_s(batch, worker_s, "gen")
         with _timed(timing, "reward"):
@@ -196,6 +206,20 @@ class Trainer:
             metrics["timing_s/overhead"] = wall - sum(worker_s.values())
         return metrics
 
+    @contextmanager
+    def _generation(self, timing: dict[str, float] | None = None) -> Iterator[None]:
+        """The workers' optional :class:`GenerationPhases` hooks around a generation, timed as ``switch``."""
+        timing = {} if timing is None else timing
+        begin = getattr(self.workers, "begin_generation", None)
+        if begin is not None:
+            with _timed(timing, "switch"):
+                begin()
+        yield
+        end = getattr(self.workers, "end_generation", None)
+        if end is not None:
+            with _timed(timing, "switch"):
+                end()
+
     def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """The actor's batch with ``algorithm.rollout_correction`` applied (``rollout_is_weights`` for
         token_tis, a response mask without the dropped sequences for seq_mask), and its metrics."""
@@ -236,7 +260,8 @@ class Trainer:
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         scores, parts = [], []
         for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
-            batch = self.workers.generate_validation(prompts)
+            with self._generation():
+                batch = self.workers.generate_validation(prompts)
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
             if "rollout_log_probs" in batch:
                 batch.update(self.workers.compute_log_prob(batch, for_update=False))

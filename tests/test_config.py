@@ -192,3 +192,37 @@ def test_rollout_replicas_default_and_explicit():
     cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.num_replicas=3"])
     assert rollout_replicas(cfg, cuda=False) == rollout_replicas(cfg, cuda=True) == 3
     assert load_config(RECIPE).actor_rollout_ref.rollout.weight_sync_bucket_mb == 512
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    (["trainer.colocate=true", "trainer.backend=local"], "trainer.colocate=true places Ray actors on a shared pool"),
+    (["trainer.colocate=true", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "supports actor_rollout_ref.rollout.tensor_model_parallel_size=1 only (got 2)"),
+    (["trainer.colocate=true", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_replicas=1"],
+     "num_replicas=1: with trainer.colocate=true every bundle of the pool hosts one engine, so it must be null or 2"),
+    (["trainer.colocate=true", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"],
+     "the hf backend cannot be split into replicas"),
+    (["trainer.colocate=false", "actor_rollout_ref.actor.fsdp.param_offload=true"],
+     "param_offload / optimizer_offload need trainer.colocate=true"),
+])
+def test_colocate_config_errors(overrides, wanted):
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, overrides)
+    assert wanted in str(e.value)
+
+
+def test_colocate_default_and_replicas():
+    from rlpad.config import colocated, rollout_replicas
+
+    cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2"])
+    assert cfg.trainer.colocate is None
+    assert colocated(cfg, cuda=True) and not colocated(cfg, cuda=False)  # auto: CUDA only
+    assert rollout_replicas(cfg, cuda=True) == 8  # one engine per bundle of the 8-bundle pool
+    tp = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert not colocated(tp, cuda=True)  # auto never picks a layout it cannot build
+    forced = load_config(RECIPE, ["trainer.colocate=true", "trainer.n_gpus_per_node=2"])
+    assert colocated(forced, cuda=False) and rollout_replicas(forced, cuda=False) == 2
+    offload = load_config(RECIPE, ["actor_rollout_ref.actor.fsdp.optimizer_offload=true"])  # colocate: auto
+    assert colocated(offload, cuda=True)
+    with pytest.raises(ValueError, match="need trainer.colocate=true"):
+        colocated(offload, cuda=False)  # auto resolves to false on CPU: the offload would do nothing

@@ -30,6 +30,7 @@ from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer
 from rlpad.rollout.buckets import plan_buckets
 from workers.batch_check import check_rollout_batch
 from workers.fsdp import FSDPWorker, full_tensor, reports_seconds
+from workers.offload import StateOffloader
 
 __all__ = ["ActorWorker"]
 
@@ -45,6 +46,7 @@ class ActorWorker(FSDPWorker):
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         super().__init__(config, role=role, **dist_kwargs)
         self.model = None  # the HF causal LM inside the FSDP root
+        self._offloader: StateOffloader | None = None
 
     def init_model(self) -> None:
         """Join the process group, build the model (read by rank 0 only, see
@@ -193,6 +195,27 @@ class ActorWorker(FSDPWorker):
             metrics["grads"] = {_hf_name(k): v for k, v in metrics["grads"].items()}
         return metrics
 
+    # ------------------------------------------------------------------ colocated phases
+
+    def offload_state(self) -> int:
+        """Before generation in the colocated layout: parameters (+ gradients) and / or optimizer
+        state to host memory, as ``actor.fsdp.param_offload`` / ``optimizer_offload`` say
+        (:class:`workers.offload.StateOffloader`, bit-identical round trip); returns the bytes moved."""
+        self._require_model()
+        fsdp = self.config.actor.fsdp
+        parts = ["params"] * fsdp.param_offload + ["optimizer"] * (fsdp.optimizer_offload and self.optimizer is not None)
+        if parts and self._offloader is None:
+            self._offloader = StateOffloader(self.root, self.optimizer)
+        moved = sum(self._offloader.offload(part) for part in parts)
+        self.empty_device_cache()  # the freed storages (and the update's activations) back to the device
+        return moved
+
+    def reload_state(self) -> None:
+        """After generation: bring back what :meth:`offload_state` moved (nothing if it moved nothing)."""
+        for part in ("params", "optimizer"):
+            if self._offloader is not None and self._offloader.is_offloaded(part):
+                self._offloader.reload(part)
+
     # ------------------------------------------------------------------ weights out
 
     def _hf_sources(self) -> list[tuple[str, str]]:
@@ -223,44 +246,54 @@ class ActorWorker(FSDPWorker):
         sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
         return plan_buckets(sizes, bucket_bytes)
 
-    def iter_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_weight_buckets(self, bucket_bytes: int, keep: bool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
 
         A collective: every rank gathers every tensor (FSDP2 all-gathers) and must iterate to the
-        end; only rank 0 keeps them (the other ranks yield empty buckets). At most one bucket is
-        held at a time by this generator.
+        end; only the ranks that ``keep`` them (default: rank 0) fill the buckets, the others yield
+        empty ones. At most one bucket is held at a time by this generator.
         """
+        keep = self.rank == 0 if keep is None else keep
         plan = self._bucket_plan(bucket_bytes)
         state, sources = self.root.state_dict(), dict(self._hf_sources())
         for names in plan:
             bucket = []
             for name in names:
                 full = full_tensor(state[sources[name]]).detach()
-                if self.rank == 0:
+                if keep:
                     bucket.append((name, full.cpu()))
             yield bucket
 
-    def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2) -> dict[str, float] | None:
-        """Send the full weights to every rollout replica in buckets, without the driver; a collective.
+    def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2, *,
+                     targets: list[list[int]] | None = None) -> dict[str, float] | None:
+        """Send the full weights to the rollout replicas in buckets, without the driver; a collective.
 
-        Rank 0 gathers each bucket (with every rank) and puts it once in the Ray object store for
-        all replicas (workers.rollout.push_weight_buckets); returns its stats on rank 0, ``None``
-        elsewhere.
+        Every rank gathers each bucket; a rank with targets puts it once in the Ray object store
+        (its node's) for its replicas (workers.rollout.push_weight_buckets). ``targets[rank]``:
+        the indices of the replicas that rank feeds (the colocated layout: the replica on its own
+        bundle); default: rank 0 feeds them all. Returns the stats on a feeding rank, else ``None``.
         """
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
         if not replicas or max_in_flight < 1:  # checked on every rank, before any collective
             raise ValueError(f"push_weights needs >= 1 replica and max_in_flight >= 1, got {len(replicas)}, "
                              f"{max_in_flight}")
-        buckets = self.iter_weight_buckets(bucket_bytes)
-        if self.rank != 0:
+        if targets is None:
+            targets = [list(range(len(replicas)))] + [[]] * (self.world_size - 1)
+        fed = sorted(i for t in targets for i in t)
+        if len(targets) != self.world_size or fed != list(range(len(replicas))):
+            raise ValueError(f"push_weights targets must give each of the {len(replicas)} replicas to exactly one of "
+                             f"the {self.world_size} ranks, got {targets}")
+        mine = [replicas[i] for i in targets[self.rank]]
+        buckets = self.iter_weight_buckets(bucket_bytes, keep=bool(mine))
+        if not mine:
             for _ in buckets:
                 pass
             return None
         from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
 
         partial = len(self._bucket_plan(bucket_bytes)) > 1
-        return push_weight_buckets(buckets, replicas, max_in_flight=max_in_flight, partial=partial)
+        return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU, for the rollout sync (``None`` off rank 0 if ``rank0_only``)."""

@@ -109,6 +109,12 @@ class FSDPWorker(CheckpointMixin):
         """Where rank 0 listens (its node IP and a free port there); call before ``init_model``."""
         self.master_addr, self.master_port = master_addr, int(master_port)
 
+    def empty_device_cache(self) -> None:
+        """Give the blocks PyTorch's CUDA caching allocator holds back to the device (before another
+        process on this GPU needs them: the colocated layout's engine); nothing on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def rank_info(self) -> dict[str, Any]:
         """What this rank used to join its group: rendezvous, socket interface, host, pid."""
         return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),

@@ -7,6 +7,9 @@ pinned to that node), starts the actors node by node (ranks 0..3 on the first no
 second), asks rank 0 for its node IP and a free port there (MASTER_ADDR / MASTER_PORT of every
 rank) and calls ``init_model`` on all of them (gloo on CPU, nccl on CUDA; each rank picks the
 network interface that reaches rank 0). ``world_size=N`` alone means one node with N ranks.
+``placement_groups`` (one per node, a bundle per rank): start the ranks on placement groups
+reserved by the caller (the colocated pool, shared with other groups, each rank taking a
+fraction of its bundle) instead of reserving its own.
 
 ``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
 (rlpad.seqlen), runs the method on every rank and merges the results back in the caller's row
@@ -25,7 +28,7 @@ from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
 from workers.net import free_port
-from workers.placement import Node, plan_nodes, release, reserve
+from workers.placement import Node, my_placement, plan_nodes, release, reserve
 
 __all__ = ["WorkerGroup", "ray_rank_class"]
 
@@ -44,6 +47,10 @@ def ray_rank_class(worker_cls: type) -> Any:
 
         def rank_info(self) -> dict[str, Any]:
             return super().rank_info() | self.node()
+
+        def placement(self) -> dict[str, Any]:
+            """Node, placement group and assigned resources, from Ray (workers.placement.my_placement)."""
+            return my_placement()
 
     RayRank.__name__ = RayRank.__qualname__ = worker_cls.__name__  # what the Ray state API shows
     return ray.remote(RayRank)
@@ -66,6 +73,7 @@ class WorkerGroup:
         num_gpus_per_worker: float | None = None,
         init_model: bool = True,
         ready_timeout_s: float = 300.0,
+        placement_groups: list[Any] | None = None,
         **worker_kwargs: Any,
     ):
         if ranks_per_node is None:
@@ -87,7 +95,13 @@ class WorkerGroup:
         if len(nodes) != nnodes:
             raise ValueError(f"{role}: {len(nodes)} nodes given for nnodes={nnodes}")
         self.nodes = nodes
-        self._pgs = reserve(nodes, ranks_per_node, bundle, what=f"{role} group", timeout_s=ready_timeout_s)
+        self._owns_pgs = placement_groups is None
+        if placement_groups is None:
+            placement_groups = reserve(nodes, ranks_per_node, bundle, what=f"{role} group", timeout_s=ready_timeout_s)
+        elif len(placement_groups) != nnodes or any(pg.bundle_count != ranks_per_node for pg in placement_groups):
+            raise ValueError(f"{role}: need {nnodes} placement group(s) of {ranks_per_node} bundles, got "
+                             f"{[pg.bundle_count for pg in placement_groups]}")
+        self._pgs = placement_groups
         remote_cls = ray_rank_class(worker_cls)
         self.workers = [
             remote_cls.options(
@@ -196,11 +210,12 @@ class WorkerGroup:
         return results[0]
 
     def shutdown(self) -> None:
-        """Kill the actors and release the placement group."""
+        """Kill the actors and release the placement groups it reserved (not the caller's)."""
         for w in self.workers:
             try:
                 ray.kill(w)
             except Exception:  # already gone
                 pass
         self.workers = []
-        release(self._pgs)
+        if self._owns_pgs:
+            release(self._pgs)

