@@ -127,3 +127,9 @@ def test_cluster_without_room_fails_fast_naming_nodes(two_nodes, tmp_path):
     assert "needs 2 node(s) with {CPU: 4} each; 0 of the cluster's 2 alive node(s) fit" in logs, logs[-3000:]
     assert "node 127.0.0.2 has {CPU: 3}, missing {CPU: 1}" in logs, logs[-3000:]
     assert time.time() - start < 300
+    # The groups fit (1 CPU per node) but 5 engines do not: the whole cluster is checked first.
+    _, status, logs = _submit(address, env, str(tmp_path / "engines"), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                              "actor_rollout_ref.rollout.num_replicas=5")
+    assert re.search(r"failed", status, re.IGNORECASE), status
+    assert "actor groups and 5 rollout engine(s) needs {CPU: 7} in the cluster" in logs, logs[-3000:]
+    assert "missing {CPU: 1}" in logs, logs[-3000:]

@@ -31,7 +31,7 @@ from rlpad.config import Config, colocated, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.group import WorkerGroup
-from workers.placement import plan_nodes, release, reserve
+from workers.placement import check_cluster_room, plan_nodes, release, reserve
 from workers.rollout import RolloutReplicas
 from workers.staging import NodePaths, ship_dir
 
@@ -77,8 +77,12 @@ class RayWorkers:
         layout = "colocated pool: " if self.colocated else ""
         nodes = plan_nodes(t.nnodes, per_node, what=f"{layout}trainer.nnodes={t.nnodes} x n_gpus_per_node="
                                                      f"{t.n_gpus_per_node} ({'+'.join(roles)})")
-        paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         num_replicas = rollout_replicas(config, cuda)
+        if not self.colocated:  # the engines go anywhere, after the groups: check the whole cluster first
+            engines = {"CPU": 1.0} | ({"GPU": float(arr.rollout.tensor_model_parallel_size)} if gpus else {})
+            check_cluster_room({k: per_node[k] * t.nnodes + v * num_replicas for k, v in engines.items()},
+                               what=f"{'+'.join(roles)} groups and {num_replicas} rollout engine(s)")
+        paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
                       resolve_path=paths, **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths)

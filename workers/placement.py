@@ -83,6 +83,18 @@ def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str, first: str
     return fit[:nnodes]
 
 
+def check_cluster_room(needs: dict[str, float], *, what: str) -> None:
+    """``ValueError`` unless the cluster's alive nodes hold ``needs`` in total (resources asked for
+    outside the per-node plan, e.g. rollout engines that Ray may place on any node)."""
+    totals: dict[str, float] = {}
+    for node in alive_nodes():
+        for k, v in node.resources.items():
+            totals[k] = totals.get(k, 0.0) + v
+    missing = {k: v - totals.get(k, 0.0) for k, v in needs.items() if totals.get(k, 0.0) < v}
+    if missing:
+        raise ValueError(f"{what} needs {_fmt(needs)} in the cluster, which has {_fmt(totals)}: missing {_fmt(missing)}")
+
+
 def node_bundle(node: Node, bundle: dict[str, float]) -> dict[str, float]:
     """``bundle`` pinned to ``node`` (through its ``node:<ip>`` resource)."""
     return {**bundle, f"node:{node.ip}": NODE_PIN}
