@@ -32,14 +32,16 @@ def _response_mask(prompt_len: int, length: int, window: int | None, device: tor
 
 
 def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
-    # One gather per tensor for all blocks, then split: backward is one index_add and one cat,
-    # not a row-sized zero buffer per block.
-    qs = query[0].index_select(1, seg.q_order).split(seg.q_sizes, dim=1)  # (H, tokens, D) per block
-    ks = key[0].index_select(1, seg.kv_order).split(seg.kv_sizes, dim=1)
-    vs = value[0].index_select(1, seg.kv_order).split(seg.kv_sizes, dim=1)
+    # Token-major (T, H, D) views (transformers' (1, H, T, D) is a transpose of token-major memory),
+    # so each gather copies whole rows. One gather per tensor for all blocks, then split: backward
+    # is one index_add and one cat, not a row-sized zero buffer per block.
+    q_all, k_all, v_all = (t[0].transpose(0, 1) for t in (query, key, value))
+    qs = q_all.index_select(0, seg.q_order).split(seg.q_sizes)  # (tokens, H, D) per block
+    ks = k_all.index_select(0, seg.kv_order).split(seg.kv_sizes)
+    vs = v_all.index_select(0, seg.kv_order).split(seg.kv_sizes)
     outs = []
     for (count, plen, length), q, k, v in zip(seg.blocks, qs, ks, vs):
-        q, k, v = (t.unflatten(1, (count, -1)).transpose(0, 1) for t in (q, k, v))  # (count, H, n, D)
+        q, k, v = (t.unflatten(0, (count, -1)).transpose(1, 2) for t in (q, k, v))  # (count, H, n, D)
         if plen == 0 and (window is None or length <= window):  # a prompt: plain causal
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
         else:
@@ -47,9 +49,9 @@ def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torc
             if mask is None:
                 mask = seg.masks[(plen, length, window)] = _response_mask(plen, length, window, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
-        outs.append(out.transpose(0, 1).flatten(1, 2))
-    # (H, T, D) in block order -> row order -> (1, T, H, D)
-    return torch.cat(outs, dim=1).index_select(1, seg.inverse).transpose(0, 1).unsqueeze(0)
+        outs.append(out.transpose(1, 2).flatten(0, 1))  # (count * n, H, D)
+    # (T, H, D) in block order -> row order -> (1, T, H, D)
+    return torch.cat(outs).index_select(0, seg.inverse).unsqueeze(0)
 
 
 def _varlen_kernel():
