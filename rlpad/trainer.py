@@ -51,10 +51,11 @@ class Workers(Protocol):
 
 class GenerationPhases(Protocol):
     """Optional hooks of a :class:`Workers`: called right before and right after each
-    ``generate`` / ``generate_validation`` call (their time is ``timing_s/switch``)."""
+    ``generate`` / ``generate_validation`` call; they return True when they did something (their
+    time is then ``timing_s/switch``)."""
 
-    def begin_generation(self) -> None: ...
-    def end_generation(self) -> None: ...
+    def begin_generation(self) -> bool: ...
+    def end_generation(self) -> bool: ...
 
 
 @contextmanager
@@ -208,17 +209,19 @@ class Trainer:
 
     @contextmanager
     def _generation(self, timing: dict[str, float] | None = None) -> Iterator[None]:
-        """The workers' optional :class:`GenerationPhases` hooks around a generation, timed as ``switch``."""
+        """The workers' optional :class:`GenerationPhases` hooks around a generation; the seconds of
+        hooks that report work done (return True) are ``timing_s/switch``."""
         timing = {} if timing is None else timing
-        begin = getattr(self.workers, "begin_generation", None)
-        if begin is not None:
-            with _timed(timing, "switch"):
-                begin()
+
+        def run(name: str) -> None:
+            hook = getattr(self.workers, name, None)
+            start = time.perf_counter()
+            if hook is not None and hook():
+                timing["switch"] = timing.get("switch", 0.0) + time.perf_counter() - start
+
+        run("begin_generation")
         yield
-        end = getattr(self.workers, "end_generation", None)
-        if end is not None:
-            with _timed(timing, "switch"):
-                end()
+        run("end_generation")
 
     def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """The actor's batch with ``algorithm.rollout_correction`` applied (``rollout_is_weights`` for

@@ -183,11 +183,11 @@ class RayWorkers:
         self.last_sync = stats[0] | {"seconds": max(s["seconds"] for s in stats), "feeding_ranks": float(len(stats))}
         return self.last_sync["seconds"]
 
-    def begin_generation(self) -> None:
+    def begin_generation(self) -> bool:
         """Colocated, before each generation: the engines' weights wake up (unless a sync already woke
         them), the actor's parameters / optimizer state go to host memory (``actor.fsdp.param_offload``
         / ``optimizer_offload``) and every group's cached CUDA blocks go back to the device, then the
-        engines' KV cache wakes up. Separate layout: nothing."""
+        engines' KV cache wakes up. Separate layout: nothing. Returns whether it did anything."""
         self.last_offload_bytes = 0
         if self.colocated:
             self.rollout.wake_up(["weights"])
@@ -196,13 +196,16 @@ class RayWorkers:
                 if group is not None:
                     group.call("empty_device_cache")
             self.rollout.wake_up(["kv_cache"])
+        return self.colocated
 
-    def end_generation(self) -> None:
+    def end_generation(self) -> bool:
         """Colocated, after each generation: the engines sleep (vLLM level 1: KV cache dropped, weights
-        to host memory), then the actor's state comes back. Separate layout: nothing."""
+        to host memory), then the actor's state comes back. Separate layout: nothing. Returns whether it
+        did anything."""
         if self.colocated:
             self.rollout.sleep()
             self.actor.call("reload_state")
+        return self.colocated
 
     def _groups(self) -> dict[str, WorkerGroup]:
         return {name: g for name, g in (("actor", self.actor), ("critic", self.critic)) if g is not None}
