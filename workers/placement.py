@@ -52,6 +52,11 @@ def _fmt(resources: dict[str, float]) -> str:
                                                                                                      "object_store"))) + "}"
 
 
+def _missing(have: dict[str, float], need: dict[str, float]) -> dict[str, float]:
+    """What ``have`` lacks of ``need``, per resource."""
+    return {k: v - have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
+
+
 def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str, first: str | None = None) -> list[Node]:
     """The first ``nnodes`` alive nodes whose total resources hold ``per_node``: node ``first``
     (a node id; by default the caller's, the driver's node) if it fits, then the others in IP order.
@@ -69,7 +74,7 @@ def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str, first: str
         raise ValueError(f"{what}: several alive nodes share an IP ({ips}); ranks are pinned to nodes by IP")
     fit, report = [], []
     for node in nodes:
-        missing = {k: v - node.resources.get(k, 0.0) for k, v in per_node.items() if node.resources.get(k, 0.0) < v}
+        missing = _missing(node.resources, per_node)
         if missing:
             report.append(f"node {node.ip} has {_fmt(node.resources)}, missing {_fmt(missing)}")
         else:
@@ -90,7 +95,7 @@ def check_cluster_room(needs: dict[str, float], *, what: str) -> None:
     for node in alive_nodes():
         for k, v in node.resources.items():
             totals[k] = totals.get(k, 0.0) + v
-    missing = {k: v - totals.get(k, 0.0) for k, v in needs.items() if totals.get(k, 0.0) < v}
+    missing = _missing(totals, needs)
     if missing:
         raise ValueError(f"{what} needs {_fmt(needs)} in the cluster, which has {_fmt(totals)}: missing {_fmt(missing)}")
 

@@ -32,9 +32,9 @@ def _response_mask(prompt_len: int, length: int, window: int | None, device: tor
 
 
 def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
-    # Token-major (T, H, D) views (transformers' (1, H, T, D) is a transpose of token-major memory),
-    # so each gather copies whole rows. One gather per tensor for all blocks, then split: backward
-    # is one index_add and one cat, not a row-sized zero buffer per block.
+    # Gathers along the token axis of (T, H, D) views: whole rows where the memory is token-major
+    # (value, a transpose of the projection). One gather per tensor for all blocks, then split:
+    # backward is one index_add and one cat, not a row-sized zero buffer per block.
     q_all, k_all, v_all = (t[0].transpose(0, 1) for t in (query, key, value))
     qs = q_all.index_select(0, seg.q_order).split(seg.q_sizes)  # (tokens, H, D) per block
     ks = k_all.index_select(0, seg.kv_order).split(seg.kv_sizes)
