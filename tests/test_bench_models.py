@@ -1,0 +1,45 @@
+"""The one table of benchmark model shapes and the one /proc memory reader."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlpad.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rlpad.bench.models import MODEL_SHAPES, bench_config, bench_model, model_shape
+
+
+def test_table_rows_and_parameter_counts():
+    counts = {}
+    for name in MODEL_SHAPES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(bench_config(name))
+        counts[name] = sum(p.numel() for p in model.parameters())
+    # The README's figures: 40m 45.6M; one 160m, 168.3M (the 40m shape doubled); Qwen2.5-0.5B 494M.
+    assert round(counts["40m"] / 1e5) == 456 and round(counts["160m"] / 1e5) == 1683
+    assert round(counts["qwen2.5-0.5b"] / 1e6) == 494
+    assert counts["tiny"] < 1e6 and counts["tiny-llama"] < 1e6
+    with pytest.raises(ValueError, match="unknown benchmark model 'nope'; choose one of"):
+        model_shape("nope")
+    a, b = bench_model("tiny", seed=3), bench_model("tiny", seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_table_is_torch_light():
+    code = "import sys, rlpad.bench.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_peak_rss_reader_sees_an_allocation_and_resets():
+    reset_peak_rss()
+    before, base_peak = rss_bytes(), peak_rss_bytes()
+    assert 0 < before <= base_peak
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    grown = peak_rss_bytes() - before
+    del block
+    assert grown >= 60 * 2**20, grown
+    reset_peak_rss()
+    assert peak_rss_bytes() - rss_bytes() < 60 * 2**20  # the reset dropped the old peak
