@@ -67,9 +67,9 @@ def _bench(args: argparse.Namespace) -> int:
               f"update_actor {result['speedup']['update_actor']:.2f}x")
         _write(result, args.out or "results/bench_workers.json")
     elif args.what == "sync":
-        from workers.bench_sync import print_sync, run_sync_bench  # the Ray side
+        from workers.bench_sync import SYNC_MODELS, print_sync, run_sync_bench  # the Ray side
 
-        result = run_sync_bench(tuple(args.models or ("40m", "160m")), reps=args.reps)
+        result = run_sync_bench(tuple(args.models or SYNC_MODELS), reps=args.reps)
         print_sync(result)
         _write(result, args.out or "results/bench_sync.json")
     else:

@@ -5,25 +5,24 @@ the attention problems its kernels are called on, and the tokens the LM head run
 :func:`rlpad.core.forward.scoring_hidden_states` (+ the LM head of ``compute_log_probs``), as the
 code runs it, for a batch of B rows of S columns with N valid response tokens:
 
-=============== ============== ============================================================ =======
-path            decoder tokens attention problems                                           LM head
-=============== ============== ============================================================ =======
-padded          B x S          B of S x S, every pair: sdpa with the padding mask (the       N
-                               kernel cannot skip masked pairs; causal when nothing is padding)
-remove-padding  nnz            per sequence n x n, causal: varlen flash (CUDA) or per-       N
-                               sequence ``is_causal`` sdpa (CPU) skip the upper triangle
-shared-prompt   sum(P + sum L) per prompt P x P causal; per response L queries x (P + L)     N
-                               keys: bottom-right causal with the varlen kernels (CUDA
-                               bf16/fp16), every pair with the masked sdpa (CPU, fallback)
-=============== ============== ============================================================ =======
+* padded: B x S tokens; B attention problems of S x S, every pair computed (sdpa with the
+  padding mask cannot skip masked pairs; with no padding at all transformers passes no mask and
+  sdpa runs causal); LM head on N;
+* remove-padding: the nnz valid tokens; per sequence n x n, causal (torch's varlen flash kernel
+  on CUDA, per-sequence ``is_causal`` sdpa on CPU: both skip the upper triangle); LM head on N;
+* shared-prompt: each prompt once plus the responses, ``sum(P + sum L)`` tokens; per prompt P x P
+  causal; per response L queries over P + L keys, bottom-right causal with the varlen kernels
+  (CUDA bf16/fp16), every pair with the masked sdpa of the CPU branch; LM head on N.
 
 The head runs on the N scored tokens on every path: the core gathers their hidden states first.
 FLOPs are matmul FLOPs, 2 per multiply-add: linear ``2 x tokens x (layer weights) x layers``,
 attention ``2 x 2 x pairs x heads x head_dim x layers`` (QK^T and PV), head ``2 x N x hidden x
 vocab``. Not counted: norms, rotary tables, softmax, the embedding gather, log-softmax and
-entropy (elementwise), sliding windows (the benchmark models have none), causal kernels' work on
-the diagonal blocks beyond the exact triangle. tests/test_bench_flops.py checks these counts by
-hand and against torch's FLOP counter on the real forward.
+entropy, the chunked head's ``E_p[z]`` (2 x N x vocab, 1/hidden of the head), sliding windows
+(the benchmark models have none), causal kernels' work on diagonal blocks beyond the exact
+triangle. A backward is 2x its forward (the benchmarks' fwd+bwd = 3x; the chunked head's
+recompute is not counted). tests/test_bench_flops.py checks these counts by hand and against
+torch's FLOP counter on the real forward.
 """
 
 from __future__ import annotations
