@@ -8,6 +8,9 @@ import os
 import sys
 
 
+CUDA_BENCHES = ("logprob", "prefix")  # the benchmarks with a --device cuda variant
+
+
 def _write(result: dict, out: str) -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -16,22 +19,28 @@ def _write(result: dict, out: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "all":
+    if args.device == "cuda":
+        if args.what not in CUDA_BENCHES:
+            print(f"error: --device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not {args.what!r}",
+                  file=sys.stderr)
+            return 2
+        try:
+            if args.what == "logprob":
+                from rlpad.bench.logprob_cuda import run_cuda
+
+                result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+            else:
+                from rlpad.bench.prefix import run_cuda
+
+                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows)
+        except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        _write(result, args.out or f"results/bench_{args.what}_cuda.json")
+    elif args.what == "all":
         from rlpad.bench.report import run_all
 
         run_all(args.out or "results", reps=args.reps)
-    elif args.device == "cuda":
-        if args.what != "logprob":
-            print(f"error: --device cuda is for `rlpad bench logprob`, not {args.what!r}", file=sys.stderr)
-            return 2
-        from rlpad.bench.logprob_cuda import run_cuda
-
-        try:
-            result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        _write(result, args.out or "results/bench_logprob_cuda.json")
     elif args.what == "logprob":
         from rlpad.bench.logprob import run
 
@@ -58,9 +67,9 @@ def _bench(args: argparse.Namespace) -> int:
               f"update_actor {result['speedup']['update_actor']:.2f}x")
         _write(result, args.out or "results/bench_workers.json")
     elif args.what == "sync":
-        from workers.bench_sync import print_sync, run_sync_bench  # the Ray side
+        from workers.bench_sync import SYNC_MODELS, print_sync, run_sync_bench  # the Ray side
 
-        result = run_sync_bench(tuple(args.models or ("40m", "160m")), reps=args.reps)
+        result = run_sync_bench(tuple(args.models or SYNC_MODELS), reps=args.reps)
         print_sync(result)
         _write(result, args.out or "results/bench_sync.json")
     else:
@@ -89,14 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e"])
-    bench.add_argument("--models", nargs="*", default=None, help="logprob: sizes (tiny 40m); prefix, workers: one size; sync: sizes (40m 160m)")
+    bench.add_argument("--models", nargs="*", default=None,
+                       help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
+                            "sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="logprob: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
-    bench.add_argument("--micro-rows", type=int, default=16, help="logprob --device cuda: rows per micro-batch")
+                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+    bench.add_argument("--micro-rows", type=int, default=16,
+                       help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=4, help="e2e: training steps per mode (the first is a warm-up)")

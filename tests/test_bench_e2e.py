@@ -80,8 +80,8 @@ def test_flop_recorder_passes_calls_through_and_counts_padding():
     rec = FlopRecorder(_Workers(), config)
     assert rec.compute_log_prob({"attention_mask": mask, "responses": torch.zeros(2, 3)}) == "called"
     assert rec.sync_weights() == 0.5
-    (padded, valid), = rec.flops
-    assert padded > valid > 0  # 9 of 12 slots valid
+    (padded, packed), = rec.flops
+    assert padded > packed > 0  # 9 of 12 slots valid
     full = FlopRecorder(_Workers(), config)
     full.compute_log_prob({"attention_mask": torch.ones(2, 6, dtype=torch.long), "responses": torch.zeros(2, 3)})
     assert full.flops[0][0] == pytest.approx(full.flops[0][1])  # negative control: no padding, ratio 1

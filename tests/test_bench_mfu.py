@@ -1,11 +1,11 @@
-"""MFU arithmetic and the peak table of `rlpad bench logprob --device cuda`, and its CPU-side behaviour."""
+"""The arithmetic from measured times to rates (tokens/s, FLOP-ideal ratios, TFLOP/s, MFU) and the
+peak table, by hand; the timing loop's rounds."""
 
 import pytest
 import torch
 
-from rlpad.bench.logprob_cuda import measure_speed, print_cuda_tables, require_cuda
+from rlpad.bench.measure import interleaved_medians, path_rates
 from rlpad.bench.mfu import achieved_tflops, mfu, peak_bf16_tflops
-from rlpad.cli import main as cli
 
 
 def test_peak_table_matches_torch_device_names():
@@ -33,30 +33,30 @@ def test_mfu_arithmetic():
             bad()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_device_cuda_without_cuda_is_a_clear_error(capsys):
-    with pytest.raises(ValueError, match="--device cuda needs a CUDA GPU.*torch.cuda.is_available\\(\\) is False"):
-        require_cuda()
-    assert cli(["bench", "logprob", "--device", "cuda", "--no-memory"]) == 2
-    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
-    assert cli(["bench", "rollout", "--device", "cuda"]) == 2
+def test_path_rates_by_hand():
+    # 1000 valid tokens; padded 2 s for 6 TFLOP forward, rmpad 1 s for 4 TFLOP; forward+backward (3x).
+    r = path_rates(1000, {"padded": 2.0, "rmpad": 1.0}, {"padded": 6e12, "rmpad": 4e12}, base="padded", other="rmpad",
+                   factor=3, peak_tflops=100.0)
+    assert r["padded_tok_s"] == 500.0 and r["rmpad_tok_s"] == 1000.0
+    assert r["speedup"] == 2.0 and r["flop_ideal_speedup"] == 1.5
+    assert r["speedup_vs_ideal"] == pytest.approx(2.0 / 1.5)
+    assert r["padded_tflops"] == pytest.approx(9.0) and r["rmpad_tflops"] == pytest.approx(12.0)  # 3 x 6 / 2, 3 x 4 / 1
+    assert r["padded_mfu"] == pytest.approx(0.09) and r["rmpad_mfu"] == pytest.approx(0.12)
+    no_peak = path_rates(1000, {"a": 1.0, "b": 1.0}, {"a": 1e12, "b": 1e12}, base="a", other="b")
+    assert "a_mfu" not in no_peak and no_peak["speedup_vs_ideal"] == 1.0 and no_peak["a_tflops"] == pytest.approx(1.0)
+    for bad in (dict(tokens=0), dict(factor=0)):
+        with pytest.raises(ValueError):
+            path_rates(**{"tokens": 1, "seconds": {"a": 1.0, "b": 1.0}, "flops": {"a": 1.0, "b": 1.0}, "base": "a",
+                          "other": "b", **bad})
 
 
-def test_speed_measurement_runs_end_to_end_on_a_small_shape(capsys):
-    """The benchmark's own code path (both attention paths, micro-batches, FLOPs) on a CPU-sized model."""
-    spec = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, head_dim=32, num_attention_heads=2,
-                num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=True)
-    r = measure_speed(torch.device("cpu"), spec, rows=4, prompt=8, response=12, micro_rows=2, chunk=16, reps=1)
-    assert r["packed_attention"] == "rlpad_varlen" and r["peak"] is None
-    assert 1.0 < r["flop_ideal_speedup"] < 4.0 and 0 < r["valid_fraction"] < 1
-    for mode in ("fwd", "fwdbwd"):
-        m = r[mode]
-        assert m["speedup"] == pytest.approx(m["padded_s"] / m["rmpad_s"])
-        assert m["speedup_vs_ideal"] == pytest.approx(m["speedup"] / r["flop_ideal_speedup"])
-        factor = 3 if mode == "fwdbwd" else 1
-        assert m["rmpad_tflops"] == pytest.approx(factor * r["valid_tflop"] / m["rmpad_s"])
-        assert "rmpad_mfu" not in m  # no known peak on a CPU
-    with pytest.raises(ValueError, match="micro_rows=3 must be >= 1 and divide rows=4"):
-        measure_speed(torch.device("cpu"), spec, rows=4, prompt=8, response=12, micro_rows=3, chunk=16, reps=1)
-    print_cuda_tables({"speed": r, "memory": []})
-    assert "packed attention: rlpad_varlen" in capsys.readouterr().out
+def test_interleaved_medians_rounds():
+    calls: list[str] = []
+    passes = {name: (lambda n=name: calls.append(n)) for name in ("a", "b")}
+    out = interleaved_medians(passes, 3, torch.device("cpu"))
+    assert calls == ["a", "b"] * 4 and set(out) == {"a", "b"}  # one warm-up round, then 3 timed, interleaved
+    calls.clear()
+    interleaved_medians(passes, 2, torch.device("cpu"), warmup=False)
+    assert calls == ["a", "b"] * 2
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        interleaved_medians(passes, 0, torch.device("cpu"))

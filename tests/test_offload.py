@@ -5,7 +5,7 @@ import torch
 from rlpad.batch import WORKER_SECONDS
 from rlpad.config import ActorRolloutRefConfig
 from workers.actor import ActorWorker
-from workers.bench import ppo_batch
+from rlpad.embedded.synthetic import ppo_batch
 from workers.offload import StateOffloader
 
 P, R, VOCAB = 8, 10, 128

@@ -82,7 +82,7 @@ def test_bucketed_weight_push_from_a_two_rank_fsdp_group_to_two_replicas(ray_ses
 
     from rlpad.config import ActorRolloutRefConfig
     from workers.actor import ActorWorker
-    from workers.bench import ppo_batch
+    from rlpad.embedded.synthetic import ppo_batch
     from workers.group import WorkerGroup
 
     path = save_model(make_model(), tmp_path / "initial")

@@ -7,7 +7,7 @@ from workers.init_bench import run_init_bench
 from workers.staging import NodePaths
 
 
-@pytest.mark.parametrize("model,world", [("tiny-qwen2", 2), ("tiny-llama", 3)])
+@pytest.mark.parametrize("model,world", [("tiny", 2), ("tiny-llama", 3)])
 def test_sharded_init_equals_full_load(model, world):
     result = run_init_bench(model, world, compare_to="other-seed")
     ranks = result["ranks"]

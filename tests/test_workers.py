@@ -14,7 +14,7 @@ from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
 from rlpad.seqlen import count_micro_batches  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
-from workers.bench import ppo_batch  # noqa: E402
+from rlpad.embedded.synthetic import ppo_batch  # noqa: E402
 from workers.group import WorkerGroup  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -9,7 +9,7 @@ from rlpad.config import ActorRolloutRefConfig, CriticConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
 from workers.actor import ActorWorker
-from workers.bench import ppo_batch
+from rlpad.embedded.synthetic import ppo_batch
 from workers.critic import CriticWorker
 
 P, R, VOCAB = 8, 10, 128  # tiny:qwen2 has vocab 128, hidden 64, 2 layers

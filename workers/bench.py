@@ -1,49 +1,18 @@
 """``rlpad bench workers``: tokens/s of the worker group's compute_log_prob and update_actor,
-remove-padding on vs off on the same batch, and their ratio. Also the synthetic PPO batch
-the worker tests use. Ray is imported lazily.
+remove-padding on vs off on the same batch, and their ratio. Ray is imported lazily.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import tempfile
 import time
 from typing import Any
 
-import torch
+from rlpad.embedded.synthetic import ppo_batch
 
-from rlpad.batch import Batch
-from rlpad.embedded.synthetic import rollout_batch
-
-__all__ = ["ppo_batch", "run_worker_bench"]
-
-
-def ppo_batch(
-    rows: int, prompt_length: int, response_length: int, *, vocab_size: int, seed: int = 0, valid_fraction: float = 0.5
-) -> Batch:
-    """A rollout-shaped :class:`Batch` with every key the workers read.
-
-    ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` (random
-    lengths, see :func:`rlpad.embedded.synthetic.rollout_batch`), ``advantages``, ``returns``, ``values``
-    ~ N(0, 1) and ``old_log_probs`` / ``ref_log_probs`` = log(1/V) + N(0, 0.2) noise (near a random
-    model's own log-probs, so PPO ratios straddle the clip range); zeros on padding.
-    """
-    d = rollout_batch(
-        rows, prompt_length, response_length, vocab_size=vocab_size, seed=seed, valid_fraction=valid_fraction
-    )
-    gen = torch.Generator().manual_seed(seed + 1)
-    mask = d["response_mask"].float()
-    d["responses"] = d["input_ids"][:, prompt_length:]
-
-    def noise(scale: float) -> torch.Tensor:
-        return torch.randn(rows, response_length, generator=gen) * scale * mask
-
-    base = -math.log(vocab_size) * mask
-    d.update(advantages=noise(1.0), returns=noise(1.0), values=noise(1.0),
-             old_log_probs=base + noise(0.2), ref_log_probs=base + noise(0.2))  # fmt: skip
-    return Batch(d)
+__all__ = ["run_worker_bench"]
 
 
 def _timed(fn, reps: int) -> float:
@@ -78,15 +47,15 @@ def run_worker_bench(
 ) -> dict[str, Any]:
     """Median tokens/s (valid tokens) of ``compute_log_prob`` and ``update_actor`` on a real Ray group.
 
-    ``model``: a key of :data:`rlpad.bench.logprob.MODELS` (saved to a temp dir) or a model path.
+    ``model``: a row of :data:`rlpad.bench.models.MODEL_SHAPES` (saved to a temp dir) or a model path.
     Returns ``{"config", "rmpad": {...}, "padded": {...}, "speedup": {"compute_log_prob", "update_actor"}}``.
     Starts a local Ray (127.0.0.1) if none is running and shuts it down afterwards.
     """
     import ray
 
-    from rlpad.bench.logprob import MODELS
+    from rlpad.bench.models import MODEL_SHAPES, bench_model
     from rlpad.config import ActorRolloutRefConfig
-    from rlpad.embedded.tiny import build_tokenizer, tiny_model
+    from rlpad.embedded.tiny import build_tokenizer
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
     from workers.launcher import init_local_ray
@@ -98,10 +67,9 @@ def run_worker_bench(
     group = None
     try:
         path = model
-        if model in MODELS:
-            spec = dict(MODELS[model])
+        if model in MODEL_SHAPES:
             path = os.path.join(tmp.name, model)
-            tiny_model(spec.pop("arch"), seed=seed, **spec).save_pretrained(path)
+            bench_model(model, seed=seed).save_pretrained(path)
             build_tokenizer(path)
         cfg = ActorRolloutRefConfig()
         cfg.model.path, cfg.model.logits_chunk_size = path, logits_chunk_size

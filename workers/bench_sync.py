@@ -22,49 +22,34 @@ import tempfile
 import time
 from typing import Any
 
+from rlpad.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rlpad.bench.models import model_shape
+
 __all__ = ["SYNC_MODELS", "run_sync_bench"]
 
-# name -> tiny_model arguments (untied embeddings: the head is a tensor of its own)
-SYNC_MODELS: dict[str, dict[str, Any]] = {
-    "40m": dict(arch="qwen2", vocab_size=32000, hidden_size=512, num_hidden_layers=4, head_dim=64,
-                num_attention_heads=8, num_key_value_heads=8, intermediate_size=1408, tie_word_embeddings=False),
-    "160m": dict(arch="qwen2", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, head_dim=64,
-                 num_attention_heads=16, num_key_value_heads=16, intermediate_size=2816, tie_word_embeddings=False),
-}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+# Default rows of rlpad.bench.models.MODEL_SHAPES (untied embeddings: the head is a tensor of its own).
+SYNC_MODELS = ("40m", "160m")
 
 
 def _driver_growth_mib(fn, reps: int) -> tuple[float, float, list[float]]:
     """(VmHWM growth over the RSS before, VmHWM, both MiB; seconds per call) of ``reps`` calls of ``fn``."""
-    _reset_peak()
-    before = _status_kib("VmRSS")
+    reset_peak_rss()
+    before = rss_bytes()
     seconds = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
-    peak = _status_kib("VmHWM")
-    return (peak - before) / 1024, peak / 1024, seconds
+    peak = peak_rss_bytes()
+    return (peak - before) / 2**20, peak / 2**20, seconds
 
 
 def save_sync_model(size: str, path: str, seed: int = 0) -> int:
     """Save the random model ``size`` (and a tokenizer) to ``path``; returns its parameter count."""
-    from rlpad.embedded.tiny import build_tokenizer, tiny_model
+    from rlpad.bench.models import bench_model
+    from rlpad.embedded.tiny import build_tokenizer
 
-    spec = dict(SYNC_MODELS[size])
-    model = tiny_model(spec.pop("arch"), seed=seed, **spec)
+    model = bench_model(size, seed=seed)
     model.save_pretrained(path)
     build_tokenizer(path)
     return sum(p.numel() for p in model.parameters())
@@ -120,11 +105,11 @@ def measure_one(path: str, *, reps: int = 3, bucket_mb: float = 512.0, seed: int
         ray.shutdown()
 
 
-def run_sync_bench(sizes: tuple[str, ...] = ("40m", "160m"), *, reps: int = 3, bucket_mb: float = 512.0) -> dict[str, Any]:
-    """Every size in a fresh process; returns ``{"runs": [...], "growth_ratio", ...}``."""
-    unknown = [s for s in sizes if s not in SYNC_MODELS]
-    if unknown:
-        raise ValueError(f"unknown size(s) {unknown}; choose from {sorted(SYNC_MODELS)}")
+def run_sync_bench(sizes: tuple[str, ...] = SYNC_MODELS, *, reps: int = 3, bucket_mb: float = 512.0) -> dict[str, Any]:
+    """Every size (a row of :data:`rlpad.bench.models.MODEL_SHAPES`) in a fresh process; returns
+    ``{"runs": [...], "growth_spread_mib", "peak_rss_ratio", "model_bytes_ratio"}``."""
+    for size in sizes:
+        model_shape(size)  # ValueError naming the table's rows, before anything starts
     runs = []
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="rlpad-bench-sync-") as tmp:

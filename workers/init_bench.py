@@ -19,31 +19,15 @@ import sys
 import tempfile
 from typing import Any
 
-__all__ = ["MODELS", "main", "run_init_bench"]
+from rlpad.bench.memory import peak_rss_bytes, rss_bytes
+from rlpad.bench.models import MODEL_SHAPES, bench_model, model_shape
 
-# ~160M parameters (fp32: 0.65 GB): the 40m benchmark model's shape scaled up, untied LM head.
-MODELS: dict[str, dict[str, Any]] = {
-    "160m": dict(arch="qwen2", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, head_dim=64,
-                 num_attention_heads=16, num_key_value_heads=16, intermediate_size=2560, tie_word_embeddings=False),
-    "tiny-qwen2": dict(arch="qwen2"),  # tied embeddings, GQA
-    "tiny-llama": dict(arch="llama"),  # untied LM head
-}
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+__all__ = ["main", "run_init_bench"]
 
 
 def save_model(name: str, path: str, seed: int = 0) -> int:
-    """Write checkpoint ``name`` (of :data:`MODELS`) to ``path``; returns its parameter count."""
-    from rlpad.embedded.tiny import tiny_model
-
-    spec = dict(MODELS[name])
-    model = tiny_model(spec.pop("arch"), seed=seed, **spec)
+    """Write row ``name`` of :data:`rlpad.bench.models.MODEL_SHAPES` to ``path``; returns its parameter count."""
+    model = bench_model(name, seed=seed)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -59,9 +43,9 @@ def _rank_main(args: argparse.Namespace) -> None:
     cfg = ActorRolloutRefConfig()
     cfg.model.path = args.path
     worker = ActorWorker(cfg, role="actor", rank=args.rank, world_size=args.world, master_port=args.port)
-    rss_before = _status_kb("VmRSS")
+    rss_before = rss_bytes()
     worker.init_model()
-    hwm = _status_kb("VmHWM")
+    hwm = peak_rss_bytes()
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in worker.root.parameters())
     gathered = dict(worker.iter_hf_tensors())  # a collective: every rank gathers the full weights
     tied = bool(getattr(worker.model.config, "tie_word_embeddings", False))
@@ -74,8 +58,8 @@ def _rank_main(args: argparse.Namespace) -> None:
         return bad + sorted(f"buffer:{k}" for k, b in ref_model.named_buffers() if not torch.equal(buffers[k], b))
 
     still_tied = worker.model.lm_head.weight is worker.model.get_input_embeddings().weight if tied else None
-    result = {"rank": args.rank, "reads_checkpoint": worker.reads_checkpoint, "rss_before_kb": rss_before,
-              "hwm_kb": hwm, "shard_bytes": shard_bytes, "tensors": len(gathered), "mismatched": mismatches(args.path),
+    result = {"rank": args.rank, "reads_checkpoint": worker.reads_checkpoint, "rss_before_bytes": rss_before,
+              "hwm_bytes": hwm, "shard_bytes": shard_bytes, "tensors": len(gathered), "mismatched": mismatches(args.path),
               "mismatched_other": mismatches(args.compare_to) if args.compare_to else None,
               "tied_embeddings_shared": still_tied}
     with open(args.result, "w") as f:
@@ -85,11 +69,10 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def run_init_bench(model: str = "160m", world: int = 2, compare_to: str | None = None,
                    timeout_s: float = 600.0) -> dict[str, Any]:
-    """Save ``model`` (a :data:`MODELS` name), init it sharded over ``world`` processes; per-rank results."""
+    """Save ``model`` (a row of :data:`rlpad.bench.models.MODEL_SHAPES`), init it sharded over ``world`` processes; per-rank results."""
     from workers.net import free_port
 
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {sorted(MODELS)}")
+    model_shape(model)  # ValueError naming the table's rows
     if world < 2:
         raise ValueError(f"world must be >= 2 to have a rank that does not read the checkpoint, got {world}")
     with tempfile.TemporaryDirectory(prefix="rlpad-initbench-") as tmp:
@@ -116,14 +99,14 @@ def run_init_bench(model: str = "160m", world: int = 2, compare_to: str | None =
                 ranks.append(json.load(f))
     full_bytes = params * 4
     for res in ranks:
-        res["hwm_over_model"] = res["hwm_kb"] * 1024 / full_bytes
-        res["growth_over_model"] = (res["hwm_kb"] - res["rss_before_kb"]) * 1024 / full_bytes
+        res["hwm_over_model"] = res["hwm_bytes"] / full_bytes
+        res["growth_over_model"] = (res["hwm_bytes"] - res["rss_before_bytes"]) / full_bytes
     return {"model": model, "params": params, "fp32_bytes": full_bytes, "world": world, "ranks": ranks}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.init_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="160m", choices=sorted(MODELS))
+    p.add_argument("--model", default="160m", choices=sorted(MODEL_SHAPES))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON path for the results")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # internal: one rank
@@ -139,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['model']}: {result['params'] / 1e6:.1f}M parameters, fp32 {result['fp32_bytes'] / 2**20:.0f} MiB, "
           f"world {result['world']}")
     for r in result["ranks"]:
-        print(f"  rank {r['rank']} reads={r['reads_checkpoint']!s:5}  VmHWM {r['hwm_kb'] / 1024:7.0f} MiB "
+        print(f"  rank {r['rank']} reads={r['reads_checkpoint']!s:5}  VmHWM {r['hwm_bytes'] / 2**20:7.0f} MiB "
               f"({r['hwm_over_model']:.2f}x model)  growth during init {r['growth_over_model']:.2f}x model  "
               f"bit-identical: {not r['mismatched']}")
     if args.out:

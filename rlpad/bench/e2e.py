@@ -5,7 +5,7 @@ Runs ``steps`` training steps of a recipe twice through the normal launch path
 ``use_remove_padding`` on and once off, same seeds, no validation and no checkpoints. Per phase
 (gen, old_log_prob, ref, values, update_actor, update_critic, sync) it reports the median seconds
 over the steps after the first (warm-up), the padded / remove-padding time ratio, and for the two
-actor phases the FLOP-ideal ratio of the actual batches (padded FLOPs / valid-token FLOPs,
+actor phases the FLOP-ideal ratio of the actual batches (padded FLOPs / remove-padding FLOPs,
 :mod:`rlpad.bench.flops`). The trainer overhead of a step is the driver's wall time minus the
 seconds the workers measured inside themselves (``worker_s/*`` metrics), as a share of the step,
 with where it goes: each phase's driver time minus its workers' time (moving batches through
@@ -29,19 +29,19 @@ IDEAL_PHASES = ("old_log_prob", "update_actor")
 
 
 class FlopRecorder:
-    """Passes every call to the wrapped workers; records the padded and valid-token forward FLOPs of
+    """Passes every call to the wrapped workers; records the padded and remove-padding forward FLOPs of
     each ``compute_log_prob`` batch (the same rows go through ``update_actor``)."""
 
     def __init__(self, workers: Any, model_config: Any):
         self._workers, self._model_config = workers, model_config
-        self.flops: list[tuple[float, float]] = []  # (padded, valid) per step
+        self.flops: list[tuple[float, float]] = []  # (padded, remove-padding) per step
 
     def compute_log_prob(self, batch: Any) -> Any:
-        from rlpad.bench.flops import padded_and_valid_flops
+        from rlpad.bench.flops import padded_and_packed_flops
 
-        padded, valid = padded_and_valid_flops(self._model_config, batch["attention_mask"],
-                                               int(batch["responses"].shape[1]))
-        self.flops.append((padded["total"], valid["total"]))
+        padded, packed = padded_and_packed_flops(self._model_config, batch["attention_mask"],
+                                                 int(batch["responses"].shape[1]))
+        self.flops.append((padded["total"], packed["total"]))
         return self._workers.compute_log_prob(batch)
 
     def __getattr__(self, name: str) -> Any:

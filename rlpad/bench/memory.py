@@ -1,55 +1,34 @@
-"""One memory variant of ``rlpad bench logprob``, run in its own process.
+"""This process's resident memory from /proc (Linux): current RSS, peak RSS (VmHWM), and a reset
+of the peak. The one reader every memory measurement uses (LM head, weight sync, sharded init).
 
-``python -m rlpad.bench.memory {full|chunked} TOKENS HIDDEN VOCAB CHUNK`` prints one JSON line:
-the growth of peak RSS over the RSS after the inputs were allocated.
+VmHWM is this process's own peak; ``resource.getrusage().ru_maxrss`` would carry the parent's
+peak over fork + exec, which is why the measurements read /proc.
 """
 
 from __future__ import annotations
 
-import json
-import resource
-import sys
-import time
-
-import torch
-
-from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+__all__ = ["peak_rss_bytes", "reset_peak_rss", "rss_bytes"]
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak_rss_bytes() -> int:
-    """VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's over fork + exec)."""
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
-def main(variant: str, tokens: int, hidden_size: int, vocab: int, chunk: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, generator=gen, requires_grad=True)
-    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.02).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), generator=gen)
-    weight.grad = torch.zeros_like(weight)  # the gradient buffers exist in both variants
-    hidden.grad = torch.zeros_like(hidden)
-    base = _rss_bytes()
-    start = time.perf_counter()
-    if variant == "full":
-        lp, ent = log_probs_and_entropy(hidden @ weight.T, labels)
-    elif variant == "chunked":
-        lp, ent = chunked_log_probs_and_entropy(hidden, weight, labels, chunk_size=chunk)
-    else:
-        raise ValueError(f"unknown memory variant {variant!r}; use full or chunked")
-    (lp.sum() + ent.sum()).backward()
-    seconds = time.perf_counter() - start
-    peak = _peak_rss_bytes()
-    return {"variant": variant, "tokens": tokens, "hidden": hidden_size, "vocab": vocab, "chunk": chunk,
-            "peak_gib": max(peak - base, 0) / 2**30, "seconds": seconds,
-            "checksum": float((lp.sum() + ent.sum()).detach())}
+def rss_bytes() -> int:
+    """Resident set size now (VmRSS)."""
+    return _status_bytes("VmRSS")
 
 
-if __name__ == "__main__":
-    variant, *numbers = sys.argv[1:]
-    print(json.dumps(main(variant, *map(int, numbers))))
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the process started or the last :func:`reset_peak_rss` (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Set VmHWM back to the current RSS (``/proc/self/clear_refs`` = 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -1,127 +1,169 @@
 """``rlpad bench prefix``: remove-padding vs shared-prompt log-prob forward on GRPO-shaped batches.
 
 Batches of 8 groups x n=8 (every prompt P tokens, responses of uniform random length in [1, R]),
-at P=512/R<=256 and P=128/R<=512, on the 40m model of ``rlpad bench logprob``. Forward and
-forward+backward (log-prob + entropy, token-mean loss), medians of interleaved repetitions; tokens/s
-count the valid tokens of the padded batch (the same work for both paths). FLOP-ideal speedup =
-rmpad FLOPs / shared FLOPs (decoder linear + attention + LM head; the head is the same for both)
+at P=512/R<=256 and P=128/R<=512. Forward and forward+backward (log-prob + entropy, token-mean
+loss, LM head chunked), medians of interleaved repetitions; tokens/s count the valid tokens of the
+padded batch (the same work for both paths). FLOP-ideal speedup = rmpad FLOPs / shared FLOPs
+(:mod:`rlpad.bench.flops`: decoder linear + attention + LM head; the head is the same for both)
 and, for reference, the decoder-only ideal (linear + attention).
+
+* CPU (default): the ``40m`` model in fp32, the whole batch in one call;
+* ``--device cuda``: the ``qwen2.5-0.5b`` shape in bf16, micro-batches of whole groups, plus
+  TFLOP/s of the FLOPs each path executes and MFU (:mod:`rlpad.bench.mfu`).
+
+Both paths run the ``rlpad_varlen`` attention (the shared prompt needs it), so the ratio isolates
+the prompt sharing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from rlpad.bench.flops import logprob_flops, shared_prompt_flops
-from rlpad.bench.logprob import MODELS
+from rlpad.bench.flops import forward_flops, packed_work, shared_prompt_work
+from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
+from rlpad.bench.mfu import PEAK_SOURCE
+from rlpad.bench.models import bench_model
+from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.embedded.synthetic import grpo_batch
-from rlpad.embedded.tiny import tiny_model
 
-__all__ = ["SHAPES", "bench_shape", "print_table", "run"]
+__all__ = ["CUDA_MODEL", "GROUPS", "N", "SHAPES", "bench_shape", "print_table", "run", "run_cuda"]
 
 SHAPES = ((512, 256), (128, 512))  # (prompt length, max response length)
 GROUPS, N = 8, 8
 CHUNK = 1024  # LM head chunk: the (N, V) logits never exist whole (memory; same for both paths)
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+CUDA_MODEL = "qwen2.5-0.5b"  # the row of rlpad.bench.models.MODEL_SHAPES that --device cuda runs
 
 
 def bench_shape(model: torch.nn.Module, prompt: int, response: int, *, reps: int = 3, seed: int = 0,
-                groups: int = GROUPS) -> dict[str, Any]:
-    """Median seconds of rmpad and shared-prompt forward / forward+backward on one batch shape."""
+                groups: int = GROUPS, micro_rows: int | None = None, chunk: int = CHUNK, warmup: bool = False,
+                peak_tflops: float | None = None) -> dict[str, Any]:
+    """Median seconds of rmpad and shared-prompt forward / forward+backward on one batch shape, on
+    the model's device; ``micro_rows`` (a multiple of n, default all rows) rows per call."""
+    rows = groups * N
+    micro_rows = micro_rows or rows
+    if micro_rows % N or rows % micro_rows:
+        raise ValueError(f"micro_rows={micro_rows} must be a multiple of n={N} (whole groups) and divide rows={rows}")
+    param = next(model.parameters())
+    device = param.device
     data = grpo_batch(groups, N, prompt, response, vocab_size=model.config.vocab_size, seed=seed, min_prompt=prompt)
-    mask = data["response_mask"].float()
-    args = (model, data["input_ids"], data["attention_mask"], data["position_ids"], response)
-    kw = dict(use_remove_padding=True, calculate_entropy=True, logits_chunk_size=CHUNK)
+    pieces = [{k: v[i : i + micro_rows].to(device) for k, v in data.items()} for i in range(0, rows, micro_rows)]
 
-    def forward(share: bool) -> None:
-        with torch.no_grad():
-            compute_log_probs(*args, share_prompts=share, **kw)
-
-    def forward_backward(share: bool) -> None:
-        lp, ent = compute_log_probs(*args, share_prompts=share, **kw)
-        ((lp + 0.01 * ent) * mask).sum().div(mask.sum()).backward()
+    def one_pass(share: bool, backward: bool) -> None:
+        for p in pieces:
+            with torch.set_grad_enabled(backward):
+                lp, ent = compute_log_probs(model, p["input_ids"], p["attention_mask"], p["position_ids"], response,
+                                            use_remove_padding=True, share_prompts=share, calculate_entropy=True,
+                                            logits_chunk_size=chunk)  # fmt: skip
+                if backward:
+                    mask = p["response_mask"].float()
+                    ((lp + 0.01 * ent) * mask).sum().div(mask.sum().clamp(min=1)).backward()
         model.zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {f"{m}_{p}": [] for m in ("fwd", "fwdbwd") for p in ("rmpad", "shared")}
-    for _ in range(reps):  # rmpad and shared alternate so they share the machine's drift
-        for mode, fn in (("fwd", forward), ("fwdbwd", forward_backward)):
-            for path in ("rmpad", "shared"):
-                times[f"{mode}_{path}"].append(_time(lambda: fn(path == "shared")))
-    valid = data["attention_mask"].sum(-1).tolist()
-    plens = data["attention_mask"][:, :prompt].sum(-1).tolist()
-    rlens = data["response_mask"].sum(-1).tolist()
-    groups = prompt_groups(data["input_ids"], data["attention_mask"], data["position_ids"], response)
-    scored = int(sum(rlens))
-    rm = logprob_flops(model.config, valid, scored)
-    sh = shared_prompt_flops(model.config, [(plens[g[0]], [rlens[r] for r in g]) for g in groups], scored)
-    ideal = rm["total"] / sh["total"]
-    tokens = int(sum(valid))
+    passes = {f"{mode}_{path}": (lambda sh=(path == "shared"), bwd=(mode == "fwdbwd"): one_pass(sh, bwd))
+              for mode in ("fwd", "fwdbwd") for path in ("rmpad", "shared")}
+    seconds = interleaved_medians(passes, reps, device, warmup=warmup)
+    # The shared attention's response blocks: varlen kernels (causal) on CUDA in half precision,
+    # masked sdpa otherwise (rlpad.core.shared_attention).
+    varlen = device.type == "cuda" and param.dtype in (torch.bfloat16, torch.float16)
+    flops = {"rmpad": {}, "shared": {}}
+    shared_tokens = 0
+    for p in pieces:
+        mask = p["attention_mask"].cpu()
+        groups_of_rows = prompt_groups(p["input_ids"].cpu(), mask, p["position_ids"].cpu(), response)
+        shared = shared_prompt_work(mask, response, groups_of_rows, causal_responses=varlen)
+        shared_tokens += shared.tokens
+        for path, work in (("rmpad", packed_work(mask, response)), ("shared", shared)):
+            for key, value in forward_flops(model.config, work).items():
+                flops[path][key] = flops[path].get(key, 0.0) + value
+    total = {path: f["total"] for path, f in flops.items()}
+    tokens = int(data["attention_mask"].sum())
+    decoder = {path: f["linear"] + f["attention"] for path, f in flops.items()}
     result: dict[str, Any] = {
-        "prompt": prompt, "max_response": response, "rows": len(valid), "groups": len(groups),
-        "valid_tokens": tokens, "shared_tokens": sum(plens[g[0]] + sum(rlens[r] for r in g) for g in groups),
-        "flop_ideal_speedup": ideal,
-        "decoder_flop_ideal_speedup": (rm["linear"] + rm["attention"]) / (sh["linear"] + sh["attention"]),
-        "rmpad_gflop": rm["total"] / 1e9, "shared_gflop": sh["total"] / 1e9,
+        "prompt": prompt, "max_response": response, "rows": rows, "micro_rows": micro_rows, "groups": groups,
+        "valid_tokens": tokens, "shared_tokens": shared_tokens,
+        "flop_ideal_speedup": total["rmpad"] / total["shared"],
+        "decoder_flop_ideal_speedup": decoder["rmpad"] / decoder["shared"],
+        "rmpad_gflop": total["rmpad"] / 1e9, "shared_gflop": total["shared"] / 1e9,
     }
-    for mode in ("fwd", "fwdbwd"):
-        t_rm, t_sh = statistics.median(times[f"{mode}_rmpad"]), statistics.median(times[f"{mode}_shared"])
-        result[mode] = {"rmpad_s": t_rm, "shared_s": t_sh, "rmpad_tok_s": tokens / t_rm, "shared_tok_s": tokens / t_sh,
-                        "speedup": t_rm / t_sh, "speedup_vs_ideal": t_rm / t_sh / ideal}  # fmt: skip
+    for mode, factor in (("fwd", 1), ("fwdbwd", 3)):
+        result[mode] = path_rates(tokens, {p: seconds[f"{mode}_{p}"] for p in total}, total, base="rmpad",
+                                  other="shared", factor=factor, peak_tflops=peak_tflops)
     return result
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nlog-prob + entropy, {result['model']} ({result['params_m']:.1f}M), {result['groups']} groups x n={N}: "
-          "remove-padding vs shared prompt (median seconds; tokens/s count valid tokens)")
+    peak = result.get("peak")
+    print(f"\nlog-prob + entropy, {result['model']} ({result['params_m']:.1f}M, {result['dtype']}) "
+          f"on {result['device']}, "
+          f"{result['groups']} groups x n={N}: remove-padding vs shared prompt (median seconds; tokens/s count valid "
+          "tokens; TF/s of the FLOPs each path executes" + (f"; MFU of {peak['bf16_tflops']:.0f} TFLOP/s bf16)"
+                                                            if peak else ")"))
     header = (f"{'P/R<=':>8} {'pass':>7} {'rmpad s':>8} {'shared s':>9} {'rmpad tok/s':>11} {'shared tok/s':>12} "
-              f"{'speedup':>8} {'ideal':>6} {'of ideal':>8}")
+              f"{'speedup':>8} {'ideal':>6} {'of ideal':>8} {'rm TF/s':>8} {'sh TF/s':>8}"
+              + (" rm MFU  sh MFU" if peak else ""))
     print(header)
     print("-" * len(header))
     for r in result["shapes"]:
         for mode in ("fwd", "fwdbwd"):
             m = r[mode]
-            print(f"{r['prompt']:>4}/{r['max_response']:<3} {mode:>7} {m['rmpad_s']:8.2f} {m['shared_s']:9.2f} "
+            mfus = f" {m['rmpad_mfu']:6.1%} {m['shared_mfu']:6.1%}" if "rmpad_mfu" in m else ""
+            print(f"{r['prompt']:>4}/{r['max_response']:<3} {mode:>7} {m['rmpad_s']:8.3f} {m['shared_s']:9.3f} "
                   f"{m['rmpad_tok_s']:11.0f} {m['shared_tok_s']:12.0f} {m['speedup']:7.2f}x "
-                  f"{r['flop_ideal_speedup']:5.2f}x {m['speedup_vs_ideal']:7.2f}x")
+                  f"{r['flop_ideal_speedup']:5.2f}x {m['speedup_vs_ideal']:7.2f}x {m['rmpad_tflops']:8.2f} "
+                  f"{m['shared_tflops']:8.2f}{mfus}")
+
+
+def _run(model: torch.nn.Module, model_name: str, *, reps: int, shapes, groups: int, micro_rows: int | None,
+         chunk: int, warmup: bool) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    name, peak = device_peak(device)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": name,
+        "peak": {"label": peak[0], "bf16_tflops": peak[1], "source": PEAK_SOURCE} if peak else None,
+        "threads": torch.get_num_threads(), "model": model_name, "dtype": str(next(model.parameters()).dtype),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "groups": groups, "shapes": [],
+    }
+    for p, r in shapes:
+        result["shapes"].append(bench_shape(model, p, r, reps=reps, groups=groups, micro_rows=micro_rows, chunk=chunk,
+                                            warmup=warmup, peak_tflops=peak[1] if peak else None))
+        print(json.dumps(result["shapes"][-1]), flush=True)
+    print_table(result)
+    return result
 
 
 def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = GROUPS,
         out: str | None = None) -> dict[str, Any]:
-    """The whole benchmark; prints the table and writes JSON to ``out`` when given. ``groups``
+    """The CPU benchmark (fp32); prints the table and writes JSON to ``out`` when given. ``groups``
     fewer than 8 shrinks every batch (a busy machine); both paths scale alike per group."""
     torch.set_num_threads(os.cpu_count() or 1)
-    spec = dict(MODELS[model_name])
-    model = tiny_model(spec.pop("arch"), seed=0, **spec).train()
+    model = bench_model(model_name, seed=0).train()
     warm = grpo_batch(2, 2, 16, 16, vocab_size=model.config.vocab_size, seed=1)
     for share in (False, True):  # one-time costs out of the timings
         compute_log_probs(model, warm["input_ids"], warm["attention_mask"], warm["position_ids"], 16,
                           use_remove_padding=True, share_prompts=share)[0].sum().backward()  # fmt: skip
     model.zero_grad(set_to_none=True)
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "model": model_name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "groups": groups,
-        "shapes": [],
-    }
-    for p, r in shapes:
-        result["shapes"].append(bench_shape(model, p, r, reps=reps, groups=groups))
-        print(json.dumps(result["shapes"][-1]), flush=True)
-    print_table(result)
+    result = _run(model, model_name, reps=reps, shapes=shapes, groups=groups, micro_rows=None, chunk=CHUNK,
+                  warmup=False)
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"\nwrote {out}")
     return result
+
+
+def run_cuda(*, reps: int = 3, groups: int = GROUPS, micro_rows: int = 16, shapes=SHAPES,
+             chunk: int = 4096) -> dict[str, Any]:
+    """The CUDA benchmark: ``qwen2.5-0.5b`` in bf16, micro-batches of ``micro_rows`` rows (whole
+    groups), a warm-up round per shape; prints the table and returns the result (the CLI writes the JSON)."""
+    device = require_cuda()
+    model = bench_model(CUDA_MODEL, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
+    return _run(model.train(), CUDA_MODEL, reps=reps, shapes=shapes, groups=groups, micro_rows=micro_rows,
+                chunk=chunk, warmup=True)

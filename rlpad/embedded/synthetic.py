@@ -1,15 +1,20 @@
 """Synthetic rollout-shaped batches (left-padded prompts, right-padded responses).
 
-Used by ``rlpad check``, the benchmarks and the tests.
+Used by ``rlpad check``, the benchmarks and the tests: :func:`rollout_batch` (random lengths),
+:func:`grpo_batch` (groups of n rows sharing a prompt), :func:`ppo_batch` (a :class:`Batch` with
+every key the workers read).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from rlpad.batch import Batch
 from rlpad.core.forward import position_ids_from_mask
 
-__all__ = ["grpo_batch", "rollout_batch"]
+__all__ = ["grpo_batch", "ppo_batch", "rollout_batch"]
 
 
 def rollout_batch(
@@ -87,6 +92,32 @@ def grpo_batch(
     input_ids = torch.randint(pad_id + 1, vocab_size, (rows, seqlen), generator=gen)
     input_ids[:, :prompt_length] = prompts[group]
     return _layout(input_ids, prompt_length, prompt_lens[group], response_lens, pad_id) | {"group": group}
+
+
+def ppo_batch(
+    rows: int, prompt_length: int, response_length: int, *, vocab_size: int, seed: int = 0, valid_fraction: float = 0.5
+) -> Batch:
+    """A rollout-shaped :class:`Batch` with every key the workers read.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask`` (random
+    lengths, see :func:`rollout_batch`), ``advantages``, ``returns``, ``values``
+    ~ N(0, 1) and ``old_log_probs`` / ``ref_log_probs`` = log(1/V) + N(0, 0.2) noise (near a random
+    model's own log-probs, so PPO ratios straddle the clip range); zeros on padding.
+    """
+    d = rollout_batch(
+        rows, prompt_length, response_length, vocab_size=vocab_size, seed=seed, valid_fraction=valid_fraction
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = d["response_mask"].float()
+    d["responses"] = d["input_ids"][:, prompt_length:]
+
+    def noise(scale: float) -> torch.Tensor:
+        return torch.randn(rows, response_length, generator=gen) * scale * mask
+
+    base = -math.log(vocab_size) * mask
+    d.update(advantages=noise(1.0), returns=noise(1.0), values=noise(1.0),
+             old_log_probs=base + noise(0.2), ref_log_probs=base + noise(0.2))  # fmt: skip
+    return Batch(d)
 
 
 def _layout(input_ids: torch.Tensor, prompt_length: int, prompt_lens: torch.Tensor, response_lens: torch.Tensor,

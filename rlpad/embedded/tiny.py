@@ -81,13 +81,15 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    device: torch.device | str = "cpu",
     **config_overrides: Any,
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``)."""
+    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``), built on ``device``."""
     from rlpad.core.attention import VARLEN_ATTENTION  # registers the varlen attention
 
     config = tiny_config(arch, **config_overrides)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation or VARLEN_ATTENTION

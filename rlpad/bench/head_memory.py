@@ -1,0 +1,97 @@
+"""Peak memory of the LM head's log-prob + entropy forward+backward: full logits vs chunked.
+
+One computation (:func:`head_fwd_bwd`), two ways to measure it:
+
+* CPU: each variant in a fresh process (``python -m rlpad.bench.head_memory {full|chunked} TOKENS
+  HIDDEN VOCAB CHUNK`` prints one JSON line), peak RSS (VmHWM) growth over the RSS after the
+  inputs were allocated (:func:`measure_in_subprocess`);
+* CUDA: ``torch.cuda.max_memory_allocated`` growth over the memory the inputs hold (:func:`measure_cuda`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from rlpad.bench.memory import peak_rss_bytes, rss_bytes
+from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+
+__all__ = ["VARIANTS", "head_fwd_bwd", "head_inputs", "measure_cuda", "measure_in_subprocess"]
+
+VARIANTS = ("full", "chunked")
+
+
+def head_inputs(tokens: int, hidden: int, vocab: int, *, device: torch.device, dtype: torch.dtype,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden (T, H), weight (V, H), labels (T,))``, the gradient buffers already allocated (both
+    variants have them)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+    h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
+    return h, w, labels
+
+
+def head_fwd_bwd(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
+    """Log-prob + entropy through the head, then backward of their sum; returns the sum."""
+    if variant == "full":
+        lp, ent = log_probs_and_entropy(hidden @ weight.T, labels)
+    elif variant == "chunked":
+        lp, ent = chunked_log_probs_and_entropy(hidden, weight, labels, chunk_size=chunk)
+    else:
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+    total = lp.sum() + ent.sum()
+    total.backward()
+    return float(total.detach())
+
+
+def _cpu_main(variant: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict[str, Any]:
+    """The CPU measurement in THIS process (meant to be a fresh one)."""
+    h, w, labels = head_inputs(tokens, hidden, vocab, device=torch.device("cpu"), dtype=torch.float32)
+    base = rss_bytes()
+    start = time.perf_counter()
+    checksum = head_fwd_bwd(variant, h, w, labels, chunk)
+    seconds = time.perf_counter() - start
+    return {"variant": variant, "tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk": chunk,
+            "peak_gib": max(peak_rss_bytes() - base, 0) / 2**30, "seconds": seconds, "checksum": checksum}
+
+
+def measure_in_subprocess(variant: str, *, tokens: int = 4096, hidden: int = 896, vocab: int = 151936,
+                          chunk: int = 256) -> dict[str, Any]:
+    """Run one CPU variant in a fresh process; returns its peak RSS growth (``peak_gib``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+    cmd = [sys.executable, "-m", "rlpad.bench.head_memory", variant, str(tokens), str(hidden), str(vocab), str(chunk)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_cuda(variant: str, device: torch.device, *, tokens: int = 4096, hidden: int = 896, vocab: int = 151936,
+                 chunk: int = 256, seed: int = 0) -> dict[str, Any]:
+    """Peak CUDA memory above the inputs of one variant in bf16 (``peak_gib``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+    h, w, labels = head_inputs(tokens, hidden, vocab, device=device, dtype=torch.bfloat16, seed=seed)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    checksum = head_fwd_bwd(variant, h, w, labels, chunk)
+    torch.cuda.synchronize(device)
+    out = {"variant": variant, "tokens": tokens, "hidden": hidden, "vocab": vocab, "chunk": chunk,
+           "peak_gib": (torch.cuda.max_memory_allocated(device) - base) / 2**30,
+           "seconds": time.perf_counter() - start, "checksum": checksum}
+    del h, w, labels
+    torch.cuda.empty_cache()
+    return out
+
+
+if __name__ == "__main__":
+    name, *numbers = sys.argv[1:]
+    print(json.dumps(_cpu_main(name, *map(int, numbers))))
