@@ -58,7 +58,8 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     cfg = ActorRolloutRefConfig()
     cfg.model.path = args.path
-    worker = ActorWorker(cfg, role="actor", rank=args.rank, world_size=args.world, master_port=args.port)
+    worker = ActorWorker(cfg, role="actor", rank=args.rank, world_size=args.world, master_port=args.port,
+                         device="cpu")  # a host-memory (VmHWM) measurement
     rss_before = _status_kb("VmRSS")
     worker.init_model()
     hwm = _status_kb("VmHWM")

@@ -16,9 +16,10 @@ sdpa          anything else: CPU, fp32 (or fp64) on CUDA, a pre-sm80 GPU,      K
               sequence (packed row) or per shape (shared-prompt row)
 ============  ===============================================================  ==========================
 
-The sdpa fallback expands K/V (``repeat_interleave``) rather than passing sdpa's ``enable_gqa``:
-on CPU that flag sends sdpa to its math kernel (its fused CPU kernel has no GQA), which is slower
-than expanding once per layer; the fallback is the slow path on CUDA anyway.
+The sdpa fallback expands K/V (``repeat_interleave``, once per layer) rather than passing sdpa's
+``enable_gqa``: on CPU (torch 2.13, 14 query / 2 key-value heads, causal, 8 x 256 tokens) the flag
+made sdpa's fused CPU kernel 2.0x slower in fp32 and 1.2x in bf16 than expanding first, with
+equal results; on CUDA the fallback is the exact slow path (fp32, pre-sm80) anyway.
 
 A varlen call's tensors always hold exactly ``cu_seqlens[-1]`` tokens (torch's varlen backward
 gives NaN gradients for tokens past it); the callers build them so.
