@@ -65,3 +65,5 @@ def test_bounds_name_only_computed_figures():
     assert set(BF16_BOUNDS) == set(errors(scored(model, batch, RESPONSE, rmpad=True), oracle(model32, batch, RESPONSE),
                                           batch["attention_mask"][:, -RESPONSE:]))  # fmt: skip
     assert violations({"lp_max": 1.0, "grad_cos_min": 0.5}) == ["lp_max=1 (bound 0.02)", "grad_cos_min=0.5 (bound 0.998)"]
+    nan = float("nan")  # NaN gradients (torch's varlen backward past cu_seqlens[-1]) fail every bound
+    assert len(violations({"grad_rel": nan, "grad_cos_min": nan})) == 2

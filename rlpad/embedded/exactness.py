@@ -138,12 +138,13 @@ def errors(got: PathResult, ref: PathResult, mask: torch.Tensor) -> dict[str, fl
 
 
 def violations(errs: dict[str, float], bounds: dict[str, float] = BF16_BOUNDS) -> list[str]:
-    """The figures of ``errs`` outside ``bounds`` (``*_min`` keys are lower bounds), as readable strings."""
+    """The figures of ``errs`` outside ``bounds`` (``*_min`` keys are lower bounds), as readable
+    strings; NaN is outside every bound."""
     bad = []
     for key, bound in bounds.items():
         if key not in errs:
             continue
         value = errs[key]
-        if (value < bound) if key.endswith("_min") else (value > bound):
+        if not ((value >= bound) if key.endswith("_min") else (value <= bound)):
             bad.append(f"{key}={value:.3g} (bound {bound:g})")
     return bad
