@@ -189,3 +189,18 @@ def test_cuda_like_dispatch_in_fp32_takes_the_exact_fallback(cuda_like):
             torch.testing.assert_close(ent.double(), ref.ent, atol=2e-5, rtol=0)
     assert calls == []
 
+
+
+def test_the_sdpa_path_reads_the_bounds_once_per_forward(monkeypatch):
+    """The packed row's Python bounds come from the device once per forward, not once per layer."""
+    from rlpad.core import attention
+
+    reads = []
+    real = attention.sequence_bounds
+    monkeypatch.setattr(attention, "sequence_bounds", lambda *a: reads.append(1) or real(*a))
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1, num_hidden_layers=4)
+    batch = make_batch()
+    with torch.no_grad():
+        compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE,
+                          use_remove_padding=True)  # fmt: skip
+    assert len(reads) == 1

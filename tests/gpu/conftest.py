@@ -1,6 +1,6 @@
 """The GPU lane (``make test-gpu``, scripts/test_gpu.sh): tests that need a CUDA device.
 
-In the CPU suite this whole folder is one skip line. Each test writes its figures with the
+In the CPU suite its tests are skipped, one line per module. Each test writes its figures with the
 ``record`` fixture to ``$RLPAD_GPU_OUT/parts/<test>.json`` (default results/gpu), which
 scripts/gpu_report.py folds into the lane's report, failed tests included.
 """
@@ -12,8 +12,17 @@ import re
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("the GPU lane (make test-gpu) needs a CUDA device", allow_module_level=True)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(items):
+    """Mark this folder's tests ``cuda``; without a CUDA device, skip them (one line per module)."""
+    skip = pytest.mark.skip(reason="the GPU lane (make test-gpu) needs a CUDA device")
+    for item in items:
+        if str(item.path).startswith(HERE + os.sep):
+            item.add_marker(pytest.mark.cuda)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -3,16 +3,20 @@ q/k-norm): bf16 packed (the dispatch's varlen kernel), bf16 padded sdpa and bf16
 against the fp32 oracle (each sequence alone, on the CPU), within rlpad.embedded.exactness's
 BF16_BOUNDS, which a boundary leak through the same kernel must exceed; the profiler shows the
 varlen kernel ran forward and backward. In fp32 the same model takes the exact sdpa fallback.
+No path waits on the device once per layer: a deeper model makes no more synchronizing calls.
 """
+
+import warnings
 
 import pytest
 import torch
 from lane import cuda_kernel, kernel_calls, model_pair, profiled
 
 from rlpad.core.attn_dispatch import FLASH_ATTN, SDPA, flash_attn_installed, torch_varlen_missing
+from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.exactness import BF16_BOUNDS, LEAK_DETECTING, errors, leaky_packed, oracle, scored, violations
 from rlpad.embedded.synthetic import grpo_batch, rollout_batch
-from rlpad.embedded.tiny import ARCHITECTURES
+from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 
 ARCHS = sorted(ARCHITECTURES)  # qwen2 (GQA, tied), llama (MHA), mistral (sliding window 8), qwen3 (qk-norm)
 PROMPT, RESPONSE, VOCAB = 24, 40, 128  # the batches of tests/test_attention_bf16.py (the CPU side of the bounds)
@@ -98,3 +102,38 @@ def test_flash_attention_2_within_bounds(arch, record):
                   batch["attention_mask"][:, -RESPONSE:])  # fmt: skip
     record(arch=arch, flash_attention_2=errs)
     assert not violations(errs), violations(errs)
+
+
+def host_syncs(fn) -> int:
+    """The synchronizing CUDA calls ``fn`` makes (``torch.cuda.set_sync_debug_mode``)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_no_host_sync_per_layer(dtype, record):
+    """Forward + backward of the packed and the shared-prompt row with 2 and 6 layers: the same
+    number of synchronizing calls (the per-forward ones: unpadding, the bounds, the scatter)."""
+    counts = {}
+    for layers in (2, 6):
+        model = tiny_model("qwen2", vocab_size=VOCAB, seed=1, dtype=dtype, num_hidden_layers=layers).cuda().train()
+        for kind, batch in batches().items():
+            b, share = on_cuda(batch), kind == "grpo"
+
+            def step():
+                lp, ent = compute_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE,
+                                            use_remove_padding=True, share_prompts=share, calculate_entropy=True)
+                (lp + 0.1 * ent).sum().backward()  # noqa: B023 (run inside this iteration)
+
+            step()  # warm-up (lazy initialisation)
+            counts[f"{'shared' if share else 'rmpad'}/{layers} layers"] = host_syncs(step)
+    record(dtype=str(dtype), synchronizing_calls=counts)
+    for path in ("rmpad", "shared"):
+        assert counts[f"{path}/2 layers"] == counts[f"{path}/6 layers"], counts
