@@ -164,11 +164,12 @@ def markdown(r: dict[str, Any]) -> str:
         for p in exact:
             for path, errs in p["errors"].items():
                 lines.append(f"| {p.get('arch')} | {path} | " + " | ".join(fmt(errs.get(k, "")) for k in ERROR_KEYS) + " |")
-        lines += ["", "Kernel calls seen by the profiler (forward / backward, per forward+backward):", ""]
+        lines += ["", "The varlen kernel in the profile of one forward+backward (forward / backward):", ""]
         for p in exact:
             for path, c in p.get("calls", {}).items():
-                lines.append(f"- {p.get('arch')} {path} ({p.get('kernel')}): {c.get('forward_calls')} / "
-                             f"{c.get('backward_calls')}; CUDA kernels {', '.join(c.get('flash_kernels', []))}")
+                lines.append(f"- {p.get('arch')} {path} ({p.get('kernel')}): op calls {c.get('forward_calls')} / "
+                             f"{c.get('backward_calls')}, FlashAttention launches {c.get('cuda_fwd_launches')} / "
+                             f"{c.get('cuda_bwd_launches')}: {', '.join(c.get('flash_kernels', []))}")
     other = {k: v for k, v in r["figures"].items() if not (isinstance(v, dict) and "errors" in v)}
     if other:
         lines += ["", "## Other figures", ""]

@@ -123,7 +123,8 @@ def test_report_folds_tests_figures_and_benchmarks(tmp_path):
     errs = {"lp_max": 1e-3, "lp_mean": 2e-4, "ent_max": 1e-4, "ent_mean": 1e-5, "grad_rel": 0.01, "grad_cos_min": 0.9999}
     (out / "parts" / "test_a_qwen2.json").write_text(json.dumps({
         "test": "x", "arch": "qwen2", "kernel": "torch_varlen", "errors": {"rmpad/rollout": errs, "leak/rollout": errs},
-        "bounds": errs, "calls": {"rmpad": {"forward_calls": 2, "backward_calls": 2, "flash_kernels": ["flash_fwd"]}}}))
+        "bounds": errs, "calls": {"rmpad": {"forward_calls": 2, "backward_calls": 2, "cuda_fwd_launches": 2, "cuda_bwd_launches": 6,
+                             "flash_kernels": ["flash_fwd_kernel"]}}}))
     (out / "parts" / "test_c.json").write_text(json.dumps({"test": "y", "peak_gpu_memory_mib": 812.5, "gain": 0.2}))
     (out / "bench_logprob.json").write_text(json.dumps({"speed": {"forward": {"tokens_per_s": 1.5e6, "mfu": 0.41}},
                                                          "device": "NVIDIA H100 80GB HBM3"}))
@@ -138,6 +139,7 @@ def test_report_folds_tests_figures_and_benchmarks(tmp_path):
     for expected in ("| skipped | tests.gpu.test_cuda_train::test_b | 0.1 | needs vLLM and Ray (not installed) |",
                      "| failed | tests.gpu.test_cuda_workers::test_c | 2.0 | assert 0.3 <= 2e-05 |",
                      "| qwen2 | rmpad/rollout | 0.001 | 0.0002 |", "peak_gpu_memory_mib=812.5",
+                     "op calls 2 / 2, FlashAttention launches 2 / 6: flash_fwd_kernel",
                      "| speed.forward.mfu | 0.41 |", "| bench_prefix | 124 (timed out) | 100 |", "error: something broke",
                      "torch " + torch.__version__):  # fmt: skip
         assert expected in md, expected

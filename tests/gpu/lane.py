@@ -32,20 +32,38 @@ def cuda_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
 
 
 def profiled(fn):
-    """``(fn(), op counts)``: run ``fn`` under the profiler (CPU ops and CUDA kernels)."""
+    """``(fn(), counts)``: run ``fn`` under the profiler; ``counts`` by event name, CPU ops as
+    ``op:<name>``, CUDA kernels as ``kernel:<name>``."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         out = fn()
         torch.cuda.synchronize()
-    return out, Counter({e.key: e.count for e in prof.key_averages()})
+    counts: Counter = Counter()
+    for e in prof.key_averages():
+        kind = "kernel" if e.device_type == torch.autograd.DeviceType.CUDA else "op"
+        counts[f"{kind}:{e.key}"] += e.count
+    return out, counts
 
 
 def kernel_calls(counts: Counter, kernel: str) -> dict[str, object]:
-    """Forward / backward calls of ``kernel``'s op in a profile, and the CUDA flash kernels seen."""
-    fwd_end, bwd_end = KERNEL_OPS[kernel]
+    """Forward / backward calls of ``kernel``'s op in a profile, and the FlashAttention CUDA kernels
+    launched (names with ``flash`` and ``fwd`` / ``bwd``: the evidence below the op names)."""
+    fwd_end, bwd_end = KERNEL_OPS.get(kernel, ("<no varlen op>", "<no varlen op>"))
+    ops = {k[len("op:"):]: c for k, c in counts.items() if k.startswith("op:")}
+    flash = {k[len("kernel:"):]: c for k, c in counts.items() if k.startswith("kernel:") and "flash" in k.lower()}
     return {
-        "forward_calls": sum(c for k, c in counts.items() if k.endswith(fwd_end)),
-        "backward_calls": sum(c for k, c in counts.items() if k.endswith(bwd_end)),
-        "any_varlen_op": sum(c for k, c in counts.items() if any(k.endswith(e) for ops in KERNEL_OPS.values() for e in ops)),
-        "flash_kernels": sorted({k for k in counts if "flash" in k.lower() and "::" not in k})[:6],
+        "forward_calls": sum(c for k, c in ops.items() if k.endswith(fwd_end)),
+        "backward_calls": sum(c for k, c in ops.items() if k.endswith(bwd_end)),
+        "any_varlen_op": sum(c for k, c in ops.items() if any(k.endswith(e) for pair in KERNEL_OPS.values() for e in pair)),
+        "cuda_fwd_launches": sum(c for k, c in flash.items() if "fwd" in k.lower()),
+        "cuda_bwd_launches": sum(c for k, c in flash.items() if "bwd" in k.lower()),
+        "flash_kernels": sorted({k.split("<")[0].split("(")[0] for k in flash})[:8],
     }
+
+
+def ran_forward_and_backward(calls: dict[str, object], per_forward: int) -> bool:
+    """The varlen kernel ran ``per_forward`` times forward and backward: by its op's name, or where a
+    torch version names the op otherwise, by the FlashAttention kernels launched."""
+    fwd = calls["forward_calls"] >= per_forward or calls["cuda_fwd_launches"] >= per_forward
+    bwd = calls["backward_calls"] >= per_forward or calls["cuda_bwd_launches"] >= per_forward
+    return bool(fwd and bwd)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from lane import cuda_kernel, kernel_calls, model_pair, profiled
+from lane import cuda_kernel, kernel_calls, model_pair, profiled, ran_forward_and_backward
 
 from rlpad.core.attn_dispatch import FLASH_ATTN, SDPA, flash_attn_installed, torch_varlen_missing
 from rlpad.core.forward import compute_log_probs
@@ -45,6 +45,7 @@ def test_the_dispatch_picks_a_varlen_kernel_in_bf16(record):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_forward_and_backward_within_bounds(arch, record):
     kernel = cuda_kernel(torch.bfloat16)
+    assert kernel != SDPA, "no varlen kernel on this GPU (test_the_dispatch_picks_a_varlen_kernel_in_bf16 says why)"
     model, model32 = model_pair(arch)
     layers = model.config.num_hidden_layers
     table, calls = {}, {}
@@ -69,8 +70,8 @@ def test_bf16_forward_and_backward_within_bounds(arch, record):
             missed = [k for k in LEAK_DETECTING if not violations({k: errs[k]})]
             assert not missed, f"{name} stays within {missed}: {errs}"
     # The varlen kernel ran, forward and backward: one call per layer (shared prompts: two).
-    assert calls["rmpad"]["forward_calls"] >= layers and calls["rmpad"]["backward_calls"] >= layers, calls
-    assert calls["shared"]["forward_calls"] >= 2 * layers and calls["shared"]["backward_calls"] >= 2 * layers, calls
+    assert ran_forward_and_backward(calls["rmpad"], layers), calls
+    assert ran_forward_and_backward(calls["shared"], 2 * layers), calls
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
