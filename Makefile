@@ -1,11 +1,13 @@
 # Two entry points: `make demo` (set-up + the main job) and `make test` (set-up + the tests).
 # `make setup` builds .venv with the CPU stack exactly as a fresh machine needs it.
+# `make test-gpu` is the GPU lane: the machine's own python3 (CUDA torch, transformers, pytest) plus
+# the wheels of .whl/ (scripts/gpu_wheels.sh), no .venv; report in results/gpu/.
 PY     ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.rlpad-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-gpu bench clean
 
 $(STAMP): pyproject.toml scripts/setup_cpu.sh
 	PY=$(PY) bash scripts/setup_cpu.sh $(VENV)
@@ -19,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q --durations=15 tests
+
+test-gpu:
+	@PY="$(PY)" bash scripts/test_gpu.sh
 
 bench: $(STAMP)
 	$(VENV)/bin/rlpad bench

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from rlpad.config_loader import load_config
-from rlpad.core import attn_choice
-from rlpad.core.attention import torch_varlen_missing, varlen_api_missing
+from rlpad.core import attn_choice, attn_dispatch
 from rlpad.core.attn_choice import ATTN_CHOICES, resolve_attn_implementation
+from rlpad.core.attn_dispatch import torch_varlen_missing, varlen_api_missing
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
 from rlpad.embedded.synthetic import rollout_batch
 
-HAS_FLASH = attn_choice._flash_attn_installed()
+HAS_FLASH = attn_dispatch.flash_attn_installed()
 
 
 @pytest.fixture
@@ -69,14 +69,20 @@ def test_rlpad_varlen_runs_on_cpu_and_needs_the_torch_kernel_on_cuda(monkeypatch
         assert resolve_attn_implementation("rlpad_varlen", "cuda") == "rlpad_varlen"
 
     def old_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-        """The signature of an older torch: causal as a flag, no window, no GQA."""
+        """torch 2.10's signature: causal as a flag, no window, no GQA."""
 
     missing = varlen_api_missing(old_varlen_attn)
-    assert "window_size and enable_gqa" in missing and "too old" in missing
+    assert "window_size argument" in missing and "too old" in missing
     monkeypatch.setattr(attn_choice, "torch_varlen_missing", lambda: missing)
-    with pytest.raises(ValueError, match="rlpad_varlen on CUDA needs the window_size and enable_gqa argument"):
-        resolve_attn_implementation("rlpad_varlen", "cuda")
+    if not HAS_FLASH:
+        with pytest.raises(ValueError, match="rlpad_varlen on CUDA needs the window_size argument.*or install flash-attn"):
+            resolve_attn_implementation("rlpad_varlen", "cuda")
     assert resolve_attn_implementation("rlpad_varlen", "cpu") == "rlpad_varlen"  # CPU never needs it
+
+
+def test_rlpad_varlen_on_cuda_runs_on_flash_attn_without_the_torch_kernel(fake_flash_attn, monkeypatch):
+    monkeypatch.setattr(attn_choice, "torch_varlen_missing", lambda: "the window_size argument")
+    assert resolve_attn_implementation("rlpad_varlen", "cuda") == "rlpad_varlen"
 
 
 def test_sdpa_is_padded_only():

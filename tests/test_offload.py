@@ -15,7 +15,7 @@ def make_actor() -> ActorWorker:
     cfg = ActorRolloutRefConfig()
     cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = 8, 4
     cfg.actor.optim.lr, cfg.rollout.n = 1e-2, 1
-    w = ActorWorker(cfg)
+    w = ActorWorker(cfg, device="cpu")
     w.init_model()
     return w
 

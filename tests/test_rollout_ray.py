@@ -89,7 +89,7 @@ def test_bucketed_weight_push_from_a_two_rank_fsdp_group_to_two_replicas(ray_ses
     cfg = ActorRolloutRefConfig()
     cfg.model.path, cfg.rollout.n = path, 1
     cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.optim.lr = 8, 4, 0.05
-    group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2)
+    group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2, device="cpu")
     replicas = RolloutReplicas(path, ROLLOUT, DATA, num_replicas=2)
     try:
         prompts = prompt_batch()

@@ -80,7 +80,7 @@ def test_world1_update_equals_rmpad_and_micro_batches_keep_groups(dynamic):
     batch = shared_batch(3, shuffle=True)
     grads, metrics = {}, {}
     for share in (False, True):
-        worker = ActorWorker(config(share))
+        worker = ActorWorker(config(share), device="cpu")
         worker.init_model()
         worker.set_config({"actor.use_dynamic_bsz": dynamic})
         if share:
@@ -108,7 +108,7 @@ def ray_session():
 
 
 def test_two_rank_group_keeps_groups_whole_and_matches_single_process(ray_session):
-    group = WorkerGroup(ActorWorker, config(True), role="actor", world_size=2)
+    group = WorkerGroup(ActorWorker, config(True), role="actor", world_size=2, device="cpu")
     try:
         batch = shared_batch(5, shuffle=True)
         parts = group.split(batch)

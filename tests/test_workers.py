@@ -42,7 +42,7 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def actor_group(ray_session):
-    group = WorkerGroup(ActorWorker, config(), role="actor", world_size=2)
+    group = WorkerGroup(ActorWorker, config(), role="actor", world_size=2, device="cpu")
     yield group
     group.shutdown()
 
@@ -99,7 +99,7 @@ def test_gradient_equivalence_across_micro_batches_budget_and_world_size(actor_g
     by_budget = {"actor.use_dynamic_bsz": True, "actor.loss_agg_mode": mode}
     runs = {}
     for name, overrides in (("w1_4micro", by_rows), ("w1_budget", by_budget)):
-        worker = ActorWorker(config())  # this process, world 1; starts from the group's initial weights
+        worker = ActorWorker(config(), device="cpu")  # this process, world 1; starts from the group's initial weights
         worker.init_model()
         worker.load_checkpoint(initial_checkpoint)  # resharded from 2 ranks to 1
         runs[name] = run_update(worker, batch, overrides)
@@ -155,7 +155,7 @@ def test_bad_shard_stops_every_rank_and_group_stays_usable(actor_group, initial_
 
 
 def test_ref_group_log_probs_and_dead_rank(ray_session):
-    group = WorkerGroup(ActorWorker, config(), role="ref", world_size=2)
+    group = WorkerGroup(ActorWorker, config(), role="ref", world_size=2, device="cpu")
     try:
         batch = ppo_batch(6, P, R, vocab_size=VOCAB, seed=9)
         out = group.call_batch("compute_ref_log_prob", batch)

@@ -26,7 +26,7 @@ def actor_config(**actor) -> ActorRolloutRefConfig:
 
 @pytest.fixture(scope="module")
 def actor():
-    w = ActorWorker(actor_config(use_kl_loss=True, entropy_coeff=0.01))
+    w = ActorWorker(actor_config(use_kl_loss=True, entropy_coeff=0.01), device="cpu")
     w.init_model()
     return w
 
@@ -42,7 +42,7 @@ def batch():
 def test_critic_rmpad_matches_padded_and_update_lowers_loss(batch):
     cfg = CriticConfig()
     cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, cfg.optim.lr = 8, 3, 1e-3
-    critic = CriticWorker(cfg)
+    critic = CriticWorker(cfg, device="cpu")
     critic.init_model()
     rmpad = critic.compute_values(batch)["values"]
     critic.set_config({"model.use_remove_padding": False})
@@ -90,7 +90,7 @@ def test_wrong_shapes_and_roles(actor, batch):
     batch.tensors["advantages"] = batch["advantages"][:, :-1]
     with pytest.raises(ValueError, match="advantages has shape"):
         actor.update_actor(batch)
-    ref = ActorWorker(ActorRolloutRefConfig(), role="ref")
+    ref = ActorWorker(ActorRolloutRefConfig(), role="ref", device="cpu")
     ref.init_model()
     with pytest.raises(RuntimeError, match="update_actor called on a 'ref' worker"):
         ref.update_actor(batch)
@@ -102,7 +102,7 @@ def test_wrong_shapes_and_roles(actor, batch):
 
 
 def test_mini_batch_must_divide(batch):
-    w = ActorWorker(actor_config(ppo_mini_batch_size=3))
+    w = ActorWorker(actor_config(ppo_mini_batch_size=3), device="cpu")
     w.init_model()
     with pytest.raises(ValueError, match="per-rank mini-batch 3"):
         w.update_actor(batch)
@@ -112,7 +112,7 @@ def test_mini_batch_must_divide(batch):
 
 
 def test_full_state_dict_and_save_hf(tmp_path, batch):
-    w = ActorWorker(actor_config())
+    w = ActorWorker(actor_config(), device="cpu")
     w.init_model()
     w.update_actor(batch)  # move away from the seed-0 weights
     state = w.full_state_dict()
@@ -136,7 +136,7 @@ def test_full_state_dict_and_save_hf(tmp_path, batch):
 def test_resume_in_a_fresh_worker_equals_uninterrupted(tmp_path):
     b1, b2 = (ppo_batch(8, P, R, vocab_size=VOCAB, seed=s) for s in (2, 3))
     kw = dict(ppo_mini_batch_size=4, ppo_epochs=2, shuffle=True, use_kl_loss=True)
-    first = ActorWorker(actor_config(**kw), seed=7)
+    first = ActorWorker(actor_config(**kw), seed=7, device="cpu")
     first.config.actor.optim.lr_warmup_steps = 3
     first.init_model()
     first.update_actor(b1)
@@ -145,7 +145,7 @@ def test_resume_in_a_fresh_worker_equals_uninterrupted(tmp_path):
     m_uninterrupted = first.update_actor(b2)
     s_uninterrupted = first.full_state_dict()
 
-    second = ActorWorker(actor_config(**kw), seed=7)
+    second = ActorWorker(actor_config(**kw), seed=7, device="cpu")
     second.config.actor.optim.lr_warmup_steps = 3
     second.init_model()
     second.load_checkpoint(str(tmp_path / "ck"))
@@ -167,7 +167,7 @@ def test_checkpointing_chunking_and_budget_keep_results(batch):
         cfg = actor_config(use_kl_loss=True, entropy_coeff=0.01)
         cfg.model.enable_gradient_checkpointing, cfg.model.logits_chunk_size = ckpt, chunk
         cfg.rollout.log_prob_use_dynamic_bsz, cfg.rollout.log_prob_max_token_len_per_gpu = budget, 30
-        w = ActorWorker(cfg)
+        w = ActorWorker(cfg, device="cpu")
         w.init_model()
         results.append((w.compute_log_prob(batch), w.update_actor(batch, return_grads=True)))
     (out_a, m_a), (out_b, m_b) = results

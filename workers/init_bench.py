@@ -42,7 +42,8 @@ def _rank_main(args: argparse.Namespace) -> None:
 
     cfg = ActorRolloutRefConfig()
     cfg.model.path = args.path
-    worker = ActorWorker(cfg, role="actor", rank=args.rank, world_size=args.world, master_port=args.port)
+    worker = ActorWorker(cfg, role="actor", rank=args.rank, world_size=args.world, master_port=args.port,
+                         device="cpu")  # a host-memory (VmHWM) measurement
     rss_before = rss_bytes()
     worker.init_model()
     hwm = peak_rss_bytes()

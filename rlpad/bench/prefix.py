@@ -30,6 +30,7 @@ from rlpad.bench.mfu import PEAK_SOURCE
 from rlpad.bench.models import bench_model
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.forward import compute_log_probs
+from rlpad.core.attn_dispatch import SDPA, choose_kernel, device_kernels
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.embedded.synthetic import grpo_batch
 
@@ -69,9 +70,9 @@ def bench_shape(model: torch.nn.Module, prompt: int, response: int, *, reps: int
     passes = {f"{mode}_{path}": (lambda sh=(path == "shared"), bwd=(mode == "fwdbwd"): one_pass(sh, bwd))
               for mode in ("fwd", "fwdbwd") for path in ("rmpad", "shared")}
     seconds = interleaved_medians(passes, reps, device, warmup=warmup)
-    # The shared attention's response blocks: varlen kernels (causal) on CUDA in half precision,
-    # masked sdpa otherwise (rlpad.core.shared_attention).
-    varlen = device.type == "cuda" and param.dtype in (torch.bfloat16, torch.float16)
+    # The shared attention's response blocks: causal where a varlen kernel runs them, masked sdpa
+    # otherwise (the dispatch both attentions use: rlpad.core.attn_dispatch).
+    varlen = choose_kernel(device_kernels(device), param.dtype) != SDPA
     flops = {"rmpad": {}, "shared": {}}
     shared_tokens = 0
     for p in pieces:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.core.attention import require_varlen_attention
+from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
+from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.padding import index_first_axis, pad_input, unpad_input
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
@@ -108,11 +109,14 @@ def scoring_hidden_states(
             **{SEGMENTS_KWARG: row.segments},
         ).last_hidden_state[0]
         return hidden.index_select(0, row.score_index), response_idx
+    # The sequence bounds once per forward: cu_seqlens on the device and max_seqlen a Python int
+    # for the varlen kernels, PackedBounds for the sdpa path (read from the device on first use).
     ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
     packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)
     hidden = backbone(
         input_ids=ids.view(1, -1), position_ids=packed_positions.view(1, -1), attention_mask=None, use_cache=False,
         cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen,
+        **{BOUNDS_KWARG: PackedBounds(cu_seqlens, ids.shape[0])},
     ).last_hidden_state[0]
     packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
     packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)

@@ -5,20 +5,24 @@ own keys] with a bottom-right causal mask (response token i sits at position P +
 sequence), the sliding window counting positions the same way. That is exactly the last L rows of
 the attention of the sequence prompt + response run alone.
 
-* CPU: batched sdpa, one call per prompt length and one per (prompt length, response length)
-  shape; a (L, P + L) boolean mask per shape, made once per forward and reused by every layer.
-* CUDA: two varlen flash calls (flash-attn when installed, else ``torch.nn.attention.varlen``):
-  prompts as sequences, then responses as queries over keys gathered as [prompt, own response];
-  both kernels align a causal mask bottom-right when queries are fewer than keys.
+The kernel comes from the one dispatch (:mod:`rlpad.core.attn_dispatch`), as for the plain
+packed row:
+
+* varlen (CUDA in bf16/fp16, sm80+): two varlen calls, prompts as sequences, then responses as
+  queries over keys gathered as [prompt, own response]; the kernels align a causal mask
+  bottom-right when queries are fewer than keys. K/V keep their heads where the kernel does GQA.
+* sdpa (CPU, fp32 on CUDA, an older GPU): batched sdpa, one call per prompt length and one per
+  (prompt length, response length) shape; a (L, P + L) boolean mask per shape, made once per
+  forward and reused by every layer. Exact. Its shapes are Python ints of the segments, so no
+  layer reads the device.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
+from rlpad.core.attn_dispatch import SDPA, attention_kernel, expand_kv, varlen_attention
 from rlpad.core.shared_prompt import SharedSegments
 
 __all__ = ["shared_prompt_attention"]
@@ -31,7 +35,7 @@ def _response_mask(prompt_len: int, length: int, window: int | None, device: tor
     return keep & (diff < window) if window is not None else keep
 
 
-def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
+def _sdpa(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
     # Gathers along the token axis of (T, H, D) views: whole rows where the memory is token-major
     # (value, a transpose of the projection). One gather per tensor for all blocks, then split:
     # backward is one index_add and one cat, not a row-sized zero buffer per block.
@@ -54,37 +58,18 @@ def _cpu(query, key, value, seg: SharedSegments, scale, dropout, window) -> torc
     return torch.cat(outs).index_select(0, seg.inverse).unsqueeze(0)
 
 
-def _varlen_kernel():
-    """``fn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left)`` on (T, H, D), causal bottom-right."""
-    if importlib.util.find_spec("flash_attn") is not None:
-        from flash_attn import flash_attn_varlen_func
-
-        def run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, dropout):
-            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout, softmax_scale=scale,
-                                          causal=True, window_size=(left, 0))  # fmt: skip
-        return run
-    from torch.nn.attention.varlen import varlen_attn
-
-    def run(q, k, v, cu_q, cu_k, max_q, max_k, scale, left, dropout):
-        if dropout:
-            raise NotImplementedError("torch varlen_attn has no dropout; install flash-attn for attention dropout")
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, 0),
-                           enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
-    return run
-
-
-def _cuda(query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
-    run = _varlen_kernel()
-    left = window - 1 if window is not None else -1
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+def _varlen(kernel, query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
+    # Each call's gathered tensors hold exactly its cu_seqlens[-1] tokens (SharedSegments builds them so).
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D), (T, H_kv, D)
     pq, pk, pv = (t.index_select(0, seg.prompt_index) for t in (q, k, v))
-    out_p = run(pq, pk, pv, seg.prompt_cu, seg.prompt_cu, seg.prompt_max, seg.prompt_max, scale, left, dropout)
+    args = dict(scale=scale, window=window, dropout=dropout)
+    out_p = varlen_attention(kernel, pq, pk, pv, seg.prompt_cu, seg.prompt_cu, seg.prompt_max, seg.prompt_max, **args)
     parts, order = [out_p], [seg.prompt_index]
-    if seg.resp_index.numel():
+    if seg.resp_index.numel():  # shape metadata, no device read
         rq = q.index_select(0, seg.resp_index)
         rk, rv = (t.index_select(0, seg.resp_kv_index) for t in (k, v))
-        parts.append(run(rq, rk, rv, seg.resp_cu_q, seg.resp_cu_k, seg.resp_max_q, seg.resp_max_k, scale, left,
-                         dropout))  # fmt: skip
+        parts.append(varlen_attention(kernel, rq, rk, rv, seg.resp_cu_q, seg.resp_cu_k, seg.resp_max_q,
+                                      seg.resp_max_k, **args))  # fmt: skip
         order.append(seg.resp_index)
     out = q.new_zeros(q.shape).index_copy(0, torch.cat(order), torch.cat(parts))
     return out.unsqueeze(0)  # (1, T, H, D)
@@ -105,10 +90,8 @@ def shared_prompt_attention(
     if query.shape[0] != 1 or query.shape[2] != segments.total:
         raise ValueError(f"shared-prompt attention expects one packed row of {segments.total} tokens, "
                          f"got query {tuple(query.shape)}")  # fmt: skip
-    if query.is_cuda:
-        return _cuda(query, key, value, segments, scale, dropout, window)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # GQA: expand the key/value heads once for the whole row
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    return _cpu(query, key, value, segments, scale, dropout, window)
+    kernel = attention_kernel(query, dropout)
+    if kernel != SDPA:
+        return _varlen(kernel, query, key, value, segments, scale, dropout, window)
+    key, value = expand_kv(key, value, query.shape[1], dim=1)  # GQA: once for the whole row
+    return _sdpa(query, key, value, segments, scale, dropout, window)

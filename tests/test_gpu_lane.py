@@ -1,0 +1,145 @@
+"""The GPU lane's parts that run without a GPU: `make test-gpu` refuses in one line, and its wheels
++ install step give an importable rlpad on a python that has only what the GPU machine has.
+
+The GPU machine is simulated by this interpreter run with ``-S`` (no site-packages) and a folder
+of links to its site-packages MINUS what that machine lacks (omegaconf, Ray, vLLM, flash-attn) and
+minus rlpad's own editable install; the lane's scripts run from a fresh copy of the repository's
+files (``git ls-files``: what a clone has, without .whl/, .venv or caches). The wheels are
+downloaded by scripts/gpu_wheels.sh once (needs PyPI, as `make setup` does) into .cache/gpu_wheels
+and reused by later runs; the install step never touches the network (``--no-index``).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEEL_CACHE = os.path.join(ROOT, ".cache", "gpu_wheels")
+# What the GPU image lacks (or must not be seen): import names / distribution names, and .pth hooks.
+ABSENT = re.compile(r"^(omegaconf|ray|vllm|flash_attn|antlr4|rlpad)([-_.]|$)|^__editable__|\.pth$", re.IGNORECASE)
+NO_CUDA = not torch.cuda.is_available()
+
+
+def run(cmd, cwd=ROOT, env=None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
+def test_make_test_gpu_without_cuda_exits_with_one_line():
+    direct = run(["bash", "scripts/test_gpu.sh"], env={**os.environ, "PY": sys.executable})
+    assert direct.returncode == 1
+    assert direct.stdout == "" and direct.stderr.count("\n") == 1, direct.stderr
+    assert direct.stderr.startswith("make test-gpu: no CUDA device (torch ") and "sees none" in direct.stderr
+    made = run(["make", "-s", "test-gpu", f"PY={sys.executable}"])
+    ours = [line for line in (made.stdout + made.stderr).splitlines() if not line.startswith("make: ")]
+    assert made.returncode != 0 and ours == direct.stderr.splitlines()
+    without_torch = run(["bash", "scripts/test_gpu.sh"], env={**os.environ, "PY": f"{sys.executable} -S"})
+    assert without_torch.returncode == 1 and without_torch.stderr.count("\n") == 1
+    assert "no CUDA device (" in without_torch.stderr and "has no torch" in without_torch.stderr
+
+
+def fresh_copy(dest: str) -> str:
+    """The repository's files as a clone has them (tracked + untracked-not-ignored), into ``dest``."""
+    listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]).stdout.split("\0")
+    for rel in filter(None, listed):
+        src = os.path.join(ROOT, rel)
+        if os.path.isfile(src):
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+    return dest
+
+
+def carried_wheels(clone: str) -> list[str]:
+    """The wheels scripts/gpu_wheels.sh names, downloaded into the cache once (run from the clone)."""
+    specs = re.search(r"^WHEELS=\((.*)\)$", open(os.path.join(clone, "scripts", "gpu_wheels.sh")).read(), re.M)
+    names = [s.replace("==", "-") for s in specs.group(1).split()]
+    have = lambda: [f for f in os.listdir(WHEEL_CACHE) if f.endswith(".whl")] if os.path.isdir(WHEEL_CACHE) else []  # noqa: E731
+    if not all(any(f.startswith(n + "-") for f in have()) for n in names):
+        got = run(["bash", "scripts/gpu_wheels.sh", WHEEL_CACHE], cwd=clone, env={**os.environ, "PY": sys.executable})
+        assert got.returncode == 0, f"scripts/gpu_wheels.sh failed (it needs PyPI):\n{got.stderr[-2000:]}"
+    return [os.path.join(WHEEL_CACHE, f) for f in have() if any(f.startswith(n + "-") for n in names)]
+
+
+def gpu_like_site(dest: str) -> str:
+    """Links to this interpreter's site-packages entries, minus what the GPU machine lacks."""
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    os.makedirs(dest)
+    for name in os.listdir(site):
+        if not ABSENT.search(name):
+            os.symlink(os.path.join(site, name), os.path.join(dest, name))
+    return dest
+
+
+def test_wheels_and_install_step_from_a_fresh_copy(tmp_path):
+    clone = fresh_copy(str(tmp_path / "clone"))
+    assert not os.path.exists(os.path.join(clone, ".whl"))
+    site = gpu_like_site(str(tmp_path / "gpu_site"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=site, PY=f"{sys.executable} -S", PIP_NO_INDEX="1")  # the GPU machine: no network
+    isolated = [sys.executable, "-S", "-c"]
+
+    # Negative control: that python has torch and transformers but cannot import rlpad's config (omegaconf).
+    probe = "import torch, transformers, rlpad.config_loader"
+    bare = run([*isolated, probe], cwd=clone, env={**env, "PYTHONPATH": f"{clone}:{site}"})
+    assert bare.returncode != 0 and "No module named 'omegaconf'" in bare.stderr, bare.stderr[-500:]
+
+    no_wheels = run(["bash", "scripts/gpu_site.sh", str(tmp_path / "t0")], cwd=clone, env=env)
+    assert no_wheels.returncode == 1 and "no wheels in" in no_wheels.stderr and "gpu_wheels.sh" in no_wheels.stderr
+
+    os.makedirs(os.path.join(clone, ".whl"))
+    for wheel in carried_wheels(clone):
+        shutil.copy2(wheel, os.path.join(clone, ".whl"))
+    target = str(tmp_path / "rlpad-gpu-site")
+    done = run(["bash", "scripts/gpu_site.sh", target], cwd=clone, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # rlpad from the copy, omegaconf from the carried wheel, and no Ray / vLLM pulled in (checked there).
+    rlpad_file, omegaconf_file = os.path.join(clone, "rlpad", "__init__.py"), os.path.join(target, "omegaconf", "__init__.py")
+    assert f"gpu_site: rlpad from {rlpad_file}, omegaconf from {omegaconf_file}" in done.stdout, done.stdout
+
+    # The lane's own test modules import on that python too (pytest is all they add).
+    lane = "import sys; sys.path[:0] = ['tests/gpu']; import test_cuda_exactness, test_cuda_workers, test_cuda_train"
+    imported = run([*isolated, lane], cwd=clone, env={**env, "PYTHONPATH": f"{clone}:{target}:{site}"})
+    assert imported.returncode == 0, imported.stderr[-1500:]
+
+
+def test_report_folds_tests_figures_and_benchmarks(tmp_path):
+    """scripts/gpu_report.py on outputs shaped like the lane's (no GPU needed to build a report)."""
+    out = tmp_path / "gpu"
+    (out / "parts").mkdir(parents=True)
+    (out / "steps.tsv").write_text("install\t0\t3\ntests\t1\t200\nbench_logprob\t0\t40\nbench_prefix\t124\t100\n")
+    (out / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.test_cuda_exactness" name="test_a[qwen2]" time="1.5"/>'
+        '<testcase classname="tests.gpu.test_cuda_train" name="test_b" time="0.1"><skipped message="needs vLLM and Ray '
+        '(not installed)"/></testcase>'
+        '<testcase classname="tests.gpu.test_cuda_workers" name="test_c" time="2"><failure message="assert 0.3 &lt;= 2e-05">'
+        "long traceback</failure></testcase></testsuite></testsuites>")  # fmt: skip
+    errs = {"lp_max": 1e-3, "lp_mean": 2e-4, "ent_max": 1e-4, "ent_mean": 1e-5, "grad_rel": 0.01, "grad_cos_min": 0.9999}
+    (out / "parts" / "test_a_qwen2.json").write_text(json.dumps({
+        "test": "x", "arch": "qwen2", "kernel": "torch_varlen", "errors": {"rmpad/rollout": errs, "leak/rollout": errs},
+        "bounds": errs, "calls": {"rmpad": {"forward_calls": 2, "backward_calls": 2, "cuda_fwd_launches": 2, "cuda_bwd_launches": 6,
+                             "flash_kernels": ["flash_fwd_kernel"]}}}))
+    (out / "parts" / "test_c.json").write_text(json.dumps({"test": "y", "peak_gpu_memory_mib": 812.5, "gain": 0.2}))
+    (out / "bench_logprob.json").write_text(json.dumps({"speed": {"forward": {"tokens_per_s": 1.5e6, "mfu": 0.41}},
+                                                         "device": "NVIDIA H100 80GB HBM3"}))
+    (out / "bench_prefix.log").write_text("line 1\nerror: something broke\n")
+    done = run([sys.executable, "scripts/gpu_report.py", str(out), "--wall-s", "350"])
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert [s["timed_out"] for s in report["steps"]] == [False, False, False, True]
+    assert report["bench"]["logprob"]["json"]["speed"]["forward"]["mfu"] == 0.41 and report["bench"]["prefix"]["json"] is None
+    md = (out / "report.md").read_text()
+    for expected in ("| skipped | tests.gpu.test_cuda_train::test_b | 0.1 | needs vLLM and Ray (not installed) |",
+                     "| failed | tests.gpu.test_cuda_workers::test_c | 2.0 | assert 0.3 <= 2e-05 |",
+                     "| qwen2 | rmpad/rollout | 0.001 | 0.0002 |", "peak_gpu_memory_mib=812.5",
+                     "op calls 2 / 2, FlashAttention launches 2 / 6: flash_fwd_kernel",
+                     "| speed.forward.mfu | 0.41 |", "| bench_prefix | 124 (timed out) | 100 |", "error: something broke",
+                     "torch " + torch.__version__):  # fmt: skip
+        assert expected in md, expected
