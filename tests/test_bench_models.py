@@ -59,5 +59,5 @@ def test_head_memory_variants_agree_and_chunking_saves_memory():
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_full, g_chunk))
     with pytest.raises(ValueError, match="unknown memory variant 'half'"):
         head_fwd_bwd("half", h, w, labels, chunk=16)
-    peak = {v: measure_in_subprocess(v, tokens=512, hidden=64, vocab=32768, chunk=64)["peak_gib"] for v in VARIANTS}
-    assert peak["full"] > 0.1 and peak["chunked"] < peak["full"] / 3, peak  # full: several 64 MiB (T, V) tensors
+    peak = {v: measure_in_subprocess(v, tokens=2048, hidden=64, vocab=32768, chunk=64)["peak_gib"] for v in VARIANTS}
+    assert peak["full"] > 0.5 and peak["chunked"] < peak["full"] / 5, peak  # full: several 256 MiB (T, V) tensors
