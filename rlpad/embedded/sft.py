@@ -36,7 +36,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpad.config import SFTConfig
-from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.layout import position_ids_from_mask
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
 
