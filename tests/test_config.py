@@ -183,7 +183,7 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_rollout_replicas_default_and_explicit():
-    from rlpad.config import rollout_replicas
+    from rlpad.topology import rollout_replicas
 
     cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2",
                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
@@ -212,7 +212,7 @@ def test_colocate_config_errors(overrides, wanted):
 
 
 def test_colocate_default_and_replicas():
-    from rlpad.config import colocated, rollout_replicas
+    from rlpad.topology import colocated, rollout_replicas
 
     cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2"])
     assert cfg.trainer.colocate is None
