@@ -226,3 +226,37 @@ def test_colocate_default_and_replicas():
     assert colocated(offload, cuda=True)
     with pytest.raises(ValueError, match="need trainer.colocate=true"):
         colocated(offload, cuda=False)  # auto resolves to false on CPU: the offload would do nothing
+
+
+def test_loading_a_config_stays_torch_free():
+    """The registries the checks read (rollout backends, estimators) import their torch side lazily."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlpad.config_loader import load_config; "
+            f"load_config({RECIPE!r}, ['algorithm.adv_estimator=gae', 'critic.ppo_mini_batch_size=4', 'trainer.colocate=false']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "[]", out.stdout
+
+
+def test_dtype_names_are_defined_once():
+    import torch
+
+    from rlpad.config import DTYPES
+    from rlpad.core.models import DTYPES as TORCH_DTYPES, parse_dtype
+
+    assert list(TORCH_DTYPES) == list(DTYPES)
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("fp32") is torch.float32
+    assert set(DTYPES.values()) == {"float32", "bfloat16", "float16"}  # what vLLM's dtype accepts
+    with pytest.raises(ValueError, match="rollout.dtype='float64' is not valid; choose one of float32, fp32, bfloat16"):
+        load_config(RECIPE, ["actor_rollout_ref.rollout.dtype=float64"])
+
+
+def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
+    with pytest.raises(ValueError, match="param_offload / optimizer_offload need trainer.colocate=true"):
+        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp.param_offload=true"])
+    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # colocated on CUDA
+    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # decided at launch
