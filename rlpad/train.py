@@ -82,7 +82,7 @@ def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     from rlpad.embedded.tasks import get_task
 
     spec = get_task(task)
-    out = os.path.join(os.path.abspath(sft.cache_dir), spec.dataset_tag(sft))
+    out = os.path.join(sft.cache_root, spec.dataset_tag(sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"
         spec.write_dataset(tmp, sft)

@@ -260,3 +260,20 @@ def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
         load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp.param_offload=true"])
     load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # colocated on CUDA
     load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # decided at launch
+
+
+def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
+    """The driver's warm start must not land in the working dir (Ray's package under `ray job submit`)."""
+    from rlpad.config import SFTConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/srv/cache")
+    assert SFTConfig().cache_root == "/srv/cache/rlpad"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert SFTConfig().cache_root == "/home/someone/.cache/rlpad"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert SFTConfig().cache_root == "/home/someone/.cache/rlpad"
+    assert SFTConfig(cache_dir="~/c").cache_root == "/home/someone/c"
+    assert SFTConfig(cache_dir="here").cache_root == str(tmp_path / "here")  # explicit relative: the working dir
+    assert load_config(RECIPE).sft.cache_dir is None

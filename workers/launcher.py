@@ -51,9 +51,9 @@ def _cuda(config: Config) -> bool:
 
 
 def driver_built_paths(config: Config) -> list[str]:
-    """Model / tokenizer folders the driver built under ``sft.cache_dir`` (the embedded warm start):
+    """Model / tokenizer folders the driver built under ``sft.cache_root`` (the embedded warm start):
     shipped to the workers through the object store (:mod:`workers.staging`)."""
-    root = os.path.join(os.path.abspath(config.sft.cache_dir), "")
+    root = os.path.join(config.sft.cache_root, "")
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path)
              if p and os.path.abspath(p).startswith(root) and os.path.isdir(p)}

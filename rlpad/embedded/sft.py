@@ -4,7 +4,7 @@
 and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedded task of
 :mod:`rlpad.embedded.tasks` (the toy addition by default, or ``toy_long``, alphabet runs) for a
 few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
-both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
+both with ``save_pretrained``. The result lands in ``<sft.cache_root>/sft-<key>``, ``key`` being a hash
 of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
 string), and is written to a temporary folder first and renamed into place, so an interrupted run
 never leaves a half cache. A later call with the same settings returns the path at once.
@@ -248,7 +248,7 @@ def warm_start(
     check_vllm_shape(tiny_config(ARCH, **dims))
     spec = get_task(task)
     key = cache_key(cfg, seed=seed, task=task, **dims)
-    root = os.path.abspath(os.path.expanduser(cfg.cache_dir))
+    root = cfg.cache_root
     final = os.path.join(root, f"sft-{key}")
     if os.path.isfile(os.path.join(final, INFO_FILE)):
         return final
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--cache-dir", default=defaults.cache_dir)
+    p.add_argument("--cache-dir", default=defaults.cache_dir, help="default: $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task", default="toy", help="embedded task: toy (addition) or toy_long (list reversal)")
     p.add_argument("--verbose", action="store_true", help="print the loss every 10%% of the steps")
