@@ -6,7 +6,6 @@ the schema, so every component can import its section without pulling in YAML ha
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -205,7 +204,7 @@ class SFTConfig:
     steps: int = 300
     lr: float = 3e-3
     batch_size: int = 64
-    # Where the driver builds the warm start and the toy datasets (see cache_root); null: the per-user
+    # Where the driver builds the warm start and the toy datasets (rlpad.embedded.cache); null: the per-user
     # cache, $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad. A relative path is taken from the working
     # directory, which under `ray job submit --working-dir` is Ray's unpacked copy of it: avoid that.
     cache_dir: str | None = None
@@ -219,17 +218,6 @@ class SFTConfig:
     # ``eval_every`` steps); ``steps`` is then the cap. None: always run ``steps``.
     target_accuracy: float | None = None
     eval_every: int = 10
-
-    @property
-    def cache_root(self) -> str:
-        """``cache_dir`` as an absolute path, or the per-user cache (``$XDG_CACHE_HOME/rlpad`` when
-        that is absolute, else ``~/.cache/rlpad``): outside any Ray job's working-dir package."""
-        if self.cache_dir:
-            return os.path.abspath(os.path.expanduser(self.cache_dir))
-        base = os.environ.get("XDG_CACHE_HOME", "")
-        if not os.path.isabs(base):
-            base = os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(base, "rlpad")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rlpad.config import Config, SFTConfig
 from rlpad.config_loader import load_config, save_config
 from rlpad.core.models import load_tokenizer
 from rlpad.data import build_datasets
+from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.rewards import load_reward_fn
 from rlpad.trainer import Trainer, summarize
@@ -80,7 +81,7 @@ def resolve_embedded(config: Config) -> Config:
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
     spec = get_task(task)
-    out = os.path.join(sft.cache_root, spec.dataset_tag(sft))
+    out = os.path.join(cache_root(sft), spec.dataset_tag(sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"
         spec.write_dataset(tmp, sft)

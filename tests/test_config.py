@@ -265,15 +265,16 @@ def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
 def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
     """The driver's warm start must not land in the working dir (Ray's package under `ray job submit`)."""
     from rlpad.config import SFTConfig
+    from rlpad.embedded.cache import cache_root
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", "/srv/cache")
-    assert SFTConfig().cache_root == "/srv/cache/rlpad"
+    assert cache_root(SFTConfig()) == "/srv/cache/rlpad"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the XDG spec says
     monkeypatch.setenv("HOME", "/home/someone")
-    assert SFTConfig().cache_root == "/home/someone/.cache/rlpad"
+    assert cache_root(SFTConfig()) == "/home/someone/.cache/rlpad"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert SFTConfig().cache_root == "/home/someone/.cache/rlpad"
-    assert SFTConfig(cache_dir="~/c").cache_root == "/home/someone/c"
-    assert SFTConfig(cache_dir="here").cache_root == str(tmp_path / "here")  # explicit relative: the working dir
+    assert cache_root(SFTConfig()) == "/home/someone/.cache/rlpad"
+    assert cache_root(SFTConfig(cache_dir="~/c")) == "/home/someone/c"
+    assert cache_root(SFTConfig(cache_dir="here")) == str(tmp_path / "here")  # explicit relative: the working dir
     assert load_config(RECIPE).sft.cache_dir is None

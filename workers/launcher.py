@@ -29,6 +29,7 @@ import ray
 from rlpad.advantages import uses_critic
 from rlpad.batch import Batch
 from rlpad.config import Config
+from rlpad.embedded.cache import cache_root
 from rlpad.rollout import backend_class
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
@@ -51,9 +52,9 @@ def _cuda(config: Config) -> bool:
 
 
 def driver_built_paths(config: Config) -> list[str]:
-    """Model / tokenizer folders the driver built under ``sft.cache_root`` (the embedded warm start):
+    """Model / tokenizer folders the driver built under ``sft.cache_dir`` (rlpad.embedded.cache) (the embedded warm start):
     shipped to the workers through the object store (:mod:`workers.staging`)."""
-    root = os.path.join(config.sft.cache_root, "")
+    root = os.path.join(cache_root(config.sft), "")
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path)
              if p and os.path.abspath(p).startswith(root) and os.path.isdir(p)}

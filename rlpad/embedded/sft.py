@@ -4,9 +4,9 @@
 and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedded task of
 :mod:`rlpad.embedded.tasks` (the toy addition by default, or ``toy_long``, alphabet runs) for a
 few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
-both with ``save_pretrained``. The result lands in ``<sft.cache_root>/sft-<key>``, ``key`` being a hash
-of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
-string), and is written to a temporary folder first and renamed into place, so an interrupted run
+both with ``save_pretrained``. The result lands in ``<cache>/sft-<key>`` (the cache:
+rlpad.embedded.cache, by default ~/.cache/rlpad), ``key`` being a hash of everything that
+shapes the weights (model config, tokenizer, SFT settings, seed, a version string), and is written to a temporary folder first and renamed into place, so an interrupted run
 never leaves a half cache. A later call with the same settings returns the path at once.
 
 The warm start is deliberately short: the model gets a moderate share of the held-out validation
@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlpad.config import SFTConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
+from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
 
@@ -248,7 +249,7 @@ def warm_start(
     check_vllm_shape(tiny_config(ARCH, **dims))
     spec = get_task(task)
     key = cache_key(cfg, seed=seed, task=task, **dims)
-    root = cfg.cache_root
+    root = cache_root(cfg)
     final = os.path.join(root, f"sft-{key}")
     if os.path.isfile(os.path.join(final, INFO_FILE)):
         return final
