@@ -6,8 +6,9 @@ and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedde
 few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
 both with ``save_pretrained``. The result lands in ``<cache>/sft-<key>`` (the cache:
 rlpad.embedded.cache, by default ~/.cache/rlpad), ``key`` being a hash of everything that
-shapes the weights (model config, tokenizer, SFT settings, seed, a version string), and is written to a temporary folder first and renamed into place, so an interrupted run
-never leaves a half cache. A later call with the same settings returns the path at once.
+shapes the weights (model config, tokenizer, SFT settings, seed, a version string), and is
+written to a temporary folder first and renamed into place, so an interrupted run never leaves
+a half cache. A later call with the same settings returns the path at once.
 
 The warm start is deliberately short: the model gets a moderate share of the held-out validation
 problems right, so GRPO has reward variance to learn from and room to improve. The defaults
