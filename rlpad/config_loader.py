@@ -27,20 +27,19 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlpad.advantages import ESTIMATORS
 from rlpad.config import (
-    ADV_ESTIMATORS, ATTN_IMPLEMENTATIONS, BACKENDS, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
+    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
     ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
 )
+from rlpad.metrics import LOGGERS
+from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
+from rlpad.topology import layout_problems
 
 __all__ = [
     "config_from_dict", "config_to_dict", "load_config",
     "parse_override", "save_config", "to_yaml", "validate_config",
 ]
-
-ROLLOUT_NAMES = ("vllm", "hf")
-DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -282,7 +281,9 @@ def validate_config(config: Config) -> Config:
         if value is None or value <= 0:
             problems.append(f"{key}={value!r} must be > 0")
 
-    one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
+    one_of("algorithm.adv_estimator", alg.adv_estimator, list(ESTIMATORS))
+    estimator = ESTIMATORS.get(alg.adv_estimator)
+    uses_critic = estimator is not None and estimator.uses_critic
     one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
@@ -291,17 +292,17 @@ def validate_config(config: Config) -> Config:
             problems.append(f"{key}={kind!r} is not valid; choose one of {', '.join(KL_KINDS)} "
                             "(optionally with a trailing '+')")
     one_of("data.truncation", d.truncation, TRUNCATION_MODES)
-    one_of("actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
+    one_of("actor_rollout_ref.rollout.name", rollout.name, list(ROLLOUT_BACKENDS))
     for key, dt in (("actor_rollout_ref.model.dtype", arr.model.dtype), ("critic.model.dtype", critic.model.dtype),
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
-        one_of(key, dt, DTYPE_NAMES)
+        one_of(key, dt, list(DTYPES))
     for key, mcfg in (("actor_rollout_ref.model", arr.model), ("critic.model", critic.model)):
         if mcfg.share_prompts and not mcfg.use_remove_padding:
             problems.append(f"{key}.share_prompts=true needs {key}.use_remove_padding=true "
                             "(the shared prompt lives in the packed row)")
     one_of("trainer.device", trainer.device, DEVICES)
     one_of("trainer.backend", trainer.backend, BACKENDS)
-    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if config.uses_critic else [])
+    models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if uses_critic else [])
     for key, model in models:
         one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
         if model.attn_implementation == "sdpa" and model.use_remove_padding:
@@ -320,43 +321,16 @@ def validate_config(config: Config) -> Config:
     # sizes
     if rollout.n < 1:
         problems.append(f"actor_rollout_ref.rollout.n={rollout.n} must be >= 1")
-    elif alg.adv_estimator == "grpo" and rollout.n < 2:
-        problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: GRPO compares responses within a group "
-                        "and needs n >= 2 (or use algorithm.adv_estimator=gae)")
+    elif estimator is not None and rollout.n < estimator.min_group_size:
+        others = [name for name, e in ESTIMATORS.items() if e.min_group_size <= rollout.n]
+        problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: {estimator.needs} and needs "
+                        f"n >= {estimator.min_group_size} (or use algorithm.adv_estimator={' | '.join(others)})")
     if rollout.val_kwargs.n < 1:
         problems.append(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} must be >= 1")
     if rollout.tensor_model_parallel_size < 1:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
                         "must be >= 1")
-    if rollout.num_replicas is not None and rollout.num_replicas < 1:
-        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas} must be >= 1 "
-                        "(or null for the default)")
-    elif rollout.name == "hf" and (rollout.num_replicas or 1) > 1:
-        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: the hf backend seeds a whole "
-                        "generate call, not each prompt, so replicas would change the samples; use 1 or name=vllm")
-    elif trainer.backend == "local" and (rollout.num_replicas or 1) > 1:
-        problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: trainer.backend=local runs "
-                        "one rollout engine in the driver process; use 1 or trainer.backend=ray")
-    if trainer.colocate:
-        pool = trainer.n_gpus_per_node * trainer.nnodes
-        if trainer.backend == "local":
-            problems.append("trainer.colocate=true places Ray actors on a shared pool; trainer.backend=local runs "
-                            "everything in one process (set trainer.colocate=false or trainer.backend=ray)")
-        if rollout.tensor_model_parallel_size != 1:
-            problems.append(f"trainer.colocate=true supports actor_rollout_ref.rollout.tensor_model_parallel_size=1 "
-                            f"only (got {rollout.tensor_model_parallel_size}): a tensor-parallel engine would span "
-                            "several bundles of the pool; set trainer.colocate=false for tensor parallelism")
-        elif rollout.num_replicas is not None and rollout.num_replicas != pool:
-            problems.append(f"actor_rollout_ref.rollout.num_replicas={rollout.num_replicas}: with trainer.colocate=true "
-                            f"every bundle of the pool hosts one engine, so it must be null or {pool} "
-                            "(n_gpus_per_node x nnodes / tensor_model_parallel_size)")
-        if rollout.name == "hf" and pool > 1:
-            problems.append(f"trainer.colocate=true puts one engine on each of the pool's {pool} bundles, and the hf "
-                            "backend cannot be split into replicas; use actor_rollout_ref.rollout.name=vllm or "
-                            "trainer.colocate=false")
-    elif trainer.colocate is False and (actor.fsdp.param_offload or actor.fsdp.optimizer_offload):
-        problems.append("actor_rollout_ref.actor.fsdp.param_offload / optimizer_offload need trainer.colocate=true "
-                        "(they free the actor's memory for the engine on the same GPU)")
+    problems += layout_problems(config)
     positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),
@@ -394,7 +368,7 @@ def validate_config(config: Config) -> Config:
     # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
     world = 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
     n = max(rollout.n, 1)
-    sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if config.uses_critic else [])
+    sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if uses_critic else [])
     for key, sec in sections:
         mini = sec.ppo_mini_batch_size
         if d.train_batch_size <= 0 or mini <= 0:

@@ -21,11 +21,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from rlpad.batch import Batch
-from rlpad.config import TRUNCATION_MODES
-from rlpad.config import DataConfig
+from rlpad.config import TRUNCATION_MODES, DataConfig
+from rlpad.core.layout import left_pad, position_ids_from_mask
 
 __all__ = ["PromptDataset", "PromptLoader", "build_datasets", "read_rows", "val_batches", "write_rows"]
 
@@ -183,14 +182,9 @@ class PromptDataset:
         non-tensors ``uid`` (``uid_prefix + str(index)``, unique when the indices are),
         ``index``, ``raw_prompt``, ``ground_truth``, ``data_source``, ``extra_info``.
         """
-        P = self.max_prompt_length
-        input_ids = torch.full((len(indices), P), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(indices), P), dtype=torch.long)
-        for r, i in enumerate(indices):
-            ids = self.token_ids[i]
-            input_ids[r, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[r, P - len(ids):] = 1
-        position_ids = torch.clamp(attention_mask.cumsum(-1) - 1, min=0)
+        input_ids, attention_mask = left_pad([self.token_ids[i] for i in indices], self.max_prompt_length,
+                                             self.pad_token_id)
+        position_ids = position_ids_from_mask(attention_mask)
         rows = [self.rows[i] for i in indices]
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},

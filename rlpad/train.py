@@ -21,15 +21,16 @@ from typing import Any
 
 from rlpad.config import Config, SFTConfig
 from rlpad.config_loader import load_config, save_config
-from rlpad.data import build_datasets
 from rlpad.core.models import load_tokenizer
+from rlpad.data import build_datasets
+from rlpad.embedded.cache import cache_root
+from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.rewards import load_reward_fn
 from rlpad.trainer import Trainer, summarize
 
 __all__ = ["fit", "main", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
-EMBEDDED_TASKS = ("toy", "toy_long")  # rlpad.embedded.tasks.TASKS, named here to avoid importing it early
 
 
 def _embedded_task(path: str, key: str) -> str | None:
@@ -37,16 +38,16 @@ def _embedded_task(path: str, key: str) -> str | None:
     if not path.startswith(EMBEDDED_PREFIX):
         return None
     task = path[len(EMBEDDED_PREFIX):]
-    if task not in EMBEDDED_TASKS:
+    if task not in TASKS:
         raise ValueError(f"{key}={path!r}: unknown embedded model; use one of "
-                         f"{[EMBEDDED_PREFIX + t for t in EMBEDDED_TASKS]}")
+                         f"{[EMBEDDED_PREFIX + t for t in TASKS]}")
     return task
 
 
 def _embedded_data_task(name: str) -> str | None:
     """The task of a ``<task>:train`` / ``<task>:val`` data name (None for a file path)."""
     task, sep, split = name.partition(":")
-    if not sep or task not in EMBEDDED_TASKS:
+    if not sep or task not in TASKS:
         return None
     if split not in ("train", "val"):
         raise ValueError(f"data files: unknown embedded dataset {name!r}; use {task}:train or {task}:val")
@@ -79,10 +80,8 @@ def resolve_embedded(config: Config) -> Config:
 
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
-    from rlpad.embedded.tasks import get_task
-
     spec = get_task(task)
-    out = os.path.join(os.path.abspath(sft.cache_dir), spec.dataset_tag(sft))
+    out = os.path.join(cache_root(sft), spec.dataset_tag(sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"
         spec.write_dataset(tmp, sft)

@@ -1,7 +1,7 @@
 """The single-controller GRPO/PPO loop.
 
 One step: prompts -> rollout (n per prompt) -> reward -> old log-probs (actor) -> ref log-probs
--> values (PPO) -> advantages (GRPO or GAE) -> critic and actor updates -> weight sync ->
+-> values (PPO) -> advantages (rlpad.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
 validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
 
 The trainer talks to the workers only through :class:`Workers`; ``workers/launcher.py``
@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlpad.algos import compute_gae_advantages, compute_grpo_advantages, kl_penalty, masked_mean
+from rlpad.advantages import get_estimator
+from rlpad.algos import kl_penalty, masked_mean
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
@@ -139,7 +140,7 @@ class Trainer:
         """
         step_start = time.perf_counter()
         cfg, algo = self.config, self.config.algorithm
-        gae = cfg.uses_critic
+        estimator = get_estimator(algo.adv_estimator)
         timing: dict[str, float] = {}
         worker_s: dict[str, float] = {}
         with self._generation(timing), _timed(timing, "gen"):
@@ -159,7 +160,7 @@ class Trainer:
                 out = self.workers.compute_ref_log_prob(batch)
             _pop_worker_s(out, worker_s, "ref")
             batch.update(out)
-        if gae:
+        if estimator.uses_critic:
             with _timed(timing, "values"):
                 out = self.workers.compute_values(batch)
             _pop_worker_s(out, worker_s, "values")
@@ -172,14 +173,8 @@ class Trainer:
             metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
         batch["token_level_rewards"] = rewards
         with _timed(timing, "adv"):
-            if gae:
-                adv, returns = compute_gae_advantages(rewards, batch["values"], mask, algo.gamma, algo.lam)
-            else:
-                adv, returns = compute_grpo_advantages(
-                    rewards, mask, batch["uid"], norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
-                    expected_group_size=cfg.actor_rollout_ref.rollout.n)
-            batch["advantages"], batch["returns"] = adv, returns
-        if gae:
+            batch["advantages"], batch["returns"] = estimator.compute(batch, cfg)
+        if estimator.uses_critic:
             with _timed(timing, "update_critic"):
                 critic_metrics = self.workers.update_critic(batch)
             _pop_worker_s(critic_metrics, worker_s, "update_critic")

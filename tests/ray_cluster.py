@@ -7,6 +7,10 @@ run in sessions of their own), so :meth:`RayCluster.stop` ends exactly this clus
 processes and checks that they are gone. The token for Ray 2.60's token auth is made per
 cluster and passed in the environment: ``~/.ray/auth_token`` is neither read nor written.
 
+Each node has a temp dir of its own (as on separate machines), or, with ``shared_temp_dir``, every
+node uses the head's (as two raylets on one host do by default: one session folder, one copy of a
+job's working-dir package).
+
 ``start_head(local_only=True)`` keeps the head on 127.0.0.1: node IP, GCS, raylet, agents,
 metrics and dashboard listen on the loopback only. Ray 2.60 turns ``--node-ip-address=127.0.0.1``
 into the machine's external address unless it runs as a single-node cluster
@@ -18,6 +22,7 @@ its gRPC servers listen on every interface) and ``add_node(ip="127.0.0.2")``.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import secrets
@@ -125,6 +130,7 @@ class RayNode:
     temp_dir: str
     ports: dict[str, int]
     output: str = ""  # stdout + stderr of `ray start`
+    port_files_before: tuple[str, ...] = ()  # agents' port files of other nodes in a shared temp dir
     command: str = ""
     head: bool = False
     returncode: int = 0
@@ -138,6 +144,7 @@ class RayCluster:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     nodes: list[RayNode] = field(default_factory=list)
     local_only: bool = True
+    shared_temp_dir: bool = False  # every node uses the head's --temp-dir
 
     @property
     def env(self) -> dict[str, str]:
@@ -203,7 +210,7 @@ class RayCluster:
                 return node
             failures.append(problem)
             self._kill([node])
-            shutil.rmtree(node.temp_dir, ignore_errors=True)
+            self._remove_temp_dir(node)
             if not any(word in problem.lower() for word in RETRY_ON):
                 break
         raise RuntimeError("`ray start` failed:\n" + "\n--- retried with fresh ports ---\n".join(failures))
@@ -213,7 +220,11 @@ class RayCluster:
         names = port_names + (ENV_PORTS if head else ())
         ports = dict(zip(names, free_ports(len(names))))
         marker = secrets.token_hex(8)
-        temp_dir = tempfile.mkdtemp(prefix="rlpad-ray-")  # short: Ray's socket paths live under it
+        if self.shared_temp_dir and not head:
+            temp_dir = self.head.temp_dir
+        else:
+            temp_dir = tempfile.mkdtemp(prefix="rlpad-ray-")  # short: Ray's socket paths live under it
+        before = tuple(glob.glob(_agent_port_files(temp_dir)))
         env = self.env
         env.update({MARKER: marker, SINGLE_NODE_ENV: "0" if single_node else "1"})
         env.update({name: str(ports[name]) for name in ENV_PORTS if name in ports})
@@ -230,8 +241,13 @@ class RayCluster:
                 out, err = proc.communicate()
                 err += "\n(`ray start` timed out after 180 s)"
         return RayNode(ip=ip, num_cpus=num_cpus, marker=marker, temp_dir=temp_dir, ports=ports, head=head,
-                       returncode=proc.returncode or 0, session=proc.pid,
+                       returncode=proc.returncode or 0, session=proc.pid, port_files_before=before,
                        command="$ " + " ".join(cmd), output=f"{out}\n{err}")
+
+    def _remove_temp_dir(self, node: RayNode) -> None:
+        """Remove ``node``'s temp dir unless a node of this cluster still uses it."""
+        if not any(n.temp_dir == node.temp_dir for n in self.nodes if n is not node):
+            shutil.rmtree(node.temp_dir, ignore_errors=True)
 
     def pids(self, node: RayNode | None = None) -> list[int]:
         """Live processes of ``node`` (default: every node of this cluster)."""
@@ -241,14 +257,14 @@ class RayCluster:
         """End ``node``'s processes (SIGTERM, then SIGKILL) and check that none is left."""
         self._kill([node], timeout)
         self.nodes.remove(node)
-        shutil.rmtree(node.temp_dir, ignore_errors=True)
+        self._remove_temp_dir(node)
 
     def stop(self, timeout: float = 30.0) -> None:
         """End every process this cluster started, newest node first; raise if any survives."""
         nodes, self.nodes = self.nodes[::-1], []
         self._kill(nodes, timeout)
         for node in nodes:
-            shutil.rmtree(node.temp_dir, ignore_errors=True)
+            self._remove_temp_dir(node)
 
     def _kill(self, nodes: list[RayNode], timeout: float = 30.0) -> None:
         """SIGTERM the nodes' processes, SIGKILL what is left after a grace period, until none is left."""
@@ -274,15 +290,19 @@ class RayCluster:
         self.stop()
 
 
+def _agent_port_files(temp_dir: str) -> str:
+    """The glob of the files in which nodes' dashboard agents record their HTTP port (one per node)."""
+    return os.path.join(temp_dir, "session_latest", "dashboard_agent_listen_port_*")
+
+
 def _agent_http_problem(node: RayNode, timeout: float = 60.0) -> str:
     """Wait for the node's dashboard agent to record its HTTP port (the job API goes through it).
 
     `ray start` succeeds even when the agent could not bind that port; the agent then records -1.
     """
-    pattern = os.path.join(node.temp_dir, "session_latest", "dashboard_agent_listen_port_*")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for path in glob.glob(pattern):
+        for path in set(glob.glob(_agent_port_files(node.temp_dir))) - set(node.port_files_before):
             with open(path) as f:
                 value = f.read().strip()
             if value == "-1":
@@ -295,10 +315,12 @@ def _agent_http_problem(node: RayNode, timeout: float = 60.0) -> str:
 
 
 def submit_job(address: str, env: dict[str, str], working_dir: str, entry: list[str],
-               timeout_s: float = 900) -> tuple[str, str, str]:
-    """`ray job submit --no-wait` of ``entry``, then wait for its end; returns (job id, status, logs)."""
-    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--working-dir", working_dir, "--no-wait",
-                             "--", *entry], env=env, capture_output=True, text=True, timeout=300)
+               timeout_s: float = 900, env_vars: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """`ray job submit --no-wait` of ``entry`` (``env_vars``: the job's runtime env), then wait for
+    its end; returns (job id, status, logs)."""
+    runtime_env = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
+    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--working-dir", working_dir, *runtime_env,
+                             "--no-wait", "--", *entry], env=env, capture_output=True, text=True, timeout=300)
     assert submit.returncode == 0, submit.stdout + submit.stderr
     job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
     deadline, status = time.time() + timeout_s, ""

@@ -8,7 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rlpad.bench.flops import (AttentionBlock, ForwardWork, forward_flops, packed_work, padded_and_packed_flops,
                                padded_work, shared_prompt_work)
-from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.layout import position_ids_from_mask
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_config, tiny_model

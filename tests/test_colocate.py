@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # shared with `make demo`: the warm start is built once
+CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 TIMING = ("timing_s/", "tokens_per_s/", "worker_s/")  # wall-clock figures
 BUNDLE = re.compile(r"^CPU_group_(\d+)_([0-9a-f]+)$")
 
@@ -95,8 +95,9 @@ def test_colocated_equals_separate_with_offload_and_shares_bundles(ray_session, 
                          "actor_rollout_ref.actor.fsdp.param_offload=true",
                          "actor_rollout_ref.actor.fsdp.optimizer_offload=true")
 
-    # On CPU, one line says vLLM's sleep frees nothing (the colocated run only), not one per call.
-    assert capsys.readouterr().out.count("vLLM-CPU has no sleep mode") == 1
+    # On CPU, one line says the engines' sleep frees nothing (the colocated run only), not one per call.
+    assert capsys.readouterr().out.count("colocated layout (on CPU): the engines' sleep / wake_up calls run each "
+                                         "step and free nothing") == 1
 
     # Placement, as Ray reports it: colocated, actor rank i and replica i share bundle i of one pool.
     (pool,) = {pg for pg, _ in col.placement["actor"] + col.placement["rollout"]}

@@ -183,7 +183,7 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_rollout_replicas_default_and_explicit():
-    from rlpad.config import rollout_replicas
+    from rlpad.topology import rollout_replicas
 
     cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2",
                                "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
@@ -212,7 +212,7 @@ def test_colocate_config_errors(overrides, wanted):
 
 
 def test_colocate_default_and_replicas():
-    from rlpad.config import colocated, rollout_replicas
+    from rlpad.topology import colocated, rollout_replicas
 
     cfg = load_config(RECIPE, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2"])
     assert cfg.trainer.colocate is None
@@ -226,3 +226,55 @@ def test_colocate_default_and_replicas():
     assert colocated(offload, cuda=True)
     with pytest.raises(ValueError, match="need trainer.colocate=true"):
         colocated(offload, cuda=False)  # auto resolves to false on CPU: the offload would do nothing
+
+
+def test_loading_a_config_stays_torch_free():
+    """The registries the checks read (rollout backends, estimators) import their torch side lazily."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlpad.config_loader import load_config; "
+            f"load_config({RECIPE!r}, ['algorithm.adv_estimator=gae', 'critic.ppo_mini_batch_size=4', 'trainer.colocate=false']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "[]", out.stdout
+
+
+def test_dtype_names_are_defined_once():
+    import torch
+
+    from rlpad.config import DTYPES
+    from rlpad.core.models import DTYPES as TORCH_DTYPES, parse_dtype
+
+    assert list(TORCH_DTYPES) == list(DTYPES)
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("fp32") is torch.float32
+    assert set(DTYPES.values()) == {"float32", "bfloat16", "float16"}  # what vLLM's dtype accepts
+    with pytest.raises(ValueError, match="rollout.dtype='float64' is not valid; choose one of float32, fp32, bfloat16"):
+        load_config(RECIPE, ["actor_rollout_ref.rollout.dtype=float64"])
+
+
+def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
+    with pytest.raises(ValueError, match="param_offload / optimizer_offload need trainer.colocate=true"):
+        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp.param_offload=true"])
+    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # colocated on CUDA
+    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # decided at launch
+
+
+def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
+    """The driver's warm start must not land in the working dir (Ray's package under `ray job submit`)."""
+    from rlpad.config import SFTConfig
+    from rlpad.embedded.cache import cache_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/srv/cache")
+    assert cache_root(SFTConfig()) == "/srv/cache/rlpad"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert cache_root(SFTConfig()) == "/home/someone/.cache/rlpad"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root(SFTConfig()) == "/home/someone/.cache/rlpad"
+    assert cache_root(SFTConfig(cache_dir="~/c")) == "/home/someone/c"
+    assert cache_root(SFTConfig(cache_dir="here")) == str(tmp_path / "here")  # explicit relative: the working dir
+    assert load_config(RECIPE).sft.cache_dir is None

@@ -60,3 +60,43 @@ def test_library_never_imports_ray():
     bad = [m for m, p in modules().items() if m.startswith("rlpad")
            for dep, _ in imports(p, False) if dep == "ray" or dep.startswith("ray.")]
     assert not bad, bad
+
+
+# The scoring core's layer: rlpad/core and the two modules below it, the config schema and the
+# tiny-model factory (rlpad.core.models builds ``tiny:<arch>`` models with it). Every other module
+# of rlpad/ and workers/ is ABOVE the core: the rollout backends, RL math, data, trainer, entry
+# points, benchmarks and the Ray workers all build on it, so none of them may be imported by it.
+CORE = "rlpad.core"
+BELOW_CORE = ("rlpad.config", "rlpad.embedded.tiny")
+
+
+def _in(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _deps(path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
+    """Project modules ``path`` imports, lazily too; ``from pkg import sub`` counts as pkg.sub."""
+    out = set()
+    for module, names in imports(path, False):
+        out |= {f"{module}.{n}" for n in names if f"{module}.{n}" in mods}
+        if module in mods:
+            out.add(module)
+    return out
+
+
+def test_core_imports_nothing_above_it():
+    """rlpad/core reaches (through every import, lazy ones too) only itself and BELOW_CORE."""
+    mods = modules()
+    above = {m for m in mods if not _in(m, (CORE, *BELOW_CORE))}
+    assert {"rlpad.rollout", "rlpad.rollout.layout", "rlpad.trainer", "rlpad.train", "workers.actor"} <= above
+    assert not any(_in(m, BELOW_CORE) for m in above)
+    reached: dict[str, str] = {}  # module -> the core module it was reached from
+    todo = [(m, m) for m in mods if _in(m, (CORE,))]
+    while todo:
+        module, origin = todo.pop()
+        for dep in _deps(mods[module], mods):
+            if dep not in reached:
+                reached[dep] = origin
+                todo.append((dep, origin))
+    bad = sorted(f"{reached[m]} -> ... -> {m}" for m in reached if m in above)
+    assert not bad, bad

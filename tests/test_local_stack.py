@@ -16,7 +16,7 @@ from rlpad.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # shared with `make demo`: the warm start is built once
+CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 VOLATILE = ("timing_s/", "tokens_per_s/", "worker_s/")  # wall-clock figures differ between any two runs
 
 

@@ -4,8 +4,12 @@ The head takes the host's address (Ray 2.60 turns ``--node-ip-address=127.0.0.1`
 any cluster that may take other nodes); the second node is 127.0.0.2 (Linux routes all of
 127.0.0.0/8 to the loopback), so the two nodes have distinct IPs on one machine.
 
-Each node gets its own --temp-dir, so the worker node does not see the driver's copy of the
-working dir (as on a real second machine). The test stops only the processes it started
+The cluster runs twice: each node with its own --temp-dir, so the worker node does not see the
+driver's copy of the working dir (as on a real second machine), and both nodes in one temp dir
+(as two raylets on one host by default), where they share one unpacked copy of the job's
+working-dir package that either node's runtime-env agent may replace: nothing the driver builds
+may live in it (the warm start goes to the per-user cache, here ``XDG_CACHE_HOME=<repo>/.cache``,
+the tests' shared warm-start cache). The test stops only the processes it started
 (tests/ray_cluster.py; never ``ray stop``).
 """
 
@@ -25,19 +29,20 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE_HOME = os.path.join(ROOT, ".cache")  # the job's $XDG_CACHE_HOME: the warm start in <repo>/.cache/rlpad
 TIMING = ("timing_s/", "tokens_per_s/", "worker_s/")  # wall-clock figures
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
+@pytest.fixture(scope="module", params=["own_temp_dirs", "shared_temp_dir"])
+def two_nodes(request):
     """A head (its IP: the host's) and a node on 127.0.0.2, 3 CPUs each; yields (dashboard URL, env).
 
-    tests/ray_cluster.py: each node has its own temp dir and ports, the cluster its own token, and
-    stopping it ends exactly its processes.
+    tests/ray_cluster.py: each node has its own temp dir (or, the second time, both the head's) and
+    ports, the cluster its own token, and stopping it ends exactly its processes.
     """
     # On a loaded machine a second raylet may need more than Ray's 30 s to register with the GCS.
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "90")  # below ray_cluster.py's 180 s limit
-    cluster = RayCluster()
+    cluster = RayCluster(shared_temp_dir=request.param == "shared_temp_dir")
     try:
         cluster.start_head(num_cpus=3, local_only=False)
         cluster.add_node(num_cpus=3, ip="127.0.0.2")
@@ -51,7 +56,7 @@ def _submit(address: str, env: dict, out_dir: str, *overrides: str) -> tuple[str
     entry = [sys.executable, "-m", "rlpad.train", "--config", "recipes/grpo_tiny.yaml", "trainer.total_training_steps=2",
              "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.default_local_dir={out_dir}",
              "trainer.logger=[jsonl]", *overrides]
-    return submit_job(address, env, ROOT, entry)
+    return submit_job(address, env, ROOT, entry, env_vars={"XDG_CACHE_HOME": CACHE_HOME})
 
 
 STATE = """
@@ -102,6 +107,7 @@ def test_grpo_job_on_two_nodes_equals_one_node(two_nodes, tmp_path):
     # The warm start was built by the driver on the head: rank 0 read it there, rank 1 a shipped copy.
     (model_path,) = ranks[0]["paths_read"]
     assert ranks[0]["paths_read"][model_path] == model_path
+    assert model_path.startswith(os.path.join(CACHE_HOME, "rlpad", "sft-"))  # the per-user cache, not Ray's package
     shipped = ranks[1]["paths_read"][model_path]
     assert shipped != model_path and os.path.basename(shipped).startswith(os.path.basename(model_path))
 
@@ -119,6 +125,7 @@ def test_grpo_job_on_two_nodes_equals_one_node(two_nodes, tmp_path):
             assert a[step][k] == pytest.approx(b[step][k], rel=1e-4, abs=1e-9), (step, k, a[step][k], b[step][k])
 
 
+@pytest.mark.parametrize("two_nodes", ["own_temp_dirs"], indirect=True)  # the same checks either way
 def test_cluster_without_room_fails_fast_naming_nodes(two_nodes, tmp_path):
     address, env = two_nodes
     start = time.time()

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.layout import position_ids_from_mask
 from rlpad.core.shared_prompt import pack_shared_prompts, prompt_groups
 from rlpad.core.value import ValueModel
 from rlpad.embedded.synthetic import grpo_batch

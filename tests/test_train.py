@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
 PPO = os.path.join(ROOT, "recipes", "ppo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # shared with `make demo`: the warm start is built once
+CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 
 
 def records(out_dir: str) -> dict[int, dict]:

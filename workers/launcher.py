@@ -26,8 +26,12 @@ from typing import Any
 
 import ray
 
+from rlpad.advantages import uses_critic
 from rlpad.batch import Batch
-from rlpad.config import Config, colocated, rollout_replicas
+from rlpad.config import Config
+from rlpad.embedded.cache import cache_root
+from rlpad.rollout import backend_class
+from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.group import WorkerGroup
@@ -44,17 +48,13 @@ QUIET_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cuda(config: Config) -> bool:
-    if config.trainer.device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return config.trainer.device == "cuda"
+    return resolve_device(config) == "cuda"
 
 
 def driver_built_paths(config: Config) -> list[str]:
-    """Model / tokenizer folders the driver built under ``sft.cache_dir`` (the embedded warm start):
+    """Model / tokenizer folders the driver built under ``sft.cache_dir`` (rlpad.embedded.cache) (the embedded warm start):
     shipped to the workers through the object store (:mod:`workers.staging`)."""
-    root = os.path.join(os.path.abspath(config.sft.cache_dir), "")
+    root = os.path.join(cache_root(config.sft), "")
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path)
              if p and os.path.abspath(p).startswith(root) and os.path.isdir(p)}
@@ -70,7 +70,8 @@ class RayWorkers:
         cuda = _cuda(config)
         gpus = 1 if cuda else 0
         self.colocated = colocated(config, cuda)
-        roles = ["actor"] + ["ref"] * config.uses_ref + ["critic"] * config.uses_critic
+        critic = uses_critic(config)
+        roles = ["actor"] + ["ref"] * config.uses_ref + ["critic"] * critic
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
         per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
@@ -84,7 +85,7 @@ class RayWorkers:
                                what=f"{'+'.join(roles)} groups and {num_replicas} rollout engine(s)")
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
-                      resolve_path=paths, **({"device": "cuda"} if gpus and arr.rollout.name == "hf" else {}))
+                      resolve_path=paths, device="cuda" if gpus else "cpu")
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths)
         self.pool: list[Any] = []
         self.ref = self.critic = None
@@ -99,18 +100,19 @@ class RayWorkers:
                 self.rollout = RolloutReplicas(
                     arr.model.path, arr.rollout, config.data, num_replicas=num_replicas, num_cpus=share,
                     num_gpus=share * gpus, placements=[(self.pool[r // per], r % per) for r in range(num_replicas)],
-                    **engine, **({"sleep_mode": bool(gpus)} if arr.rollout.name == "vllm" else {}))
+                    sleep_mode=bool(gpus), **engine)
                 self.rollout.sleep()
                 group |= dict(num_cpus_per_worker=share, num_gpus_per_worker=share * gpus, placement_groups=self.pool)
-                if not cuda and arr.rollout.name == "vllm":
-                    print("colocated layout on CPU: vLLM-CPU has no sleep mode, so the engines' sleep / wake_up "
-                          "calls run each step and free nothing", flush=True)
+                if not (cuda and backend_class(arr.rollout.name).sleep_frees_memory):
+                    why = "on CPU" if not cuda else f"the {arr.rollout.name} rollout backend has no sleep mode"
+                    print(f"colocated layout ({why}): the engines' sleep / wake_up calls run each step and free "
+                          "nothing", flush=True)
             else:
                 group |= dict(num_gpus_per_worker=gpus)
             self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
             if config.uses_ref:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
-            if config.uses_critic:
+            if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
             if not self.colocated:
                 self.rollout = RolloutReplicas(
@@ -250,7 +252,7 @@ def launch_workers(config: Config) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + config.uses_ref + config.uses_critic
+            groups = 1 + config.uses_ref + uses_critic(config)
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))

@@ -24,22 +24,15 @@ import os
 import time
 from typing import Any
 
-import torch
-
+from rlpad.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
 from rlpad.rollout import build_rollout
+from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 
 __all__ = ["LocalWorkers", "launch_local_workers"]
-
-
-def _device(config: Config) -> str:
-    """cpu or cuda, from ``trainer.device`` (auto: cuda when torch sees one)."""
-    if config.trainer.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.trainer.device
 
 
 class LocalWorkers:
@@ -52,7 +45,7 @@ class LocalWorkers:
     def __init__(self, config: Config):
         self.config = config
         arr = config.actor_rollout_ref
-        device = _device(config)
+        device = resolve_device(config)
         common = dict(rank=0, world_size=1, device=device)
         self.actor = ActorWorker(arr, role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
@@ -61,14 +54,11 @@ class LocalWorkers:
             self.ref = ActorWorker(arr, role="ref", **common)
             self.ref.init_model()
         self.critic = None
-        if config.uses_critic:
+        if uses_critic(config):
             self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
             self.critic.init_model()
-        backend_kwargs: dict[str, Any] = dict(tokenizer_path=arr.model.tokenizer_path,
-                                              trust_remote_code=arr.model.trust_remote_code)
-        if arr.rollout.name == "hf":
-            backend_kwargs["device"] = device
-        self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, **backend_kwargs)
+        self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, tokenizer_path=arr.model.tokenizer_path,
+                                     trust_remote_code=arr.model.trust_remote_code, device=device)
 
     # ---- rollout ------------------------------------------------------------------------------
 

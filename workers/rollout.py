@@ -27,14 +27,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
-from rlpad.rollout import NamedTensors, build_rollout
-from rlpad.rollout.base import named_pairs
+from rlpad.rollout import build_rollout
+from rlpad.rollout.base import NamedTensors, named_pairs
 
 __all__ = ["RolloutReplicas", "RolloutWorker", "create_rollout_actor", "push_weight_buckets", "split_prompts"]
 
 
 class RolloutWorker:
-    """Owns one rollout backend (``rollout.name``: vllm | hf); every method runs in the actor."""
+    """Owns one rollout backend (``rollout.name``, rlpad.rollout.BACKENDS); every method runs in the actor."""
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig,
                  resolve_path: Callable[[str], str] | None = None, **backend_kwargs: Any):

@@ -5,11 +5,12 @@ Two kinds of paths reach the workers:
 - **Checkpoints the user names** (``model.path: /data/qwen``): they must be on storage every node
   reads (a shared filesystem, or the same copy on each node). Each worker checks its own node
   and fails fast with ``ValueError`` naming the node IP and the path.
-- **Folders the driver built** (the embedded warm start and its tokenizer under ``sft.cache_dir``):
-  they exist only on the driver's node (under ``ray job submit`` inside the driver's copy of the
-  working dir). :func:`ship_dir` puts their bytes in the Ray object store once; a worker on
-  another node (even one that happens to see the driver's path) writes them into a per-node cache (``<tmp>/rlpad-shipped/<name>-<digest>``,
-  written to a temporary folder and renamed, checked by content digest) and reads that copy.
+- **Folders the driver built** (the embedded warm start and its tokenizer, in the per-user cache of
+  rlpad.embedded.cache, never in Ray's copy of the working dir): they exist only on the driver's
+  node. :func:`ship_dir` puts their bytes in the Ray object store once; a worker on another node
+  (even one that happens to see the driver's path) writes them into a per-node cache
+  (``<tmp>/rlpad-shipped/<name>-<digest>``, written to a temporary folder and renamed, checked by
+  content digest) and reads that copy.
 
 Why ship rather than rebuild the warm start on each node: shipping is exact by construction
 (the same bytes), while a rebuild is only as deterministic as the node's float arithmetic

@@ -28,18 +28,13 @@ from torch import nn
 
 from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
 from rlpad.core.attn_choice import require_varlen_attention
+from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.padding import index_first_axis, pad_input, unpad_input
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
-from rlpad.rollout.layout import check_rollout_tensors
 
-__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs", "position_ids_from_mask",
+__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
            "scoring_hidden_states"]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``clamp(cumsum(mask) - 1, min=0)``: positions restart at 0 at each row's first valid token."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:

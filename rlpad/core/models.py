@@ -7,13 +7,13 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlpad.config import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.attn_choice import resolve_attn_implementation
 
 __all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}  # the config's names
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -4,10 +4,11 @@
 and the character tokenizer of :mod:`rlpad.embedded.tiny`, teaches it an embedded task of
 :mod:`rlpad.embedded.tasks` (the toy addition by default, or ``toy_long``, alphabet runs) for a
 few hundred AdamW steps (loss on the answer and EOS tokens only), and saves
-both with ``save_pretrained``. The result lands in ``<cache_dir>/sft-<key>``, ``key`` being a hash
-of everything that shapes the weights (model config, tokenizer, SFT settings, seed, a version
-string), and is written to a temporary folder first and renamed into place, so an interrupted run
-never leaves a half cache. A later call with the same settings returns the path at once.
+both with ``save_pretrained``. The result lands in ``<cache>/sft-<key>`` (the cache:
+rlpad.embedded.cache, by default ~/.cache/rlpad), ``key`` being a hash of everything that
+shapes the weights (model config, tokenizer, SFT settings, seed, a version string), and is
+written to a temporary folder first and renamed into place, so an interrupted run never leaves
+a half cache. A later call with the same settings returns the path at once.
 
 The warm start is deliberately short: the model gets a moderate share of the held-out validation
 problems right, so GRPO has reward variance to learn from and room to improve. The defaults
@@ -36,7 +37,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpad.config import SFTConfig
-from rlpad.core.forward import compute_log_probs, position_ids_from_mask
+from rlpad.core.forward import compute_log_probs
+from rlpad.core.layout import position_ids_from_mask
+from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
 
@@ -247,7 +250,7 @@ def warm_start(
     check_vllm_shape(tiny_config(ARCH, **dims))
     spec = get_task(task)
     key = cache_key(cfg, seed=seed, task=task, **dims)
-    root = os.path.abspath(os.path.expanduser(cfg.cache_dir))
+    root = cache_root(cfg)
     final = os.path.join(root, f"sft-{key}")
     if os.path.isfile(os.path.join(final, INFO_FILE)):
         return final
@@ -309,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--cache-dir", default=defaults.cache_dir)
+    p.add_argument("--cache-dir", default=defaults.cache_dir, help="default: $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--task", default="toy", help="embedded task: toy (addition) or toy_long (list reversal)")
     p.add_argument("--verbose", action="store_true", help="print the loss every 10%% of the steps")

@@ -12,7 +12,7 @@ import math
 import torch
 
 from rlpad.batch import Batch
-from rlpad.core.forward import position_ids_from_mask
+from rlpad.core.layout import position_ids_from_mask
 
 __all__ = ["grpo_batch", "ppo_batch", "rollout_batch"]
 

@@ -9,10 +9,12 @@ support). Without top-k/top-p that is what :func:`rlpad.core.forward.compute_log
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -47,12 +49,28 @@ class Sampling:
 
 
 class RolloutBackend(ABC):
-    """Shared driver: validate prompts, sample with the backend, build the rollout batch."""
+    """Shared driver: validate prompts, sample with the backend, build the rollout batch.
+
+    Every backend is built as ``Backend(model_path, rollout, data, *, tokenizer_path=None,
+    trust_remote_code=False, device="cpu", sleep_mode=False)`` (``device``: cpu | cuda, where the
+    engine runs; ``sleep_mode``: build it able to give memory back in :meth:`sleep`); a backend
+    documents the arguments it has no use for. What a backend can do is declared by the class
+    attributes below, which the config checks and the launchers read (never the backend's name);
+    register a new backend in :data:`rlpad.rollout.BACKENDS`.
+    """
+
+    # A prompt's samples depend only on (seed, its index in the step's batch), so the prompts can be
+    # split over several replicas (and colocated engines) without changing what is sampled.
+    seeds_per_prompt: ClassVar[bool] = False
+    # sleep() gives the engine's device memory back (on CUDA, when built with sleep_mode=True).
+    sleep_frees_memory: ClassVar[bool] = False
+    # model_path must be a local checkpoint directory (not ``tiny:<arch>`` or a model object).
+    needs_local_dir: ClassVar[bool] = False
 
     pad_token_id: int
     eos_token_ids: frozenset[int]
 
-    def __init__(self, rollout: RolloutConfig, data: DataConfig):
+    def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
         self.sampling = Sampling(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k,
                                  data.max_response_length)
@@ -63,6 +81,9 @@ class RolloutBackend(ABC):
         check_sampling(**vars(self.val_sampling), who="actor_rollout_ref.rollout.val_kwargs")
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
+        if self.needs_local_dir and not (isinstance(model_path, str) and os.path.isdir(model_path)):
+            raise ValueError(f"{type(self).__name__} (actor_rollout_ref.rollout.name={rollout.name}) needs a local "
+                             f"checkpoint directory, got {model_path!r}")
 
     def sleep(self) -> None:
         """Free the engine's device memory between generations (colocated layout); here a no-op."""
@@ -70,16 +91,24 @@ class RolloutBackend(ABC):
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache"; None: all); here a no-op."""
 
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds (the backend is unusable afterwards); here a no-op."""
+
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B prompt rows -> B*n rollout rows sampled with the rollout config.
 
         With ``seed`` the samples of a prompt depend only on (seed, its index in the step's
         batch): the trainer passes ``rollout.seed + step`` so a resumed run samples exactly what an
         uninterrupted one did. ``prompt_offset`` is the index of this batch's first prompt in the
-        step's batch, for a replica that generates one slice of it (vLLM backend; HF seeds the call).
+        step's batch, for a replica that generates one slice of it (only a backend with
+        :attr:`seeds_per_prompt`; the others seed the whole call).
         """
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
             raise ValueError(f"prompt_offset must be an int >= 0, got {prompt_offset!r}")
+        if prompt_offset and seed is not None and not self.seeds_per_prompt:
+            raise ValueError(f"{type(self).__name__} seeds a whole generate call, not each prompt: it cannot generate "
+                             "a slice of a step's batch (prompt_offset > 0); use one replica or a backend that "
+                             "seeds each prompt")
         return self._generate(batch, self.sampling, seed, prompt_offset)
 
     def generate_validation(self, batch: Batch) -> Batch:

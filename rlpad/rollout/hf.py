@@ -20,11 +20,16 @@ __all__ = ["HFRollout"]
 
 
 class HFRollout(RolloutBackend):
-    """Rollout with ``model.generate`` on a local checkpoint path, ``tiny:<arch>``, or a loaded model."""
+    """Rollout with ``model.generate`` on a local checkpoint path, ``tiny:<arch>``, or a loaded model.
+
+    One seed for the whole generate call (so one replica), no sleep mode (``sleep_mode`` is
+    accepted and changes nothing).
+    """
 
     def __init__(self, model_path: str | PreTrainedModel, rollout: RolloutConfig, data: DataConfig, *,
-                 tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu"):
-        super().__init__(rollout, data)
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu",
+                 sleep_mode: bool = False):
+        super().__init__(model_path, rollout, data)
         if isinstance(model_path, PreTrainedModel):
             self.model = model_path
             if tokenizer_path is None:
@@ -40,9 +45,6 @@ class HFRollout(RolloutBackend):
 
     @torch.no_grad()
     def _sample(self, prompts, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0):
-        if prompt_offset and seed is not None:
-            raise ValueError("the hf rollout seeds a whole generate call, not each prompt: it cannot generate "
-                             "a slice of a step's batch (prompt_offset > 0); use one replica or rollout.name=vllm")
         rows = [p for p in prompts for _ in range(sampling.n)]  # prompt-major, interleaved
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device

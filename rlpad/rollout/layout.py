@@ -1,8 +1,9 @@
-"""The rollout layout: left-padded prompts in, B*n rows of prompt + response out.
+"""Building the rollout layout: left-padded prompts in, B*n rows of prompt + response out.
 
-Backend-independent (no vLLM, no Ray). :func:`prompt_token_lists` validates and strips the
-left padding of the prompt batch before any compute; :func:`build_rollout_batch` turns the
-sampled token lists back into the tensors of docs/design.md:
+Backend-independent (no vLLM, no Ray); the layout's rules and its check are rlpad.core.layout.
+:func:`prompt_token_lists` validates and strips the left padding of the prompt batch before any
+compute; :func:`build_rollout_batch` turns the sampled token lists back into the tensors of
+docs/design.md:
 
 * ``prompts (B*n, P)`` left-padded, ``responses (B*n, R)`` right-padded with the pad id,
 * ``input_ids = cat(prompts, responses)``, ``attention_mask``, ``response_mask``,
@@ -22,9 +23,9 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.config import TRUNCATION_MODES
-from rlpad.core.padding import validate_attention_mask
+from rlpad.core.layout import left_pad, position_ids_from_mask
 
-__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_rollout_tensors", "check_sampling", "prompt_token_lists", "truncate_at_eos"]
+__all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_sampling", "prompt_token_lists", "truncate_at_eos"]
 
 # Keys of the prompt batch that the rollout replaces rather than repeats.
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -110,16 +111,6 @@ def truncate_at_eos(tokens: Sequence[int], eos_token_ids: Iterable[int], max_len
     return out
 
 
-def _left_pad(rows: Sequence[Sequence[int]], width: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-    return ids, mask
-
-
 def build_rollout_batch(
     prompt: Batch,
     prompts: Sequence[Sequence[int]],
@@ -142,7 +133,7 @@ def build_rollout_batch(
     if len(responses) != total or len(log_probs) != total:
         raise ValueError(f"expected {total} responses and log-prob lists (B={batch} x n={n}), got {len(responses)}, {len(log_probs)}")
     eos = set(eos_token_ids)
-    prompt_ids, prompt_mask = _left_pad(prompts, prompt_width, pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompts, prompt_width, pad_token_id)
     resp_ids = torch.full((total, response_length), pad_token_id, dtype=torch.long)
     resp_mask = torch.zeros((total, response_length), dtype=torch.long)
     resp_lp = torch.zeros((total, response_length), dtype=torch.float32)
@@ -162,7 +153,7 @@ def build_rollout_batch(
         "responses": resp_ids,
         "input_ids": torch.cat([prompt_ids, resp_ids], dim=1),
         "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "position_ids": position_ids_from_mask(attention_mask),
         "response_mask": resp_mask,
         "rollout_log_probs": resp_lp,
     }
@@ -171,50 +162,3 @@ def build_rollout_batch(
         if key not in PROMPT_KEYS and key not in tensors:
             tensors[key] = value
     return Batch(tensors, dict(repeated.non_tensors), dict(prompt.meta))
-
-
-def check_rollout_tensors(
-    vocab_size: int,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    response_length: int,
-) -> None:
-    """Raise ValueError/TypeError naming the first problem with rollout tensors, before any compute.
-
-    Shapes, integer ids inside ``[0, vocab_size)``, a 0/1 mask with one run of ones per row, a
-    non-empty left-padded prompt in the first ``S - response_length`` columns.
-    """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D (batch, seq) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"shapes disagree: attention_mask {tuple(getattr(attention_mask, 'shape', ()))} vs input_ids {tuple(input_ids.shape)}"
-        )
-    if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(f"shapes disagree: position_ids {tuple(position_ids.shape)} vs input_ids {tuple(input_ids.shape)}")
-    seqlen = input_ids.shape[1]
-    if isinstance(response_length, bool) or not isinstance(response_length, int):
-        raise TypeError(f"response_length must be an int, got {type(response_length).__name__}")
-    if not 1 <= response_length < seqlen:
-        raise ValueError(
-            f"response_length={response_length} must be in [1, {seqlen - 1}]: the sequence has {seqlen} "
-            "columns and at least one must be a prompt column"
-        )
-    validate_attention_mask(attention_mask)
-    no_prompt = (attention_mask[:, seqlen - response_length - 1] == 0).nonzero().flatten()
-    if no_prompt.numel():
-        raise ValueError(
-            f"row(s) {no_prompt.tolist()[:8]}: the last prompt column is padding; prompts must be "
-            "left-padded and non-empty"
-        )
-    vocab = vocab_size
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = ((input_ids < 0) | (input_ids >= vocab)).nonzero()[0].tolist()
-        raise ValueError(
-            f"token ids must be in [0, {vocab}) (the model's vocabulary); found {input_ids[bad[0], bad[1]].item()} "
-            f"at row {bad[0]}, column {bad[1]}"
-        )

