@@ -37,8 +37,9 @@ def warmup_steps(cfg: OptimConfig) -> int:
         return int(cfg.lr_warmup_steps)
     if cfg.lr_warmup_steps_ratio > 0:
         if cfg.total_training_steps <= 0:
-            raise ValueError(f"optim.lr_warmup_steps_ratio={cfg.lr_warmup_steps_ratio} needs optim.total_training_steps "
-                             f"> 0 (got {cfg.total_training_steps}); rlpad.train fills it in from the run's steps")
+            raise ValueError(f"optim.lr_warmup_steps_ratio={cfg.lr_warmup_steps_ratio} needs "
+                             f"optim.total_training_steps > 0 (got {cfg.total_training_steps}); rlpad.train fills "
+                             "it in from the run's steps")
         return math.floor(cfg.lr_warmup_steps_ratio * cfg.total_training_steps + 1e-9)  # 0.29 * 100 is 29
     return 0
 

@@ -62,7 +62,8 @@ def test_local_stack_equals_ray_stack(tmp_path, rollout):
             worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
     assert local[0]["val/reward"] == ray_[0]["val/reward"] and local[3]["val/reward"] == ray_[3]["val/reward"]
     with open(os.path.join(tmp_path, "ray", "workers.json")) as f:  # the Ray ranks' own account
-        assert {r["seed"] for group in ("actor", "ref") for r in json.load(f)[group]} == {SEED}
+        ranks = json.load(f)
+    assert {r["seed"] for group in ("actor", "ref") for r in ranks[group]} == {SEED}
     print(f"{rollout}: worst relative difference over 3 steps: {worst:.2e}")
 
     # Negative control: another sampling seed changes the run, so equal metrics above mean something.

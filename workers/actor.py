@@ -4,10 +4,10 @@ One class serves both roles; the reference (``role="ref"``) has no optimizer. Us
 process (world 1) or as one rank of a Ray worker group (:mod:`workers.group`). The full weights
 leave through :class:`workers.weight_export.WeightExportMixin`.
 
-Batch keys (see docs/design.md), declared once per method (:mod:`workers.contract`):
-``FORWARD`` (the scoring core's inputs) for the log-probs; ``update_actor`` also needs ``response_mask``, ``old_log_probs``,
-``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``; an optional ``rollout_is_weights``
-(B, R) multiplies each token's policy-gradient term (rollout correction).
+Batch keys (see docs/design.md), declared once per method (:mod:`workers.contract`): ``FORWARD``
+(the scoring core's inputs) for the log-probs; ``update_actor`` also needs ``response_mask``,
+``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_probs``; an optional
+``rollout_is_weights`` (B, R) multiplies each token's policy-gradient term (rollout correction).
 
 Exactly on-policy first mini-batch: ``compute_log_prob(batch, update_layout=True)`` computes the
 old log-probs with the update's mini-/micro-batch split (see ``FSDPWorker._forward_all``), so the

@@ -117,8 +117,8 @@ class FSDPWorker(CheckpointMixin):
 
     def rank_info(self) -> dict[str, Any]:
         """What this rank used to join its group (rendezvous, socket interface, host, pid) and its seed."""
-        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "seed": self.seed,
-                "master_addr": self.master_addr, "master_port": self.master_port,
+        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "seed": self.seed, "master_addr": self.master_addr, "master_port": self.master_port,
                 "socket_ifname": self.socket_ifname, "paths_read": dict(self.paths_read)}
 
     def _local_path(self, path: str) -> str:
