@@ -30,7 +30,7 @@ from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-__all__ = ["RolloutReplicas", "RolloutWorker", "create_rollout_actor", "push_weight_buckets", "split_prompts"]
+__all__ = ["RolloutReplicas", "RolloutWorker", "push_weight_buckets", "split_prompts"]
 
 
 class RolloutWorker:
@@ -86,13 +86,6 @@ class RolloutWorker:
         """After the last bucket: drop what the old weights computed (vLLM's prefix cache)."""
         self.backend.finish_weight_update()
         return True
-
-
-def create_rollout_actor(model_path: str, rollout: RolloutConfig, data: DataConfig, *, num_cpus: float = 1,
-                         num_gpus: float = 0, ready_timeout_s: float = 300.0, **backend_kwargs: Any):
-    """Start a :class:`RolloutWorker` Ray actor and wait until its engine is up; returns the handle."""
-    return RolloutReplicas(model_path, rollout, data, num_replicas=1, num_cpus=num_cpus, num_gpus=num_gpus,
-                           ready_timeout_s=ready_timeout_s, **backend_kwargs).actors[0]
 
 
 def split_prompts(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
