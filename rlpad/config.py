@@ -98,6 +98,7 @@ class ActorConfig:
     # so the first mini-batch of every step is exactly on-policy (ratio 1, ppo_kl 0, bitwise).
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
+    ulysses_sequence_parallel_size: int = 1  # Ulysses sp: ranks sharing each packed row, 1/sp of it each; 1: off
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -107,6 +108,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    ulysses_sequence_parallel_size: int | None = None  # the reference's Ulysses sp; null: the actor's
 
 
 @dataclass
@@ -163,6 +165,7 @@ class CriticConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1  # the critic's Ulysses sp (see actor.ulysses_sequence_parallel_size)
 
 
 @dataclass

@@ -12,12 +12,9 @@ its own slice) must fail.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlpad.algos import compute_policy_loss
 from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
@@ -27,6 +24,7 @@ from rlpad.core.sequence_parallel import RowShard, SequenceParallel
 from rlpad.core.value import ValueModel
 from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
+from spawn_ranks import spawn_ranks
 
 PROMPT, RESPONSE, VOCAB = 14, 10, 128
 TOL, GRAD_TOL = 2e-5, 1e-5
@@ -114,8 +112,7 @@ def _groups(world: int, sp: int) -> tuple[object, int, int]:
     return mine, dist.get_rank() // sp, world // sp
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
+def _rank_main(rank: int, world: int, init_file: str) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     b = make_batch()
     total_tokens = float(b["response_mask"].sum())
@@ -135,24 +132,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     if world == 2:
         out = score("llama", b, False, LocalOnly(dist.group.WORLD))
         results[("control", False, 2)] = out | {"rows": torch.arange(len(b["input_ids"]))}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def _spawn(world: int, tmp_path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    init = tmp_path / "init"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(init), str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * world, f"rank exit codes {codes}"
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +151,14 @@ def references(batch):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _spawn(2, tmp_path_factory.mktemp("sp2"))
+    out = tmp_path_factory.mktemp("sp2")
+    return spawn_ranks(_rank_main, 2, out, str(out / "init"))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _spawn(4, tmp_path_factory.mktemp("sp4"))
+    out = tmp_path_factory.mktemp("sp4")
+    return spawn_ranks(_rank_main, 4, out, str(out / "init"))
 
 
 @pytest.fixture(scope="module")
