@@ -8,7 +8,7 @@ import os
 import sys
 
 
-CUDA_BENCHES = ("logprob", "prefix")  # the benchmarks with a --device cuda variant
+CUDA_BENCHES = ("logprob", "prefix", "sp")  # the benchmarks with a --device cuda variant
 
 
 def _write(result: dict, out: str) -> None:
@@ -19,7 +19,18 @@ def _write(result: dict, out: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.device == "cuda":
+    if args.what == "sp":
+        from rlpad.bench.sp import print_sp, run_sp_bench
+
+        try:
+            result = run_sp_bench(model=(args.models or ["40m"])[0], sizes=tuple(args.sizes), seqs=args.seqs,
+                                  min_len=args.lengths[0], max_len=args.lengths[1], reps=args.reps, device=args.device)
+        except ValueError as e:  # bad sizes, or too few GPUs: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print_sp(result)
+        _write(result, args.out or f"results/bench_sp{'_cuda' if args.device == 'cuda' else ''}.json")
+    elif args.device == "cuda":
         if args.what not in CUDA_BENCHES:
             print(f"error: --device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not {args.what!r}",
                   file=sys.stderr)
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
                             "sync: sizes (40m 160m)")
@@ -106,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU; "
+                            "sp: one GPU per rank (nccl)")
     bench.add_argument("--micro-rows", type=int, default=16,
                        help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=4, help="e2e: training steps per mode (the first is a warm-up)")
     bench.add_argument("--set", nargs="*", default=None, help="e2e: recipe overrides a.b.c=value")
+    bench.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4], help="sp: sequence-parallel sizes")
+    bench.add_argument("--seqs", type=int, default=8, help="sp: sequences in the packed row")
+    bench.add_argument("--lengths", nargs=2, type=int, default=[1024, 4096], metavar=("MIN", "MAX"),
+                       help="sp: response lengths, evenly spaced from MIN to MAX")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
