@@ -1,4 +1,4 @@
-"""The ``rlpad`` command: ``check``, ``bench``, ``train``, ``toy-data``."""
+"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``toy-data``."""
 
 from __future__ import annotations
 
@@ -91,6 +91,32 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    """``rlpad config [recipe] [overrides]``: print every key, or write the Markdown reference."""
+    from rlpad.config_doc import describe, format_console, markdown
+    from rlpad.config_loader import load_config
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not os.path.isfile(recipe):  # no recipe, only overrides
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        sections = describe(load_config(recipe, overrides))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.markdown:
+        os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown(sections, value_label="value" if recipe or overrides else "default"))
+        print(f"wrote {args.markdown}")
+        return 0
+    try:
+        print(format_console(sections))
+    except BrokenPipeError:  # `rlpad config | head`
+        sys.stderr.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlpad", description="RL post-training with exact remove-padding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=4, help="e2e: training steps per mode (the first is a warm-up)")
     bench.add_argument("--set", nargs="*", default=None, help="e2e: recipe overrides a.b.c=value")
+    cfg = sub.add_parser("config", help="every config key with its value (default, recipe or override), type and "
+                         "meaning, read from rlpad/config.py")
+    cfg.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the built-in defaults)")
+    cfg.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    cfg.add_argument("--markdown", metavar="PATH", default=None,
+                     help="write the keys as Markdown tables instead (docs/configuration.md is this with no recipe)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
@@ -122,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         from rlpad.bench.check import run_check
 
         return 0 if run_check(reps=args.reps) else 1
+    if args.command == "config":
+        return _config(args)
     if args.command == "train":
         from rlpad.train import main as train_main
 
