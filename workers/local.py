@@ -20,6 +20,7 @@ destroys the shared group.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from rlpad.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
 from rlpad.rollout import build_rollout
+from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
@@ -122,8 +124,14 @@ class LocalWorkers:
         self.actor.shutdown()
 
 
-def launch_local_workers(config: Config) -> LocalWorkers:
-    """The single-process stack for ``config`` (``trainer.backend: local``)."""
+def launch_local_workers(config: Config, run_log: RunLog | None = None) -> LocalWorkers:
+    """The single-process stack for ``config`` (``trainer.backend: local``). With ``run_log``, vLLM's
+    Python logging goes through it (what its C++ side prints to the process's stderr still shows)."""
+    if run_log is not None and config.actor_rollout_ref.rollout.name == "vllm":
+        os.environ.update(run_log.worker_env())
+        import vllm.logger  # noqa: F401 (sets up the "vllm" logger's own console handler)
+
+        run_log.attach(logging.getLogger("vllm"))
     world = config.trainer.n_gpus_per_node * config.trainer.nnodes
     if world > 1:
         print(f"trainer.backend=local runs one process (world size 1); trainer.n_gpus_per_node x nnodes = {world} "
