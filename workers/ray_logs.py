@@ -49,9 +49,12 @@ def route_worker_output(run_log: RunLog) -> Callable[[], None] | None:
     ray_print = printers[0]
 
     def handle(data: dict[str, Any]) -> None:
+        if data.get("pid") == "autoscaler":  # its status every 5 s: Ray prints only the events in it, so do we
+            ray_print(data)
+            return
         lines = list(data.get("lines", []))
         shown = run_log.worker_lines(_source(data), lines)
-        if data.get("pid") in ("raylet", "autoscaler"):  # Ray's own notices (a worker killed, OOM): always
+        if data.get("pid") == "raylet":  # Ray's own notices (a worker killed, out of memory): always
             shown = lines
         if shown:
             ray_print({**data, "lines": shown})
