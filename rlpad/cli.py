@@ -156,22 +156,23 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
     toy.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its own parser takes every option (argparse's REMAINDER would not)
+        from rlpad.train import main as train_main
+
+        return train_main(argv[1:])
+    if argv[:1] == ["toy-data"]:
+        from rlpad.embedded.toy import main as toy_main
+
+        return toy_main(argv[1:])
     args = parser.parse_args(argv)
-    command = shlex.join(["rlpad", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["rlpad", *argv])
     if args.command == "check":
         from rlpad.bench.check import run_check
 
         return 0 if run_check(reps=args.reps) else 1
     if args.command == "config":
         return _config(args)
-    if args.command == "train":
-        from rlpad.train import main as train_main
-
-        return train_main(args.rest)
-    if args.command == "toy-data":
-        from rlpad.embedded.toy import main as toy_main
-
-        return toy_main(args.rest)
     return _bench(args, command)
 
 

@@ -20,7 +20,6 @@ destroys the shared group.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any
@@ -125,13 +124,12 @@ class LocalWorkers:
 
 
 def launch_local_workers(config: Config, run_log: RunLog | None = None) -> LocalWorkers:
-    """The single-process stack for ``config`` (``trainer.backend: local``). With ``run_log``, vLLM's
-    Python logging goes through it (what its C++ side prints to the process's stderr still shows)."""
-    if run_log is not None and config.actor_rollout_ref.rollout.name == "vllm":
-        os.environ.update(run_log.worker_env())
-        import vllm.logger  # noqa: F401 (sets up the "vllm" logger's own console handler)
-
-        run_log.attach(logging.getLogger("vllm"))
+    """The single-process stack for ``config`` (``trainer.backend: local``). With ``run_log``, vLLM leaves
+    its logging unconfigured, so its records reach the run log through the root logger (what vLLM's
+    C++ side prints to this process's stderr still shows)."""
+    if run_log is not None and "VLLM_CONFIGURE_LOGGING" not in os.environ:
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+        run_log.on_close(lambda: os.environ.pop("VLLM_CONFIGURE_LOGGING", None))
     world = config.trainer.n_gpus_per_node * config.trainer.nnodes
     if world > 1:
         print(f"trainer.backend=local runs one process (world size 1); trainer.n_gpus_per_node x nnodes = {world} "
