@@ -106,8 +106,7 @@ class RunLog:
         self._file: TextIO | None = None
         self._handlers: list[tuple[logging.Logger, logging.Handler]] = []
         self._levels_set: list[tuple[logging.Handler, int]] = []
-        self._root_level = logging.root.level
-        self._showwarning = warnings.showwarning
+        self._root_level, self._showwarning = logging.root.level, warnings.showwarning  # set again on enter
         self._on_close: list[Callable[[], None]] = []
 
     # ---- lifecycle
@@ -117,9 +116,9 @@ class RunLog:
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)
         self._file.write(f"==== rlpad run {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}, "
                          f"log_level {self.level}\n")
+        self._root_level, self._showwarning = logging.root.level, warnings.showwarning
         self.attach(logging.root, console=True)
         logging.root.setLevel(min(self.file_level, logging.INFO))
-        self._showwarning = warnings.showwarning
         warnings.showwarning = self._warning
         return self
 
@@ -165,7 +164,7 @@ class RunLog:
             self._handlers.append((logger, handler))
         for h in list(logger.handlers):
             if isinstance(h, logging.StreamHandler) and not isinstance(h, _Handler) and \
-                    getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__, None):
+                    getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__):
                 self._levels_set.append((h, h.level))
                 h.setLevel(max(h.level, self.console_level))
 
