@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["long_row_batch", "print_sp", "run_sp_bench"]
+from rlpad.bench.table import Table
+
+__all__ = ["long_row_batch", "run_sp_bench", "tables"]
 
 PROMPT = 16  # prompt tokens per sequence
 
@@ -148,13 +150,16 @@ def run_sp_bench(*, model: str = "40m", sizes: tuple[int, ...] = (1, 2, 4), seqs
     return {"config": spec | {"tokens": tokens}, "runs": runs, "load_average": load}
 
 
-def print_sp(result: dict[str, Any]) -> None:
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The per-sp table of a :func:`run_sp_bench` result."""
     c = result["config"]
-    print(f"sequence parallelism: one packed row of {c['tokens']} tokens ({c['seqs']} sequences of "
-          f"{c['min_len']}-{c['max_len']} response tokens), model {c['model']}, {c['device']}, "
-          f"load average {result['load_average']}")
-    print(f"{'sp':>3} {'peak GiB/rank':>14} {'vs sp=1':>8} {'fwd+bwd s':>10} {'tokens/s':>9} {'max|dlp|':>9}")
-    for r in result["runs"]:
-        diff = r["max_abs_diff_vs_sp1"]
-        print(f"{r['sp']:>3} {r['peak_gib_per_rank']:>14.3f} {r['peak_ratio_vs_sp1']:>8.2f} {r['fwd_bwd_s']:>10.2f} "
-              f"{r['tokens_per_s']:>9.0f} {diff:>9.1e}")
+    title = (f"sequence parallelism: one packed row of {c['tokens']} tokens ({c['seqs']} sequences, responses of "
+             f"{c['min_len']}-{c['max_len']} tokens), {c['model']} fp32 on {c['device']}, forward+backward of the "
+             f"log-probs (chunked LM head); median of {c['reps']}")
+    rows = [[str(r["sp"]), f"{r['peak_gib_per_rank']:.3f}", f"{r['peak_ratio_vs_sp1']:.2f}", f"{r['fwd_bwd_s']:.2f}",
+             f"{r['tokens_per_s']:.0f}", f"{r['max_abs_diff_vs_sp1']:.1e}"] for r in result["runs"]]
+    notes = ["peak: memory growth of the largest rank above its model, gradients and inputs "
+             f"({'max_memory_allocated' if c['device'] == 'cuda' else 'VmHWM'}); "
+             f"CPU ranks get {c['cores']} cores // sp torch threads each"]
+    return [Table(["sp", "peak GiB/rank", "vs sp=1", "fwd+bwd s", "tokens/s", "max|dlp| vs sp=1"], rows,
+                  title=title, notes=notes)]
