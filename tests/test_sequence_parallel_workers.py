@@ -3,8 +3,8 @@
 shuffled mini-batches agree), for the actor and the critic.
 
 Two layouts: row micro-batches with the token-mean loss, and token budgets (which count the whole
-row: ``ppo_max_token_len_per_gpu x sp`` per micro-batch) with shuffled mini-batches and the
-seq-mean-token-mean loss. Log-probs / values, the full gradients of a mini-batch and the metrics
+row: ``ppo_max_token_len_per_gpu x sp`` per micro-batch) with shuffled mini-batches, the
+seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute). Log-probs / values, the full gradients of a mini-batch and the metrics
 of a whole update (two mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token,
 1e-5 relative for gradients and metrics), and every rank must return the same metrics.
 """
@@ -30,7 +30,7 @@ TOL, REL = 2e-5, 1e-5
 LAYOUTS = {
     "rows": dict(ppo_micro_batch_size_per_gpu=3, use_dynamic_bsz=False, shuffle=False, loss_agg_mode="token-mean"),
     "budgets": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=P + R, shuffle=True,
-                    loss_agg_mode="seq-mean-token-mean"),
+                    loss_agg_mode="seq-mean-token-mean", enable_gradient_checkpointing=True),
 }
 METRICS = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
            "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
@@ -44,7 +44,7 @@ def configs(layout: str, sp: int) -> tuple[ActorRolloutRefConfig, CriticConfig]:
     a.ppo_mini_batch_size, a.entropy_coeff, a.optim.lr, a.ulysses_sequence_parallel_size = MINI, 0.01, 1e-2, sp
     critic = CriticConfig()
     critic.model.path, critic.ppo_mini_batch_size, critic.ulysses_sequence_parallel_size = "tiny:qwen2", MINI, sp
-    for section in (a, critic):
+    for section in (a, critic, actor.model, critic.model):
         fields = {f.name for f in dataclasses.fields(section)}
         for k, v in LAYOUTS[layout].items():
             if k in fields and not (section is critic and k == "shuffle"):
