@@ -1,13 +1,14 @@
 """Sequence parallelism (rlpad.core.sequence_parallel) in real gloo process groups, no Ray.
 
-Each module fixture spawns its ranks once; every rank scores every case and writes its results,
-and the tests compare them with sp = 1 and with each sequence run alone (fp32, 2e-5). Cases: the
-four tiny architectures (qwen2 / qwen3 / mistral: one key/value head, fewer than sp, so K/V heads
-are repeated; llama: MHA; mistral: sliding window 8; qwen3: q/k-norm), with and without shared
-prompts; a GQA model with 4 query / 2 key-value heads at sp = 2 and one with 8 / 2 at sp = 4
-(the query -> key/value head mapping across ranks). Gradients of the token-mean PPO loss, summed
-over the ranks, equal sp = 1. A negative control without the exchange (each rank attends within
-its own slice) must fail.
+The module spawns 4 ranks once; every rank scores every case and returns its results, and the
+tests compare them with sp = 1 and with each sequence run alone (fp32, 2e-5): 2 ranks sharing each
+row (sp = 2, as a 2-rank job; both pairs of ranks run it), 2 data-parallel groups of 2 ranks, and
+one group of 4. Cases: the four tiny architectures (qwen2 / qwen3 / mistral: one key/value head,
+fewer than sp, so K/V heads are repeated; llama: MHA; mistral: sliding window 8; qwen3: q/k-norm),
+with and without shared prompts; a GQA model with 4 query / 2 key-value heads at sp = 2 and one
+with 8 / 2 at sp = 4 (the query -> key/value head mapping across ranks). Gradients of the
+token-mean PPO loss, summed over the ranks, equal sp = 1. A negative control without the exchange
+(each rank attends within its own slice) must fail.
 """
 
 from __future__ import annotations
@@ -102,36 +103,37 @@ class LocalOnly(SequenceParallel):
         return LocalOnlyShard(self, input_ids, position_ids, attention_kwargs)
 
 
-def _groups(world: int, sp: int) -> tuple[object, int, int]:
-    """(this rank's sp group, its dp index, dp size); every rank creates every group."""
+def _groups(world: int, sp: int):
+    """This rank's group of sp consecutive ranks; every rank creates every group."""
     mine = None
     for g in range(world // sp):
         group = dist.new_group(list(range(g * sp, (g + 1) * sp)))
         if dist.get_rank() // sp == g:
             mine = group
-    return mine, dist.get_rank() // sp, world // sp
+    return mine
 
 
 def _rank_main(rank: int, world: int, init_file: str) -> dict:
+    """Every case on 4 ranks: ``sp2`` (each pair of ranks runs the whole batch, as a 2-rank job
+    would), ``dp2xsp2`` (the pairs split the rows), ``sp4`` (one group of 4); the control on a pair."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     b = make_batch()
+    every = torch.arange(len(b["input_ids"]))
     total_tokens = float(b["response_mask"].sum())
+    pair, quad = SequenceParallel(_groups(world, 2)), SequenceParallel(_groups(world, 4))
+    layouts = [("sp2", pair, every, ARCHS + ["gqa4x2"]),
+               ("dp2xsp2", pair, every[rank // 2 :: 2], ARCHS + ["gqa4x2"]),
+               ("sp4", quad, every, ["gqa8x2"])]
     results = {}
-    layouts = [(2, ARCHS + ["gqa4x2"])] + ([(4, ["gqa8x2"])] if world == 4 else [])
-    for sp_size, names in layouts:
-        group, dp_rank, dp = _groups(world, sp_size)
-        sp = SequenceParallel(group)
-        rows = torch.arange(len(b["input_ids"]))[dp_rank::dp]  # this dp group's rows
+    for layout, sp, rows, names in layouts:
         for name in names:
             for share in (False, True):
                 out = score(name, rows_of(b, rows), share, sp, grads=name in ARCHS, global_tokens=total_tokens)
-                if "grads" in out:  # the ranks' gradients sum to the whole batch's
+                if "grads" in out:  # the ranks' gradients sum to the gradient of the rows they ran
                     for g in out["grads"].values():
-                        dist.all_reduce(g)
-                results[(name, share, sp_size)] = out | {"rows": rows}
-    if world == 2:
-        out = score("llama", b, False, LocalOnly(dist.group.WORLD))
-        results[("control", False, 2)] = out | {"rows": torch.arange(len(b["input_ids"]))}
+                        dist.all_reduce(g, group=sp.group if layout == "sp2" else None)
+                results[(name, share, layout)] = out | {"rows": rows}
+    results[("control", False, "sp2")] = score("llama", b, False, LocalOnly(pair.group)) | {"rows": every}
     dist.destroy_process_group()
     return results
 
@@ -150,14 +152,8 @@ def references(batch):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp2")
-    return spawn_ranks(_rank_main, 2, out, str(out / "init"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp4")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp")
     return spawn_ranks(_rank_main, 4, out, str(out / "init"))
 
 
@@ -214,30 +210,24 @@ def test_rows_need_padding(batch):
     assert total % 4 and any(n % 2 for n in halves), (total, halves)
 
 
+@pytest.mark.parametrize("layout, sp", [("sp2", 2), ("dp2xsp2", 2)])
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared"])
 @pytest.mark.parametrize("name", ARCHS + ["gqa4x2"])
-def test_sp2_equals_sp1_and_each_sequence_alone(two_ranks, references, alone, name, share):
-    _check_case(two_ranks, (name, share, 2), 2, references[(name, share)], alone[name])
+def test_sequence_parallel_equals_sp1_and_each_sequence_alone(ranks, references, alone, name, share, layout, sp):
+    """sp2: 2 ranks share every row; dp2xsp2: 2 data-parallel groups of 2 ranks."""
+    _check_case(ranks, (name, share, layout), sp, references[(name, share)], alone[name])
     if name in ARCHS:
-        _check_grads(two_ranks, (name, share, 2), references[(name, share)])
+        _check_grads(ranks, (name, share, layout), references[(name, share)])
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared"])
-@pytest.mark.parametrize("name", ARCHS + ["gqa4x2"])
-def test_dp2_x_sp2_equals_sp1_and_each_sequence_alone(four_ranks, references, alone, name, share):
-    _check_case(four_ranks, (name, share, 2), 2, references[(name, share)], alone[name])
-    if name in ARCHS:
-        _check_grads(four_ranks, (name, share, 2), references[(name, share)])
-
-
-@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared"])
-def test_sp4_splits_kv_heads_across_ranks(four_ranks, references, alone, share):
+def test_sp4_splits_kv_heads_across_ranks(ranks, references, alone, share):
     """8 query / 2 key-value heads over 4 ranks: each key/value head is repeated once so every rank
     gets a whole one, and rank j's query heads 2j, 2j+1 must meet key/value head j // 2."""
-    _check_case(four_ranks, ("gqa8x2", share, 4), 4, references[("gqa8x2", share)], alone["gqa8x2"])
+    _check_case(ranks, ("gqa8x2", share, "sp4"), 4, references[("gqa8x2", share)], alone["gqa8x2"])
 
 
-def test_negative_control_without_the_exchange_fails(two_ranks, references):
-    got = two_ranks[0][("control", False, 2)]["lp"]
+def test_negative_control_without_the_exchange_fails(ranks, references):
+    got = ranks[0][("control", False, "sp2")]["lp"]
     diff = float((got - references[("llama", False)]["lp"]).abs().max())
     assert diff > 100 * TOL, f"attending within each rank's slice only should change log-probs, max diff {diff:.2e}"
