@@ -231,3 +231,33 @@ def test_negative_control_without_the_exchange_fails(ranks, references):
     got = ranks[0][("control", False, "sp2")]["lp"]
     diff = float((got - references[("llama", False)]["lp"]).abs().max())
     assert diff > 100 * TOL, f"attending within each rank's slice only should change log-probs, max diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared"])
+def test_sp1_is_todays_path(batch, share):
+    """A group of one is no group: the same numbers bit for bit, and no collective is touched (the
+    group here is None)."""
+    one = SequenceParallel(None, size=1, rank=0)
+    model, critic = model_of("qwen2"), ValueModel(model_of("qwen2"), seed=5)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE)
+    with torch.no_grad():
+        for sp in (None, one):
+            lp, ent = compute_log_probs(model, *args, use_remove_padding=True, share_prompts=share,
+                                        calculate_entropy=True, sp=sp)  # fmt: skip
+            values = critic(*args, use_remove_padding=True, share_prompts=share, sp=sp)
+            if sp is None:
+                today = (lp, ent, values)
+    assert all(torch.equal(a, b) for a, b in zip(today, (lp, ent, values)))
+
+
+def test_errors_before_compute(batch):
+    model = model_of("qwen2")
+    args = (model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE)
+    two = SequenceParallel(None, size=2, rank=0)  # never reaches a collective: the checks come first
+    with pytest.raises(ValueError, match="sequence parallelism needs use_remove_padding=True"):
+        compute_log_probs(*args, use_remove_padding=False, sp=two)
+    with pytest.raises(ValueError, match="sequence parallel size 4 needs query heads \\(2\\) divisible"):
+        compute_log_probs(*args, use_remove_padding=True, sp=SequenceParallel(None, size=4, rank=0))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="sequence parallelism needs the 'rlpad_varlen' attention"):
+        compute_log_probs(*args, use_remove_padding=True, sp=two)
