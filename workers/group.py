@@ -171,7 +171,8 @@ class WorkerGroup:
         batch.require("attention_mask", who=self.role)
         dp = self.dp_size
         if len(batch) < dp:
-            raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {dp} data-parallel groups")
+            groups = f"{dp} data-parallel groups" if self.sp_size > 1 else f"{dp} ranks"
+            raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {groups}")
         lengths = batch["attention_mask"].sum(-1).tolist()
         size = chunk_rows or len(batch)
         share = bool(getattr(getattr(self._config, "model", None), "share_prompts", False))
