@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rlpad.config import Config, SFTConfig
@@ -108,7 +111,21 @@ def fit(config: Config, wrap_workers: Callable[[Any], Any] | None = None) -> lis
         driven = wrap_workers(workers) if wrap_workers is not None else workers
         return Trainer(config, driven, tokenizer, train_loader, val_dataset, reward_fn).fit()
     finally:
-        workers.shutdown()
+        with _no_interrupt():  # a second Ctrl-C must not leave workers behind
+            workers.shutdown()
+
+
+@contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """SIGINT ignored inside (in the main thread; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run(config: Config) -> dict[str, float]:
@@ -166,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except KeyboardInterrupt:  # the workers are already shut down (fit)
+        print(f"\ninterrupted; resume with the same command (trainer.resume_mode=auto picks the latest checkpoint "
+              f"under {config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
+        return 130
     return 0
 
 
