@@ -8,7 +8,7 @@ A dict of tensors that share their first dimension, a dict of per-row non-tensor
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -82,27 +82,25 @@ class Batch:
         if missing:
             raise ValueError(f"{who}: batch is missing required key(s) {missing}; it has {sorted(self.keys())}")
 
+    def _like(self, tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndarray]) -> Batch:
+        """A batch of the same class (a subclass keeps its own fields) holding these rows, meta copied."""
+        return replace(self, tensors=tensors, non_tensors=non_tensors, meta=dict(self.meta))
+
     def select(self, *keys: str) -> Batch:
         """A batch with only ``keys`` (tensors and non-tensors), meta kept."""
         self.require(*keys)
-        return Batch(
-            {k: v for k, v in self.tensors.items() if k in keys},
-            {k: v for k, v in self.non_tensors.items() if k in keys},
-            dict(self.meta),
-        )
+        return self._like({k: v for k, v in self.tensors.items() if k in keys},
+                          {k: v for k, v in self.non_tensors.items() if k in keys})
 
     def index(self, idx: torch.Tensor | np.ndarray | Sequence[int] | slice) -> Batch:
         """Rows ``idx`` (a slice, or integer indices in any order)."""
         if isinstance(idx, slice):
-            return Batch({k: v[idx] for k, v in self.tensors.items()},
-                         {k: v[idx] for k, v in self.non_tensors.items()}, dict(self.meta))
+            return self._like({k: v[idx] for k, v in self.tensors.items()},
+                              {k: v[idx] for k, v in self.non_tensors.items()})
         idx_np = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64).reshape(-1)
         idx_t = torch.as_tensor(idx_np)
-        return Batch(
-            {k: v.index_select(0, idx_t.to(v.device)) for k, v in self.tensors.items()},
-            {k: v[idx_np] for k, v in self.non_tensors.items()},
-            dict(self.meta),
-        )
+        return self._like({k: v.index_select(0, idx_t.to(v.device)) for k, v in self.tensors.items()},
+                          {k: v[idx_np] for k, v in self.non_tensors.items()})
 
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of ``size`` rows (the last may be shorter)."""
@@ -131,7 +129,7 @@ class Batch:
         return self
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
+        return self._like({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors))
 
     @staticmethod
     def concat(batches: Iterable[Batch]) -> Batch:

@@ -13,7 +13,7 @@ __all__ = [
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
-    "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
+    "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -31,6 +31,11 @@ OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log
 # model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+# Keys rlpad no longer has: a recipe or override that sets one fails at load with this note.
+REMOVED_KEYS = {
+    "sft.enable": "the supervised warm start runs whenever a model path is embedded:<task> and never "
+                  "otherwise (a random tiny model is tiny:<arch>); delete the key",
+}
 
 
 @dataclass
@@ -51,12 +56,15 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW and its LR schedule: linear warm-up, then constant; the schedule advances once per
+    training step (one update call), as verl's does."""
+
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = 0
-    lr_warmup_steps_ratio: float = 0.0
-    total_training_steps: int = -1  # filled by the trainer
+    lr_warmup_steps: int = 0  # warm-up length in training steps; > 0 wins over lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # warm-up length as a fraction of total_training_steps
+    total_training_steps: int = -1  # horizon of lr_warmup_steps_ratio; -1: the trainer fills in the run's steps
 
 
 @dataclass
@@ -198,9 +206,9 @@ class RewardConfig:
 
 @dataclass
 class SFTConfig:
-    """Supervised warm-start of the embedded tiny model (cached after the first run)."""
+    """Supervised warm-start of the embedded tiny model (``model.path: embedded:<task>``; cached
+    after the first run)."""
 
-    enable: bool = False
     steps: int = 300
     lr: float = 3e-3
     batch_size: int = 64
@@ -234,7 +242,7 @@ class TrainerConfig:
     default_local_dir: str = "outputs/run"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # names in rlpad.metrics.LOGGERS
-    seed: int = 1
+    seed: int = 1  # the workers' seed: critic value-head init, shuffled mini-batch order
     device: str = "auto"  # a name in DEVICES: auto | cpu | cuda
     # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
     # process, world size 1, no Ray (workers/local.py)

@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlpad.advantages import ESTIMATORS
 from rlpad.config import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
-    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
+    REMOVED_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
 )
 from rlpad.metrics import LOGGERS
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
@@ -72,7 +72,9 @@ def _all_keys() -> tuple[str, ...]:
 
 
 def _suggest(key: str) -> str:
-    """`` (did you mean x.y.z?)`` for the closest schema key, or ``""``."""
+    """`` (did you mean x.y.z?)`` for the closest schema key, what replaced a removed key, or ``""``."""
+    if key in REMOVED_KEYS:
+        return f": it was removed; {REMOVED_KEYS[key]}"
     keys = _all_keys()
     parent, _, leaf = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]

@@ -11,9 +11,8 @@ Everything here works on a list of per-row lengths (valid tokens, e.g.
 * ``split_by_token_budget``: micro-batches of at most ``max_token_len`` tokens each, work
   balanced by Karmarkar-Karp, as few as the search finds (at least ``min_num_micro_batches``).
 * Every rank must run the SAME number of micro-batches, or the collectives of the extra
-  backward passes deadlock. ``split_ranks_by_token_budget`` does it for per-rank lengths seen
-  in one place; on the ranks themselves compute ``count_micro_batches`` locally, all-reduce
-  the MAX, and pass it as ``min_num_micro_batches``.
+  backward passes deadlock: each rank computes ``count_micro_batches`` locally, all-reduces
+  the MAX, and passes it as ``min_num_micro_batches`` (rlpad/micro_batches.py).
 * ``restore_order`` puts outputs computed partition by partition back in the original order.
 * Shared prompts (``model.share_prompts``): ``shared_units`` cuts the groups of rows sharing a
   prompt into units a split keeps whole; a unit costs ``P + sum(R_i)`` tokens (the prompt once).
@@ -49,7 +48,6 @@ __all__ = [
     "sequence_work",
     "shared_units",
     "split_by_token_budget",
-    "split_ranks_by_token_budget",
 ]
 
 LINEAR_COEF = 24576.0  # 12 * hidden size 2048
@@ -265,20 +263,6 @@ def split_by_token_budget(
     parts = _split(lengths, max_token_len, min_num_micro_batches)
     parts = sorted(parts, key=lambda p: p[0])
     return parts + [[] for _ in range(min_num_micro_batches - len(parts))]
-
-
-def split_ranks_by_token_budget(
-    per_rank_lengths: Sequence[Sequence[int]], max_token_len: int, min_num_micro_batches: int = 1
-) -> list[list[list[int]]]:
-    """``split_by_token_budget`` for every rank with ONE common micro-batch count (the max).
-
-    ``result[rank][m]`` indexes into ``per_rank_lengths[rank]``.
-    """
-    if isinstance(per_rank_lengths, (str, bytes)) or not isinstance(per_rank_lengths, Sequence):
-        raise TypeError(f"per_rank_lengths must be a sequence of length lists, got {type(per_rank_lengths).__name__}")
-    ranks = [_as_lengths(ls, f"per_rank_lengths[{r}]") for r, ls in enumerate(per_rank_lengths)]
-    count = max([count_micro_batches(ls, max_token_len, min_num_micro_batches) for ls in ranks], default=0)
-    return [split_by_token_budget(ls, max_token_len, count) for ls in ranks]
 
 
 def reverse_index(partitions: Sequence[Sequence[int]]) -> list[int]:

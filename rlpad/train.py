@@ -29,7 +29,7 @@ from rlpad.data import build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.rewards import load_reward_fn
-from rlpad.trainer import Trainer, summarize
+from rlpad.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
 
 __all__ = ["fit", "main", "resolve_embedded", "run"]
 
@@ -101,6 +101,7 @@ def fit(config: Config, wrap_workers: Callable[[Any], Any] | None = None) -> lis
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
     train_loader, val_dataset = build_datasets(config.data, tokenizer)
+    fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     reward_fn = load_reward_fn(config.reward.fn)
     out_dir = config.trainer.default_local_dir
     os.makedirs(out_dir, exist_ok=True)

@@ -37,7 +37,21 @@ from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
-__all__ = ["GenerationPhases", "Trainer", "Workers"]
+__all__ = ["GenerationPhases", "Trainer", "Workers", "fill_lr_horizons", "total_training_steps"]
+
+
+def total_training_steps(config: Config, batches_per_epoch: int) -> int:
+    """The run's length in steps: ``trainer.total_training_steps``, or every batch of ``total_epochs`` epochs."""
+    return config.trainer.total_training_steps or batches_per_epoch * config.trainer.total_epochs
+
+
+def fill_lr_horizons(config: Config, total_steps: int) -> None:
+    """Set ``optim.total_training_steps`` of the actor and the critic to the run's ``total_steps`` where
+    the recipe left it at -1 (verl's "filled by the trainer"): the horizon of ``lr_warmup_steps_ratio``.
+    Call before the workers are built (they build their LR schedules at ``init_model``)."""
+    for optim in (config.actor_rollout_ref.actor.optim, config.critic.optim):
+        if optim.total_training_steps < 0:
+            optim.total_training_steps = total_steps
 
 
 class Workers(Protocol):
@@ -92,7 +106,7 @@ class Trainer:
                  val_dataset: PromptDataset | None, reward_fn: Callable[..., Any] | None = None):
         self.config, self.workers, self.tokenizer = config, workers, tokenizer
         self.train_loader, self.val_dataset, self.reward_fn = train_loader, val_dataset, reward_fn
-        self.total_steps = config.trainer.total_training_steps or len(train_loader) * config.trainer.total_epochs
+        self.total_steps = total_training_steps(config, len(train_loader))
         self.checkpoints = CheckpointDir(config.trainer.default_local_dir)
         self.step = 0
         self.history: list[dict[str, Any]] = []

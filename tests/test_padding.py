@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlpad.core.padding import index_first_axis, pad_input, unpad_documents, unpad_input
+from rlpad.core.padding import index_first_axis, pad_input, unpad_input
 
 
 @st.composite
@@ -71,15 +71,6 @@ def test_unused_mask_extends_packing_but_not_seqused():
     assert cu.tolist() == [0, 3, 7] and seqused.tolist() == [2, 4] and max_len == 4
 
 
-def test_document_mask_gives_one_sequence_per_document():
-    mask = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0]])
-    x = torch.arange(12.0).view(2, 6, 1)
-    x_unpad, indices, cu, max_len, seqused = unpad_documents(x, mask)
-    assert cu.tolist() == [0, 2, 5, 9] and seqused.tolist() == [2, 3, 4] and max_len == 4
-    assert x_unpad.flatten().tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
-    assert pad_input(x_unpad, indices, 2, 6).flatten().tolist() == [0, 1, 2, 3, 4, 0, 6, 7, 8, 9, 0, 0]
-
-
 @pytest.mark.parametrize(
     "mask, message",
     [
@@ -98,9 +89,3 @@ def test_unpad_input_rejects_bad_masks(mask, message):
 def test_unpad_input_rejects_disagreeing_shapes():
     with pytest.raises(ValueError, match="shapes disagree"):
         unpad_input(torch.zeros(2, 5, 3), torch.ones(2, 4, dtype=torch.long))
-
-
-@pytest.mark.parametrize("mask", [[[1, 2, 1, 0]], [[2, 2, 0, 0]], [[1, 0, 1, 0]]])
-def test_document_mask_rejects_bad_numbering(mask):
-    with pytest.raises(ValueError, match="document_mask"):
-        unpad_documents(torch.zeros(1, 4, 1), torch.tensor(mask))

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from rlpad.config import DataConfig, RolloutConfig  # noqa: E402
 from rlpad.rollout.hf import HFRollout  # noqa: E402
 from test_rollout_layout import P, R, assert_rollout_layout, make_model, perturbed, prompt_batch, save_model  # noqa: E402
-from workers.rollout import RolloutReplicas, create_rollout_actor  # noqa: E402
+from workers.rollout import RolloutReplicas  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -27,7 +27,8 @@ def ray_session():
 def test_rollout_worker_generates_and_takes_weights_as_ray_actor(ray_session, tmp_path):
     model = make_model()
     path = save_model(model, tmp_path)
-    actor = create_rollout_actor(path, ROLLOUT, DATA, num_cpus=1)
+    replicas = RolloutReplicas(path, ROLLOUT, DATA, num_replicas=1)
+    actor = replicas.actors[0]
     try:
         prompts = prompt_batch()
         out = ray.get(actor.generate.remote(prompts))
@@ -42,7 +43,7 @@ def test_rollout_worker_generates_and_takes_weights_as_ray_actor(ray_session, tm
         reference = HFRollout(new, ROLLOUT, DATA, tokenizer_path=path).generate_validation(prompts)["responses"]
         assert torch.equal(after, reference)
     finally:
-        ray.kill(actor)
+        replicas.shutdown()
 
 
 def test_one_and_two_replicas_sample_the_same_responses(ray_session, tmp_path):

@@ -18,7 +18,6 @@ from rlpad.seqlen import (
     reverse_index,
     sequence_work,
     split_by_token_budget,
-    split_ranks_by_token_budget,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -32,6 +31,13 @@ def assert_permutation(parts, n):
 def assert_budget(parts, lengths, budget):
     for p in parts:
         assert sum(lengths[i] for i in p) <= budget, (p, [lengths[i] for i in p], budget)
+
+
+def split_like_ranks(per_rank, budget, min_num=1):
+    """The workers' recipe (rlpad.micro_batches): each rank counts locally, all-reduce MAX, then
+    every rank splits with that count as its minimum."""
+    common = max(count_micro_batches(ls, budget, min_num) for ls in per_rank)
+    return [split_by_token_budget(ls, budget, min_num_micro_batches=common) for ls in per_rank]
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -182,23 +188,18 @@ def test_split_by_token_budget_bad_input():
 @given(adversarial_ranks(), st.integers(1, 4))
 def test_equal_micro_batch_counts_across_ranks(case, min_num):
     per_rank, budget = case
-    result = split_ranks_by_token_budget(per_rank, budget, min_num_micro_batches=min_num)
+    result = split_like_ranks(per_rank, budget, min_num)
     counts = {len(parts) for parts in result}
-    assert len(counts) == 1, counts
+    assert counts == {max(count_micro_batches(ls, budget, min_num) for ls in per_rank)}
     for lengths, parts in zip(per_rank, result):
         assert_permutation(parts, len(lengths))
         assert_budget(parts, lengths, budget)
-    # The distributed recipe: each rank counts locally, all-reduce MAX, split with that minimum.
-    common = max(count_micro_batches(ls, budget, min_num) for ls in per_rank)
-    assert counts == {common}
-    for lengths, parts in zip(per_rank, result):
-        assert split_by_token_budget(lengths, budget, min_num_micro_batches=common) == parts
 
 
 def test_many_short_vs_few_long():
     short = [10] * 100  # 1000 tokens: one micro-batch on its own
     long = [1000, 1000, 1000, 1000]  # four micro-batches
-    parts_short, parts_long = split_ranks_by_token_budget([short, long], 1000)
+    parts_short, parts_long = split_like_ranks([short, long], 1000)
     assert len(parts_short) == len(parts_long) == 4
     assert all(parts_short)  # the short rank's rows are spread over all four
     assert_budget(parts_short, short, 1000)
@@ -211,7 +212,7 @@ def test_rank_balance_then_micro_batches_end_to_end(lengths, world, budget):
         return
     ranks = balance_across_ranks(lengths, world)
     per_rank = [[lengths[i] for i in r] for r in ranks]
-    micro = split_ranks_by_token_budget(per_rank, budget)
+    micro = split_like_ranks(per_rank, budget)
     assert len({len(m) for m in micro}) == 1
     if len(lengths) % world == 0:  # equal rows per rank: never an empty micro-batch
         assert all(len(p) > 0 for m in micro for p in m)
@@ -255,3 +256,30 @@ def test_restore_order_2d_and_errors():
         restore_order(torch.zeros(2), parts)
     with pytest.raises(TypeError):
         restore_order("abc", parts)
+
+
+# ----------------------------------------------------------------------------- rlpad.micro_batches
+
+
+def test_micro_batches_by_rows_budget_and_agreed_count():
+    from rlpad.batch import Batch
+    from rlpad.embedded.synthetic import rollout_batch
+    from rlpad.micro_batches import micro_batches
+
+    batch = Batch(rollout_batch(7, 6, 10, vocab_size=50, seed=3))
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    assert micro_batches(batch, 3, None) == [[0, 1, 2], [3, 4, 5], [6]]
+    # A rank that must run 5 micro-batches (another rank's count) gets empty ones at the end.
+    assert micro_batches(batch, 3, None, agree=lambda n: max(n, 5)) == [[0, 1, 2], [3, 4, 5], [6], [], []]
+    parts = micro_batches(batch, None, 24)
+    assert_permutation(parts, 7)
+    assert_budget(parts, lengths, 24)
+    assert parts == split_by_token_budget(lengths, 24)  # rows are their own units without shared prompts
+    # Another rank needs more: the rows spread over that many, then empty micro-batches beyond 7 rows.
+    assert micro_batches(batch, None, 24, agree=lambda n: n + 1) == split_by_token_budget(lengths, 24, len(parts) + 1)
+    spread = micro_batches(batch, None, 24, agree=lambda n: 9)
+    assert sorted(map(len, spread)) == [0, 0] + [1] * 7
+    with pytest.raises(ValueError, match="micro-batch size must be >= 1"):
+        micro_batches(batch, 0, None)
+    with pytest.raises(ValueError, match="more than the micro-batch budget"):
+        micro_batches(batch, None, 3)

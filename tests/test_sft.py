@@ -90,7 +90,7 @@ def test_cache_key_tracks_settings(tmp_path):
     base = cfg(tmp_path)
     key = cache_key(base, seed=0, **DIMS)
     assert key == cache_key(base, seed=0, **DIMS)
-    assert key == cache_key(replace(base, cache_dir="elsewhere", enable=True), seed=0, **DIMS)  # not part of the result
+    assert key == cache_key(replace(base, cache_dir="elsewhere"), seed=0, **DIMS)  # not part of the result
     changed = [
         cache_key(replace(base, steps=5), seed=0, **DIMS),
         cache_key(replace(base, lr=1e-3), seed=0, **DIMS),

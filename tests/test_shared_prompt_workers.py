@@ -15,6 +15,7 @@ from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
 from rlpad.core.shared_prompt import prompt_groups  # noqa: E402
 from rlpad.embedded.synthetic import grpo_batch  # noqa: E402
+from rlpad.micro_batches import micro_batches  # noqa: E402
 from rlpad.seqlen import balance_units_across_ranks, pack_units_by_rows, shared_units  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
 from workers.group import WorkerGroup  # noqa: E402
@@ -37,9 +38,9 @@ def shared_batch(seed: int, shuffle: bool = False) -> Batch:
     return Batch(d)
 
 
-def config(share: bool) -> ActorRolloutRefConfig:
+def config(share: bool, dynamic: bool = False) -> ActorRolloutRefConfig:
     cfg = ActorRolloutRefConfig()
-    cfg.model.share_prompts = share
+    cfg.model.share_prompts, cfg.actor.use_dynamic_bsz = share, dynamic
     a = cfg.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu = GROUPS, 4, 24
     a.entropy_coeff, a.optim.lr = 0.01, 1e-2
@@ -80,12 +81,11 @@ def test_world1_update_equals_rmpad_and_micro_batches_keep_groups(dynamic):
     batch = shared_batch(3, shuffle=True)
     grads, metrics = {}, {}
     for share in (False, True):
-        worker = ActorWorker(config(share), device="cpu")
+        worker = ActorWorker(config(share, dynamic), device="cpu")
         worker.init_model()
-        worker.set_config({"actor.use_dynamic_bsz": dynamic})
-        if share:
-            parts, _ = worker._pieces(batch, ["input_ids", "attention_mask"], 4, 24 if dynamic else None)
-            pieces = [p for p, real in parts if real]
+        if share:  # the update's micro-batches (ppo_micro_batch_size_per_gpu=4 or ppo_max_token_len_per_gpu=24)
+            parts = micro_batches(batch, 4, 24 if dynamic else None, share_prompts=True)
+            pieces = [batch.index(p) for p in parts]
             assert len(pieces) >= 2  # several micro-batches
             for piece in pieces:  # each micro-batch holds whole groups (no prompt is split)
                 assert sum(len(g) for g in prompt_groups(piece["input_ids"], piece["attention_mask"], None, R)) == len(piece)

@@ -1,4 +1,4 @@
-"""FSDP2 workers in this process (world 1, gloo): critic, bad input, weight export, resume."""
+"""FSDP2 workers in this process (world 1, gloo): critic, bad input, weight export, resume, batch contracts."""
 
 import pytest
 import torch
@@ -8,8 +8,9 @@ from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import ActorRolloutRefConfig, CriticConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
-from workers.actor import ActorWorker
+from workers.actor import ActorWorker, update_contract
 from rlpad.embedded.synthetic import ppo_batch
+from workers.contract import FORWARD, Contract, batch_method, contract_of
 from workers.critic import CriticWorker
 
 P, R, VOCAB = 8, 10, 128  # tiny:qwen2 has vocab 128, hidden 64, 2 layers
@@ -39,20 +40,24 @@ def batch():
 # ---------------------------------------------------------------- critic
 
 
-def test_critic_rmpad_matches_padded_and_update_lowers_loss(batch):
+def critic_config(use_remove_padding: bool = True) -> CriticConfig:
     cfg = CriticConfig()
     cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size_per_gpu, cfg.optim.lr = 8, 3, 1e-3
-    critic = CriticWorker(cfg, device="cpu")
+    cfg.model.use_remove_padding = use_remove_padding
+    return cfg
+
+
+def test_critic_rmpad_matches_padded_and_update_lowers_loss(batch):
+    critic, padded_critic = CriticWorker(critic_config(), device="cpu"), CriticWorker(critic_config(use_remove_padding=False), device="cpu")
     critic.init_model()
+    padded_critic.init_model()  # the same seed: the same value head
     rmpad = critic.compute_values(batch)["values"]
-    critic.set_config({"model.use_remove_padding": False})
-    padded = critic.compute_values(batch)["values"]
+    padded = padded_critic.compute_values(batch)["values"]
     assert rmpad.shape == (8, R)
     assert (rmpad - padded).abs().max() <= 1e-5
     assert rmpad.abs().sum() > 0 and (rmpad[batch["response_mask"] == 0] == 0).all()
 
     batch["values"] = rmpad
-    critic.set_config({"model.use_remove_padding": True})
     losses = [critic.update_critic(batch)["critic/vf_loss"] for _ in range(4)]
     assert losses[-1] < losses[0] * 0.9, losses
     metrics = critic.update_critic(batch)
@@ -96,9 +101,7 @@ def test_wrong_shapes_and_roles(actor, batch):
         ref.update_actor(batch)
     assert ref.optimizer is None
     with pytest.raises(ValueError, match="role must be one of"):
-        ActorWorker(ActorRolloutRefConfig(), role="critic")
-    with pytest.raises(ValueError, match="unknown config field 'actor.nope'"):
-        actor.set_config({"actor.nope": 1})
+        ActorWorker(ActorRolloutRefConfig(), role="critic", device="cpu")
 
 
 def test_mini_batch_must_divide(batch):
@@ -178,3 +181,61 @@ def test_checkpointing_chunking_and_budget_keep_results(batch):
     for k, g in grads_a.items():
         assert float((grads_b[k] - g).norm() / g.norm()) <= 1e-5, k
     assert m_b == pytest.approx(m_a, rel=1e-5)
+
+
+# ---------------------------------------------------------------- batch contracts
+
+
+def test_method_body_reads_only_declared_keys(actor, batch):
+    """The body of a @batch_method sees its declared keys only, through every way of reading a key and
+    in its micro-batches; an absent optional key reads as absent."""
+    seen = {}
+
+    def peek(self, declared_batch):
+        piece = declared_batch.index([0, 1]).to("cpu")
+        seen["keys"] = sorted(piece.keys())
+        seen["optional_absent"] = piece.tensors.get("rollout_is_weights")
+        for read in (lambda b: b["uid"], lambda b: b.tensors.get("token_level_scores"), lambda b: "values" in b,
+                     lambda b: b.non_tensors.get("uid")):
+            with pytest.raises(KeyError, match="peek reads batch key '(uid|token_level_scores|values)', which its "
+                                               "@batch_method contract does not declare"):
+                read(piece)
+        return True
+
+    batch["uid"] = list(range(len(batch)))  # a non-tensor the trainer's batch carries
+    batch["token_level_scores"] = batch["advantages"].clone()
+    assert batch_method(update_contract)(peek)(actor, batch)
+    assert seen["keys"] == sorted(["input_ids", "attention_mask", "position_ids", "responses", "response_mask",
+                                   "old_log_probs", "advantages", "ref_log_probs"])
+    assert seen["optional_absent"] is None
+
+
+def test_contracts_derive_from_the_config():
+    with_kl, without = actor_config(use_kl_loss=True), actor_config(use_kl_loss=False)
+    assert "ref_log_probs" in contract_of(ActorWorker, "update_actor", with_kl).required
+    assert "ref_log_probs" not in contract_of(ActorWorker, "update_actor", without).keys
+    update = contract_of(ActorWorker, "update_actor", without)
+    assert "rollout_is_weights" in update.optional and "rollout_is_weights" in update.finite
+    assert contract_of(ActorWorker, "compute_log_prob", without) == FORWARD
+    assert set(contract_of(CriticWorker, "update_critic", CriticConfig()).finite) == {"values", "returns"}
+    with pytest.raises(ValueError, match="ActorWorker.save_hf is not a @batch_method"):
+        contract_of(ActorWorker, "save_hf", without)
+    with pytest.raises(ValueError, match="finite key"):
+        Contract(required=("a",), finite=("b",))
+
+
+def test_rollout_is_weights_scale_the_policy_loss(batch):
+    """One mini-batch, one step: weights of 1/2 on every token halve pg_loss exactly (the loss is
+    linear in them); NaN weights are named before any compute."""
+    losses = []
+    for weights in (None, 0.5):
+        w = ActorWorker(actor_config(), device="cpu")
+        w.init_model()
+        b = Batch(dict(batch.tensors))
+        if weights is not None:
+            b["rollout_is_weights"] = torch.full_like(b["advantages"], weights)
+        losses.append(w.update_actor(b)["actor/pg_loss"])
+    assert losses[0] != 0 and losses[1] == losses[0] / 2
+    b["rollout_is_weights"][2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"rollout_is_weights contains NaN or inf \(rows \[2\]\)"):
+        w.update_actor(b)

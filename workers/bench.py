@@ -71,12 +71,6 @@ def run_worker_bench(
             path = os.path.join(tmp.name, model)
             bench_model(model, seed=seed).save_pretrained(path)
             build_tokenizer(path)
-        cfg = ActorRolloutRefConfig()
-        cfg.model.path, cfg.model.logits_chunk_size = path, logits_chunk_size
-        cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = rows, rows // world_size
-        cfg.rollout.log_prob_micro_batch_size_per_gpu, cfg.rollout.n = rows // world_size, 1
-        cfg.actor.optim.lr = 0.0  # timing only: keep the weights fixed
-        group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=world_size, seed=seed)
         vocab = _vocab_size(path)
         batch = ppo_batch(rows, prompt_length, response_length, vocab_size=vocab, seed=seed)
         tokens = int(batch["attention_mask"].sum())
@@ -85,12 +79,19 @@ def run_worker_bench(
                      padded_tokens=batch["input_ids"].numel(), reps=reps)  # fmt: skip
         result: dict[str, Any] = {"config": setup}
         for name, rmpad in (("rmpad", True), ("padded", False)):
-            group.call("set_config", {"model.use_remove_padding": rmpad})
+            cfg = ActorRolloutRefConfig()
+            cfg.model.path, cfg.model.logits_chunk_size, cfg.model.use_remove_padding = path, logits_chunk_size, rmpad
+            cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = rows, rows // world_size
+            cfg.rollout.log_prob_micro_batch_size_per_gpu, cfg.rollout.n = rows // world_size, 1
+            cfg.actor.optim.lr = 0.0  # timing only: keep the weights fixed
+            group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=world_size, seed=seed)
             group.call_batch("compute_log_prob", batch)  # warm-up
             t_lp = _timed(lambda: group.call_batch("compute_log_prob", batch), reps)
             t_up = _timed(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
             result[name] = {"compute_log_prob_s": t_lp, "update_actor_s": t_up,
                             "compute_log_prob_tok_s": tokens / t_lp, "update_actor_tok_s": tokens / t_up}
+            group.shutdown()
+            group = None
         result["speedup"] = {k: result["rmpad"][f"{k}_tok_s"] / result["padded"][f"{k}_tok_s"]
                              for k in ("compute_log_prob", "update_actor")}  # fmt: skip
         return result

@@ -1,6 +1,6 @@
 """The FSDP2 critic worker: PPO value model (causal LM backbone + scalar head, rlpad.core.value).
 
-Batch keys: ``input_ids``, ``attention_mask``, optional ``position_ids``, ``responses``;
+Batch keys (declared once per method, :mod:`workers.contract`): ``FORWARD`` for the values;
 ``update_critic`` also needs ``response_mask``, ``values`` (from the rollout) and ``returns``.
 """
 
@@ -13,12 +13,13 @@ from rlpad.batch import Batch
 from rlpad.config import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
-from workers.batch_check import check_rollout_batch
+from workers.contract import FORWARD, Contract, batch_method
 from workers.fsdp import FSDPWorker, reports_seconds
 
 __all__ = ["CriticWorker"]
 
-FORWARD_KEYS = ["input_ids", "attention_mask", "responses"]
+UPDATE = Contract(required=(*FORWARD.required, "response_mask", "values", "returns"), optional=FORWARD.optional,
+                  finite=("values", "returns"))
 
 
 class CriticWorker(FSDPWorker):
@@ -46,38 +47,25 @@ class CriticWorker(FSDPWorker):
         value_model = ValueModel(lm, seed=self.seed)
         del lm  # the LM head is not part of the critic
         self.root = self._shard_from_rank0(value_model, value_model.backbone)
+        self.model = value_model.backbone
         self._build_optimizer(self.config.optim)
 
     def _values(self, piece: Batch):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
-            share_prompts=self.config.model.share_prompts, check=False,  # the whole batch was checked where it entered (_check)
+            share_prompts=self.config.model.share_prompts, check=False,  # checked where it entered (@batch_method)
         )  # fmt: skip
-
-    @staticmethod
-    def input_keys(method: str, config: CriticConfig) -> list[str]:
-        """The batch keys ``method`` reads (the worker group ships only these)."""
-        return FORWARD_KEYS + ["position_ids"] + (["response_mask", "values", "returns"] if method == "update_critic" else [])
-
-    def _check(self, batch: Batch, keys: list[str], finite: list[str], who: str) -> None:
-        self._require_model()
-        backbone, mcfg = self.root.backbone, self.config.model
-        self._agree(lambda: check_rollout_batch(batch, keys, finite, who, backbone, mcfg.use_remove_padding,
-                                                mcfg.share_prompts))  # fmt: skip
-
-    def _keys(self, batch: Batch, extra: list[str]) -> list[str]:
-        return FORWARD_KEYS + extra + (["position_ids"] if "position_ids" in batch else [])
 
     def _micro(self) -> tuple[int | None, int | None]:
         c = self.config
         return c.ppo_micro_batch_size_per_gpu, (c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None)
 
     @reports_seconds
+    @batch_method(FORWARD)
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R) of the response tokens (0 on padding)."""
-        self._check(batch, FORWARD_KEYS, [], "compute_values")
-        (values,) = self._forward_all(batch, self._keys(batch, []), *self._micro(), lambda p: (self._values(p),))
+        (values,) = self._forward_all(batch, *self._micro(), lambda p: (self._values(p),))
         return Batch({"values": values})
 
     def _value_loss(self, piece: Batch, norms: dict[str, float]):
@@ -92,15 +80,13 @@ class CriticWorker(FSDPWorker):
         return loss, shares
 
     @reports_seconds
+    @batch_method(UPDATE)
     def update_critic(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
         """Clipped value-loss update (same epochs / mini / micro-batch rules and loss scaling as the actor)."""
         c = self.config
-        keys = FORWARD_KEYS + ["response_mask", "values", "returns"]
-        self._check(batch, keys, ["values", "returns"], "update_critic")
         micro_rows, max_tokens = self._micro()
         return self._ppo_update(
-            batch, keys=self._keys(batch, ["response_mask", "values", "returns"]),
-            mini_rows=c.ppo_mini_batch_size * self.rollout_n, epochs=c.ppo_epochs, shuffle=False,
+            batch, mini_rows=c.ppo_mini_batch_size * self.rollout_n, epochs=c.ppo_epochs, shuffle=False,
             micro_rows=micro_rows, max_tokens=max_tokens, grad_clip=c.grad_clip, loss_fn=self._value_loss,
             prefix="critic", return_grads=return_grads,
         )  # fmt: skip

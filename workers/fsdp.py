@@ -13,12 +13,11 @@ the micro-batch count, token budget or world size.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
-from rlpad.core.shared_prompt import prompt_groups
-from rlpad.seqlen import count_micro_batches, pack_units_by_rows, restore_order, shared_units, split_by_token_budget
+from rlpad.micro_batches import micro_batches
+from rlpad.seqlen import restore_order
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
@@ -98,7 +97,8 @@ class FSDPWorker(CheckpointMixin):
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"{self.role}: device=cuda but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.root: nn.Module | None = None
+        self.root: nn.Module | None = None  # the FSDP2 module (model + head) the worker runs
+        self.model: nn.Module | None = None  # the HF model inside ``root``: batches are checked against it
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.update_steps = 0  # completed update calls (= LR scheduler steps)
@@ -116,9 +116,9 @@ class FSDPWorker(CheckpointMixin):
             torch.cuda.empty_cache()
 
     def rank_info(self) -> dict[str, Any]:
-        """What this rank used to join its group: rendezvous, socket interface, host, pid."""
+        """What this rank used to join its group (rendezvous, socket interface, host, pid) and its seed."""
         return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                "master_addr": self.master_addr, "master_port": self.master_port,
+                "seed": self.seed, "master_addr": self.master_addr, "master_port": self.master_port,
                 "socket_ifname": self.socket_ifname, "paths_read": dict(self.paths_read)}
 
     def _local_path(self, path: str) -> str:
@@ -183,21 +183,6 @@ class FSDPWorker(CheckpointMixin):
         if self.root is None:
             raise RuntimeError(f"{self.role}: call init_model() first")
 
-    def set_config(self, overrides: dict[str, Any]) -> None:
-        """Change config fields read at call time, by dotted name (``{"actor.use_dynamic_bsz": True}``).
-
-        For micro-batching, remove-padding and loss knobs; optimizer settings are fixed at init_model().
-        """
-        for dotted, value in overrides.items():
-            *parents, leaf = dotted.split(".")
-            node = self.config
-            for name in parents:
-                node = getattr(node, name, None)
-            known = {f.name for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else set()
-            if leaf not in known:
-                raise ValueError(f"{self.role}: unknown config field {dotted!r}")
-            setattr(node, leaf, value)
-
     # ------------------------------------------------------------------ collectives
 
     def _all_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
@@ -241,56 +226,16 @@ class FSDPWorker(CheckpointMixin):
 
     # ------------------------------------------------------------------ micro-batching
 
-    def _micro_splits(self, lengths: torch.Tensor, micro_rows: int | None, max_tokens: int | None) -> list[list[int]]:
-        """Row indices per micro-batch (by token budget when ``max_tokens``, else ``micro_rows`` rows).
-
-        The count is the MAX over the ranks; a rank with fewer pieces gets empty lists, which the
-        caller runs as zero-weight dummies so every rank joins every collective.
-        """
-        lengths = lengths.tolist()
-        if max_tokens is not None:
-            count = self._all_max(count_micro_batches(lengths, max_tokens))
-            return split_by_token_budget(lengths, max_tokens, count)
-        if micro_rows is None or micro_rows < 1:
-            raise ValueError(f"{self.role}: micro-batch size must be >= 1, got {micro_rows}")
-        parts = [list(range(i, min(i + micro_rows, len(lengths)))) for i in range(0, len(lengths), micro_rows)]
-        count = self._all_max(len(parts))
-        return parts + [[] for _ in range(count - len(parts))]
-
-    def _share_prompts(self) -> bool:
-        return bool(getattr(getattr(self.config, "model", None), "share_prompts", False))
-
-    def _shared_micro_splits(self, batch: Batch, micro_rows: int | None, max_tokens: int | None) -> list[list[int]]:
-        """Micro-batches of whole prompt groups (``model.share_prompts``): a token budget counts
-        ``P + sum(R_i)`` per group; a row count packs whole groups. Same collective count rule."""
-        mask = batch["attention_mask"]
-        prompt_cols = mask.shape[1] - int(batch["responses"].shape[1])
-        groups = prompt_groups(batch["input_ids"], mask, batch.tensors.get("position_ids"), mask.shape[1] - prompt_cols)
-        plens, rlens = mask[:, :prompt_cols].sum(-1).tolist(), mask[:, prompt_cols:].sum(-1).tolist()
-        if max_tokens is not None:
-            units, tokens = shared_units(groups, plens, rlens, max_token_len=max_tokens)
-            count = self._all_max(count_micro_batches(tokens, max_tokens))
-            parts = split_by_token_budget(tokens, max_tokens, count)
-        else:
-            if micro_rows is None or micro_rows < 1:
-                raise ValueError(f"{self.role}: micro-batch size must be >= 1, got {micro_rows}")
-            units, _ = shared_units(groups, plens, rlens, max_rows=micro_rows)
-            parts = pack_units_by_rows([len(u) for u in units], micro_rows)
-            parts += [[] for _ in range(self._all_max(len(parts)) - len(parts))]
-        return [sorted(r for u in p for r in units[u]) for p in parts]
-
-    def _pieces(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None):
-        """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch (an empty
-        split becomes a dummy copy of row 0), and the index lists of the real splits."""
-        if self._share_prompts():
-            parts = self._shared_micro_splits(batch, micro_rows, max_tokens)
-        else:
-            parts = self._micro_splits(batch["attention_mask"].sum(-1), micro_rows, max_tokens)
-        sub = batch.select(*keys)
-        pieces = ((sub.index(p or [0]).to(self.device), bool(p)) for p in parts)
+    def _pieces(self, batch: Batch, micro_rows: int | None, max_tokens: int | None):
+        """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch
+        (:func:`rlpad.micro_batches.micro_batches`, the count agreed over the ranks; an empty one
+        becomes a dummy copy of row 0), and the index lists of the real micro-batches."""
+        parts = micro_batches(batch, micro_rows, max_tokens, share_prompts=self.config.model.share_prompts,
+                              agree=self._all_max)
+        pieces = ((batch.index(p or [0]).to(self.device), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
 
-    def _forward_all(self, batch: Batch, keys: list[str], micro_rows: int | None, max_tokens: int | None,
+    def _forward_all(self, batch: Batch, micro_rows: int | None, max_tokens: int | None,
                      fn: Callable[[Batch], tuple[torch.Tensor, ...]], *,
                      update_layout: tuple[int, bool] | None = None) -> list[torch.Tensor]:
         """``fn`` on every micro-batch without gradients; outputs concatenated in the batch's row order.
@@ -313,7 +258,7 @@ class FSDPWorker(CheckpointMixin):
         results: list[list[torch.Tensor]] = []
         with torch.no_grad():
             for rows in chunks:
-                pieces, real = self._pieces(batch.index(rows), keys, micro_rows, max_tokens)
+                pieces, real = self._pieces(batch.index(rows), micro_rows, max_tokens)
                 outs: list[tuple[torch.Tensor, ...]] = []
                 for piece, is_real in pieces:
                     out = fn(piece)  # dummy pieces run too: every rank joins every FSDP collective
@@ -350,7 +295,7 @@ class FSDPWorker(CheckpointMixin):
     # ------------------------------------------------------------------ training loop
 
     def _ppo_update(
-        self, batch: Batch, *, keys: list[str], mini_rows: int, epochs: int, shuffle: bool,
+        self, batch: Batch, *, mini_rows: int, epochs: int, shuffle: bool,
         micro_rows: int | None, max_tokens: int | None, grad_clip: float, loss_fn: LossFn, prefix: str,
         return_grads: bool = False, first_keys: tuple[str, ...] = (),
     ) -> dict[str, Any]:  # fmt: skip
@@ -375,7 +320,7 @@ class FSDPWorker(CheckpointMixin):
                 mini = batch.index(order[start : start + local_mini])
                 norms = self._all_sum(list(batch_normalizers(mini["response_mask"]).values()))
                 norms = {"global_tokens": max(float(norms[0]), 1.0), "global_seqs": max(float(norms[1]), 1.0)}
-                pieces, _ = self._pieces(mini, keys, micro_rows, max_tokens)
+                pieces, _ = self._pieces(mini, micro_rows, max_tokens)
                 sums: dict[str, torch.Tensor] = {}
                 for piece, is_real in pieces:
                     loss, shares = loss_fn(piece, norms)
@@ -433,14 +378,7 @@ class FSDPWorker(CheckpointMixin):
             for name, p in self.root.named_parameters() if p.grad is not None
         }  # fmt: skip
 
-    # ------------------------------------------------------------------ weights and checkpoints
-
-    def iter_full_tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, full tensor)`` for every state-dict entry, ``prefix`` stripped; a collective."""
-        self._require_model()
-        for name, t in self.root.state_dict().items():
-            full = full_tensor(t).detach()
-            yield (name[len(prefix):] if prefix and name.startswith(prefix) else name), full
+    # ------------------------------------------------------------------ teardown
 
     def shutdown(self) -> None:
         """Destroy the process group (the worker is unusable afterwards)."""

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
+from workers.contract import contract_of
 from workers.net import free_port
 from workers.placement import Node, my_placement, plan_nodes, release, reserve
 
@@ -188,15 +189,15 @@ class WorkerGroup:
         return balance_units_across_ranks(units, tokens, self.world_size)
 
     def call_batch(self, method: str, batch: Batch, *, chunk_rows: int | None = None, **kwargs: Any) -> Any:
-        """``method(shard, **kwargs)`` on every rank with its shard of ``batch`` (see :meth:`split`).
+        """``method(shard, **kwargs)`` on every rank with its shard of ``batch`` (see :meth:`split`):
+        the keys of the method's batch contract that ``batch`` holds (:mod:`workers.contract`).
 
         Batch results are merged in the caller's row order; any other result is returned from rank 0
         (metrics are all-reduced by the workers, so every rank returns the same).
         """
+        contract = contract_of(self._worker_cls, method, self._config)
         parts = self.split(batch, chunk_rows)
-        keys = getattr(self._worker_cls, "input_keys", None)
-        if keys is not None:  # ship only what the method reads
-            batch = batch.select(*(k for k in keys(method, self._config) if k in batch))
+        batch = batch.select(*contract.present(batch))  # ship only what the method declares it reads
         refs = [getattr(w, method).remote(batch.index(p), **kwargs) for w, p in zip(self.workers, parts)]
         results = self._gather(refs)
         if all(isinstance(r, Batch) for r in results):

@@ -91,7 +91,7 @@ class RayWorkers:
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
                       resolve_path=paths, device="cuda" if gpus else "cpu")
-        group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths)
+        group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
         self.ref = self.critic = None
         try:

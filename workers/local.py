@@ -46,7 +46,7 @@ class LocalWorkers:
         self.config = config
         arr = config.actor_rollout_ref
         device = resolve_device(config)
-        common = dict(rank=0, world_size=1, device=device)
+        common = dict(rank=0, world_size=1, device=device, seed=config.trainer.seed)
         self.actor = ActorWorker(arr, role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
         self.ref = None

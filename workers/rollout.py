@@ -40,8 +40,8 @@ from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "create_rollout_actor", "push_weight_buckets",
-           "put_weight_buckets", "split_prompts"]
+__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "push_weight_buckets", "put_weight_buckets",
+           "split_prompts"]
 
 
 class RolloutWorker:
@@ -104,13 +104,6 @@ class RolloutWorker:
         self.backend.finish_weight_update()
         self.policy_version = self.policy_version + 1 if version is None else int(version)
         return True
-
-
-def create_rollout_actor(model_path: str, rollout: RolloutConfig, data: DataConfig, *, num_cpus: float = 1,
-                         num_gpus: float = 0, ready_timeout_s: float = 300.0, **backend_kwargs: Any):
-    """Start a :class:`RolloutWorker` Ray actor and wait until its engine is up; returns the handle."""
-    return RolloutReplicas(model_path, rollout, data, num_replicas=1, num_cpus=num_cpus, num_gpus=num_gpus,
-                           ready_timeout_s=ready_timeout_s, **backend_kwargs).actors[0]
 
 
 def split_prompts(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:

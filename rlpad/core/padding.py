@@ -20,7 +20,6 @@ __all__ = [
     "index_put_first_axis",
     "pad_input",
     "unpad_input",
-    "unpad_documents",
     "validate_attention_mask",
 ]
 
@@ -145,38 +144,3 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         )
     out = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return out.view(batch, seqlen, *hidden_states.shape[1:])
-
-
-def unpad_documents(
-    hidden_states: torch.Tensor, document_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """Unpad packed SFT rows whose mask numbers documents: ``[1,1,2,2,2,0]`` is two documents.
-
-    Ids are 1, 2, ... in order inside a row, each document contiguous; 0 is padding.
-    Same 5-tuple as :func:`unpad_input`, with one ``cu_seqlens`` entry per document.
-    """
-    if document_mask.dim() != 2:
-        raise ValueError(f"document_mask must be 2-D (batch, seq), got {tuple(document_mask.shape)}")
-    if document_mask.is_floating_point():
-        raise ValueError("document_mask must hold integer document ids")
-    _check_batch_shape(hidden_states, document_mask)
-    m = document_mask.long()
-    if bool((m < 0).any()):
-        raise ValueError("document_mask must hold ids >= 0 (0 = padding)")
-    lengths = []
-    for r, row in enumerate(m.tolist()):
-        ids = [v for v in row if v]
-        if not ids:
-            raise ValueError(f"document_mask: row {r} has no valid token")
-        # Contiguous, numbered 1..k in order: the non-zero ids never decrease and each step is +0/+1.
-        steps = [b - a for a, b in zip(ids, ids[1:])]
-        if ids[0] != 1 or any(s not in (0, 1) for s in steps):
-            raise ValueError(f"document_mask: row {r} must number documents 1, 2, ... in order, got {row}")
-        first, last = row.index(ids[0]), len(row) - 1 - row[::-1].index(ids[-1])
-        if any(v == 0 for v in row[first : last + 1]):
-            raise ValueError(f"document_mask: row {r} has padding inside the packed documents: {row}")
-        lengths.extend(ids.count(d) for d in range(1, ids[-1] + 1))
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=m.device)
-    indices = torch.nonzero(m.flatten() > 0, as_tuple=False).flatten()
-    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-    return index_first_axis(flat, indices), indices, _cu_seqlens(seqlens), int(seqlens.max()), seqlens

@@ -203,7 +203,7 @@ def _settings(cfg: SFTConfig, seed: int, dims: dict[str, Any], task: str = "toy"
     config = tiny_config(ARCH, **dims).to_dict()
     config.pop("transformers_version", None)
     tokenizer = build_tokenizer()
-    sft = {k: v for k, v in asdict(cfg).items() if k not in ("enable", "cache_dir")}
+    sft = {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}
     out = {"version": SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
            "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template}
     version = get_task(task).version

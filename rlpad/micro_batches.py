@@ -1,0 +1,56 @@
+"""Micro-batch plans: which rows of a worker's batch go through each forward (and backward).
+
+By rows (``micro_rows`` per micro-batch) or by a token budget (at most ``max_tokens`` valid tokens
+each, :func:`rlpad.seqlen.split_by_token_budget`). With shared prompts (``model.share_prompts``)
+every micro-batch holds whole prompt groups, a group costing its prompt once (``P + sum(R_i)``,
+:func:`rlpad.seqlen.shared_units`).
+
+Every rank of a worker group must run the same number of micro-batches, since each one joins
+FSDP's collectives: ``agree`` turns this rank's count into the common one (the worker passes an
+all-reduce MAX over its ranks), and the surplus micro-batches are empty lists, which the worker
+runs as zero-weight dummies. Pure functions; the collective stays in the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlpad.batch import Batch
+from rlpad.core.shared_prompt import prompt_groups
+from rlpad.seqlen import count_micro_batches, pack_units_by_rows, shared_units, split_by_token_budget
+
+__all__ = ["micro_batches"]
+
+
+def _alone(count: int) -> int:
+    return count
+
+
+def micro_batches(batch: Batch, micro_rows: int | None, max_tokens: int | None, *, share_prompts: bool = False,
+                  agree: Callable[[int], int] = _alone) -> list[list[int]]:
+    """Row indices per micro-batch of ``batch`` (``attention_mask``; with ``share_prompts`` also
+    ``input_ids``, ``responses`` and, if present, ``position_ids``), ascending inside each.
+
+    ``max_tokens`` given: a token budget (a row, or with shared prompts a group, longer than it is a
+    ValueError); else ``micro_rows`` rows each (whole groups with shared prompts; a group larger than
+    ``micro_rows`` is cut). ``agree(count)``: the count every rank runs (>= this rank's); the extra
+    micro-batches are empty.
+    """
+    if max_tokens is None and (micro_rows is None or micro_rows < 1):
+        raise ValueError(f"micro-batch size must be >= 1 rows, got {micro_rows}")
+    mask = batch["attention_mask"]
+    if share_prompts:
+        response_length = int(batch["responses"].shape[1])
+        prompt_cols = mask.shape[1] - response_length
+        groups = prompt_groups(batch["input_ids"], mask, batch.tensors.get("position_ids"), response_length)
+        units, tokens = shared_units(groups, mask[:, :prompt_cols].sum(-1).tolist(),
+                                     mask[:, prompt_cols:].sum(-1).tolist(), max_token_len=max_tokens,
+                                     max_rows=micro_rows if max_tokens is None else None)  # fmt: skip
+    else:
+        units, tokens = [[i] for i in range(len(batch))], mask.sum(-1).tolist()
+    if max_tokens is not None:
+        parts = split_by_token_budget(tokens, max_tokens, agree(count_micro_batches(tokens, max_tokens)))
+    else:
+        parts = pack_units_by_rows([len(u) for u in units], micro_rows)
+        parts += [[] for _ in range(agree(len(parts)) - len(parts))]
+    return [sorted(r for u in p for r in units[u]) for p in parts]

@@ -1,0 +1,151 @@
+"""The actor's full weights out of its FSDP2 shards: HF names, buckets, the push into the engines (or into the
+object store, for asynchronous training), HF folders.
+
+A mixin of :class:`workers.actor.ActorWorker` (it uses ``root``, ``model``, ``config``, ``rank``,
+``world_size`` and ``role``). Every method here is a collective: FSDP2 all-gathers each tensor,
+so every rank must call it (and iterate a generator to its end), while only the ranks that keep
+the result (by default rank 0) hold full tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlpad.core.models import load_tokenizer
+from rlpad.rollout.buckets import plan_buckets
+from workers.fsdp import full_tensor
+
+__all__ = ["WeightExportMixin", "hf_name"]
+
+
+def hf_name(fsdp_name: str) -> str:
+    """The HF state-dict name of a name in the actor's FSDP root (``model.`` prefix of LogProbModel stripped)."""
+    return fsdp_name[len("model."):] if fsdp_name.startswith("model.") else fsdp_name
+
+
+class WeightExportMixin:
+    """Full weights by HF name: streamed, in buckets, pushed to rollout replicas, or saved as a folder."""
+
+    def _hf_sources(self) -> list[tuple[str, str]]:
+        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding."""
+        self._require_model()
+        keys = list(self.root.state_dict().keys())
+        pairs = [(hf_name(k), k) for k in keys]
+        if "lm_head.weight" not in {n for n, _ in pairs} and getattr(self.model.config, "tie_word_embeddings", False):
+            embed = [k for n, k in pairs if n.endswith("embed_tokens.weight")]
+            if not embed:
+                raise RuntimeError(f"{self.role}: tied embeddings but no embed_tokens.weight in the state dict")
+            pairs.append(("lm_head.weight", embed[0]))
+        return pairs
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied.
+
+        A collective: every rank must iterate it to the end.
+        """
+        state = self.root.state_dict() if self.root is not None else None
+        for name, key in self._hf_sources():
+            yield name, full_tensor(state[key]).detach()
+
+    def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
+        """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
+        sources = self._hf_sources()
+        state = self.root.state_dict()
+        sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
+        return plan_buckets(sizes, bucket_bytes)
+
+    def iter_weight_buckets(self, bucket_bytes: int, keep: bool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
+
+        A collective: every rank gathers every tensor (FSDP2 all-gathers) and must iterate to the
+        end; only the ranks that ``keep`` them (default: rank 0) fill the buckets, the others yield
+        empty ones. At most one bucket is held at a time by this generator.
+        """
+        keep = self.rank == 0 if keep is None else keep
+        plan = self._bucket_plan(bucket_bytes)
+        state, sources = self.root.state_dict(), dict(self._hf_sources())
+        for names in plan:
+            bucket = []
+            for name in names:
+                full = full_tensor(state[sources[name]]).detach()
+                if keep:
+                    bucket.append((name, full.cpu()))
+            yield bucket
+
+    def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2, *,
+                     targets: list[list[int]] | None = None) -> dict[str, float] | None:
+        """Send the full weights to the rollout replicas in buckets, without the driver; a collective.
+
+        Every rank gathers each bucket; a rank with targets puts it once in the Ray object store
+        (its node's) for its replicas (workers.rollout.push_weight_buckets). ``targets[rank]``:
+        the indices of the replicas that rank feeds (the colocated layout: the replica on its own
+        bundle); default: rank 0 feeds them all. Returns the stats on a feeding rank, else ``None``.
+        """
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
+        if not replicas or max_in_flight < 1:  # checked on every rank, before any collective
+            raise ValueError(f"push_weights needs >= 1 replica and max_in_flight >= 1, got {len(replicas)}, "
+                             f"{max_in_flight}")
+        if targets is None:
+            targets = [list(range(len(replicas)))] + [[]] * (self.world_size - 1)
+        fed = sorted(i for t in targets for i in t)
+        if len(targets) != self.world_size or fed != list(range(len(replicas))):
+            raise ValueError(f"push_weights targets must give each of the {len(replicas)} replicas to exactly one of "
+                             f"the {self.world_size} ranks, got {targets}")
+        mine = [replicas[i] for i in targets[self.rank]]
+        buckets = self.iter_weight_buckets(bucket_bytes, keep=bool(mine))
+        if not mine:
+            for _ in buckets:
+                pass
+            return None
+        from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
+
+        partial = len(self._bucket_plan(bucket_bytes)) > 1
+        return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
+
+    def export_weights(self, bucket_bytes: int) -> list[Any] | None:
+        """The full weights in the Ray object store, one object per bucket, put by rank 0; a collective.
+
+        Rank 0 returns the object refs (it owns the objects; whoever holds a ref keeps them alive), the
+        other ranks None. For asynchronous training: the driver queues each replica's loads of these
+        objects behind the generations already submitted to it (workers.rollout.RolloutReplicas.submit_weights).
+        """
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
+        buckets = self.iter_weight_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        from workers.rollout import put_weight_buckets  # imports ray: only in a Ray worker
+
+        return put_weight_buckets(buckets)
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+        """Full weights by HF name, on CPU (``None`` off rank 0 if ``rank0_only``): the local
+        stack's rollout sync, and tests."""
+        keep = self.rank == 0 or not rank0_only
+        out = {}
+        for name, tensor in self.iter_hf_tensors():
+            if keep:
+                out[name] = tensor.cpu()
+        return out if keep else None
+
+    def save_hf(self, path: str) -> None:
+        """Write a ``save_pretrained`` directory (config, safetensors, tokenizer) from rank 0."""
+        state = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
+            mcfg = self.config.model
+            try:
+                load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path)).save_pretrained(path)
+            except (OSError, ValueError):
+                pass  # no tokenizer next to the weights: the weights alone are still loadable
+        if self.world_size > 1:
+            dist.barrier()
