@@ -84,7 +84,6 @@ class InFlight:
     step: int
     version: int
     future: Future[Batch]
-    submitted_s: float  # time.perf_counter() at submission
 
 
 class RolloutAhead:
@@ -104,7 +103,7 @@ class RolloutAhead:
         self.start_version = start_version
         self.version = start_version  # the newest version submitted to the engines
         self.in_flight: dict[int, InFlight] = {}
-        self.submitted = start_version  # the last step whose generation was submitted
+        self.submitted = 0  # the last step whose generation was submitted
 
     def submit_ahead(self, step: int) -> None:
         """Submit the generations of steps up to ``step + k`` (and at most ``total_steps``)."""
@@ -115,7 +114,7 @@ class RolloutAhead:
                 raise RuntimeError(f"async schedule: step {t} must be generated with version {expected}, but the "
                                    f"engines are at version {self.version}")
             future = self.workers.submit_generate(self.next_prompts(), seed=self.seed(t))
-            self.in_flight[t] = InFlight(t, self.version, future, time.perf_counter())
+            self.in_flight[t] = InFlight(t, self.version, future)
             self.submitted = t
 
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -151,7 +150,8 @@ class RolloutAhead:
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self, folder: str) -> None:
-        """Wait for every generation in flight and write the batches into checkpoint ``folder``."""
+        """Wait for every generation in flight and write the batches into checkpoint ``folder`` (the one
+        place the driver waits for generations ahead of the step it trains)."""
         items = []
         for step in sorted(self.in_flight):
             item = self.in_flight[step]
@@ -180,7 +180,7 @@ class RolloutAhead:
         if state["version"] != step:
             raise ValueError(f"checkpoint {folder}: in-flight state of version {state['version']} at step {step}")
         for item in state["in_flight"]:
-            self.in_flight[item["step"]] = InFlight(item["step"], item["version"], Done(item["batch"]), 0.0)
+            self.in_flight[item["step"]] = InFlight(item["step"], item["version"], Done(item["batch"]))
         self.submitted = state["submitted"]
 
 
