@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config)
     except KeyboardInterrupt:  # the workers are already shut down (fit)
-        print(f"\ninterrupted; resume with the same command (trainer.resume_mode=auto picks the latest checkpoint "
-              f"under {config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
+        print(f"\ninterrupted; every worker is stopped. Resume with trainer.resume_mode=auto (the default: the latest "
+              f"checkpoint under {config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
         return 130
     return 0
 
