@@ -258,7 +258,7 @@ class TrainerConfig:
     total_training_steps: int | None = None  # None: total_epochs passes over data.train_files
     total_epochs: int = 1  # passes over the training prompts (when total_training_steps is None)
     n_gpus_per_node: int = 1  # ranks of each role per node (GPUs on CUDA, processes on CPU)
-    nnodes: int = 1  # nodes (see README, Multi-node)
+    nnodes: int = 1  # nodes (see docs/cluster.md, Multi-node)
     save_freq: int = -1  # checkpoint every this many steps and after the last; -1: never
     test_freq: int = -1  # validate every this many steps; -1: only before training and after the last step
     val_before_train: bool = True  # validate before the first step
