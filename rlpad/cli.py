@@ -1,10 +1,11 @@
-"""The ``rlpad`` command: ``check``, ``bench``, ``train``, ``toy-data``."""
+"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``toy-data``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 
 
@@ -18,7 +19,14 @@ def _write(result: dict, out: str) -> None:
     print(f"wrote {out}")
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, command: str) -> int:
+    from rlpad.bench.table import show
+
+    load = os.getloadavg()  # before the benchmark loads the machine itself
+
+    def report(name: str, tables: list) -> None:
+        show(name, tables, markdown=args.markdown, command=command, load=load)
+
     if args.device == "cuda":
         if args.what not in CUDA_BENCHES:
             print(f"error: --device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not {args.what!r}",
@@ -26,83 +34,106 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         try:
             if args.what == "logprob":
-                from rlpad.bench.logprob_cuda import run_cuda
+                from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
                 result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+                tables = cuda_tables(result)
             else:
-                from rlpad.bench.prefix import run_cuda
+                from rlpad.bench.prefix import run_cuda, tables as prefix_tables
 
                 result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows)
+                tables = prefix_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
             return 2
+        report(f"{args.what} cuda", tables)
         _write(result, args.out or f"results/bench_{args.what}_cuda.json")
     elif args.what == "all":
         from rlpad.bench.report import run_all
 
-        run_all(args.out or "results", reps=args.reps)
+        run_all(args.out or "results", reps=args.reps, markdown=args.markdown, command=command, load=load)
     elif args.what == "logprob":
-        from rlpad.bench.logprob import run
+        from rlpad.bench.logprob import run, tables
 
-        run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
+        result = run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
+        report("logprob", tables(result))
     elif args.what == "e2e" and args.max_off_policy_steps is not None:
-        from rlpad.bench.e2e_async import run_async_curves, run_async_e2e
+        from rlpad.bench.e2e_async import curve_tables, run_async_curves, run_async_e2e, tables
 
         recipe = (args.recipe or ["recipes/grpo_tiny_long.yaml"])[0]
         name = os.path.splitext(os.path.basename(recipe))[0]
         try:
             if args.curves:
-                run_async_curves(recipe, args.max_off_policy_steps, overrides=args.set or (), png=args.curves,
-                                 out=args.out or f"results/async_curves_{name}.json")
+                result = run_async_curves(recipe, args.max_off_policy_steps, overrides=args.set or (),
+                                          png=args.curves, out=args.out or f"results/async_curves_{name}.json")
+                report(f"async curves {name}", curve_tables(result))
             else:
-                run_async_e2e(recipe, args.max_off_policy_steps, steps=args.steps or 8, overrides=args.set or (),
-                              out=args.out or f"results/bench_e2e_async_{name}.json")
+                result = run_async_e2e(recipe, args.max_off_policy_steps, steps=args.steps or 8,
+                                       overrides=args.set or (), out=args.out or f"results/bench_e2e_async_{name}.json")
+                report(f"e2e async {name}", tables(result))
         except ValueError as e:  # bad k list, too few steps or cores: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
             return 2
     elif args.what == "e2e":
-        from rlpad.bench.e2e import run_e2e
+        from rlpad.bench.e2e import run_e2e, tables
 
         recipes = args.recipe or ["recipes/grpo_tiny_long.yaml"]
         for recipe in recipes:
             name = os.path.splitext(os.path.basename(recipe))[0]
             out = args.out if args.out and len(recipes) == 1 else f"results/bench_e2e_{name}.json"
-            run_e2e(recipe, steps=args.steps or 4, overrides=args.set or (), out=out)
+            report(f"e2e {name}", tables(run_e2e(recipe, steps=args.steps or 4, overrides=args.set or (), out=out)))
     elif args.what == "prefix":
-        from rlpad.bench.prefix import run as run_prefix
+        from rlpad.bench.prefix import run as run_prefix, tables
 
-        run_prefix((args.models or ["40m"])[0], reps=args.reps, groups=args.groups,
-                   out=args.out or "results/bench_prefix.json")
+        result = run_prefix((args.models or ["40m"])[0], reps=args.reps, groups=args.groups,
+                            out=args.out or "results/bench_prefix.json")
+        report("prefix", tables(result))
     elif args.what == "workers":
-        from workers.bench import run_worker_bench  # the Ray side
+        from workers.bench import run_worker_bench, tables  # the Ray side
 
         result = run_worker_bench(model=(args.models or ["40m"])[0], reps=args.reps)
-        print(f"worker group ({result['config']['world_size']} ranks, {result['config']['model']}): rmpad/padded "
-              f"compute_log_prob {result['speedup']['compute_log_prob']:.2f}x, "
-              f"update_actor {result['speedup']['update_actor']:.2f}x")
+        report("workers", tables(result))
         _write(result, args.out or "results/bench_workers.json")
     elif args.what == "sync":
-        from workers.bench_sync import SYNC_MODELS, print_sync, run_sync_bench  # the Ray side
+        from workers.bench_sync import SYNC_MODELS, run_sync_bench, tables  # the Ray side
 
         result = run_sync_bench(tuple(args.models or SYNC_MODELS), reps=args.reps)
-        print_sync(result)
+        report("sync", tables(result))
         _write(result, args.out or "results/bench_sync.json")
     else:
-        from rlpad.bench.rollout import run_rollout_bench
+        from rlpad.bench.rollout import run_rollout_bench, tables
         from workers.bench_replicas import run_replica_bench  # the Ray side
 
         result = run_rollout_bench(reps=args.reps)
-        print(f"rollout ({result['backend']}): {result['gen_tokens_per_s']:.0f} generated tokens/s, "
-              f"weight sync {result['sync_s'] * 1e3:.1f} ms")
-        for dtype, m in result["mismatch"].items():
-            print(f"  rollout ({dtype}) vs actor (fp32) log-probs over {m['tokens']:.0f} tokens: |diff| mean "
-                  f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
-                  f"pearson {m['pearson']:.6f}")
         result["replicas"] = run_replica_bench(reps=args.reps)
-        for run in result["replicas"]["runs"]:
-            print(f"  {run['replicas']} replica(s): {run['tokens_per_s']:.0f} generated tokens/s "
-                  f"({result['replicas']['speedup'][str(run['replicas'])]:.2f}x of 1)")
+        report("rollout", tables(result))
         _write(result, args.out or "results/bench_rollout.json")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    """``rlpad config [recipe] [overrides]``: print every key, or write the Markdown reference."""
+    from rlpad.config_doc import describe, format_console, markdown
+    from rlpad.config_loader import load_config
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not os.path.isfile(recipe):  # no recipe, only overrides
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        sections = describe(load_config(recipe, overrides))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.markdown:
+        os.makedirs(os.path.dirname(args.markdown) or ".", exist_ok=True)
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown(sections, value_label="value" if recipe or overrides else "default"))
+        print(f"wrote {args.markdown}")
+        return 0
+    try:
+        print(format_console(sections))
+    except BrokenPipeError:  # `rlpad config | head`
+        sys.stderr.close()
     return 0
 
 
@@ -111,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="padded vs remove-padding agreement and speed on tiny models")
     check.add_argument("--reps", type=int, default=3)
-    bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG)")
+    bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
+                           "--markdown PATH writes the table into a doc")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
@@ -135,24 +167,37 @@ def main(argv: list[str] | None = None) -> int:
                             "each on its own core: phase seconds, sync/async step ratio and its ideal")
     bench.add_argument("--curves", default=None, metavar="PNG",
                        help="e2e --max-off-policy-steps: train the whole recipe per k instead and plot the rewards")
+    bench.add_argument("--markdown", metavar="PATH", default=None,
+                       help="also write the table(s) into this Markdown file, between the markers "
+                            "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")
+    cfg = sub.add_parser("config", help="every config key with its value (default, recipe or override), type and "
+                         "meaning, read from rlpad/config.py")
+    cfg.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the built-in defaults)")
+    cfg.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    cfg.add_argument("--markdown", metavar="PATH", default=None,
+                     help="write the keys as Markdown tables instead (docs/configuration.md is this with no recipe)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
     toy.add_argument("rest", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its own parser takes every option (argparse's REMAINDER would not)
+        from rlpad.train import main as train_main
+
+        return train_main(argv[1:])
+    if argv[:1] == ["toy-data"]:
+        from rlpad.embedded.toy import main as toy_main
+
+        return toy_main(argv[1:])
     args = parser.parse_args(argv)
+    command = shlex.join(["rlpad", *argv])
     if args.command == "check":
         from rlpad.bench.check import run_check
 
         return 0 if run_check(reps=args.reps) else 1
-    if args.command == "train":
-        from rlpad.train import main as train_main
-
-        return train_main(args.rest)
-    if args.command == "toy-data":
-        from rlpad.embedded.toy import main as toy_main
-
-        return toy_main(args.rest)
-    return _bench(args)
+    if args.command == "config":
+        return _config(args)
+    return _bench(args, command)
 
 
 if __name__ == "__main__":

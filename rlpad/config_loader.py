@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlpad.advantages import ESTIMATORS
 from rlpad.config import (
-    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, KL_KINDS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
+    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, KL_KINDS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
     REMOVED_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
 )
 from rlpad.metrics import LOGGERS
@@ -304,6 +304,7 @@ def validate_config(config: Config) -> Config:
                             "(the shared prompt lives in the packed row)")
     one_of("trainer.device", trainer.device, DEVICES)
     one_of("trainer.backend", trainer.backend, BACKENDS)
+    one_of("trainer.log_level", trainer.log_level, LOG_LEVELS)
     models = [("actor_rollout_ref.model", arr.model)] + ([("critic.model", critic.model)] if uses_critic else [])
     for key, model in models:
         one_of(f"{key}.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)

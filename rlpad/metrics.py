@@ -10,6 +10,8 @@ from typing import Any
 __all__ = ["MetricsLogger", "plot_reward_curve"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# metric -> its name on the progress bar
+BAR_METRICS = {"reward/mean": "reward", "val/reward": "val_reward", "actor/pg_loss": "pg_loss"}
 
 
 class MetricsLogger:
@@ -51,8 +53,7 @@ class MetricsLogger:
         if self._wandb:
             self._wandb.log(numeric, step=step)
         if self._bar:
-            shown = {k.split("/")[-1]: f"{numeric[k]:.3g}" for k in ("reward/mean", "val/reward", "actor/pg_loss")
-                     if k in numeric}
+            shown = {name: f"{numeric[k]:.3g}" for k, name in BAR_METRICS.items() if k in numeric}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(step - self._bar.n)
 

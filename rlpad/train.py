@@ -20,18 +20,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+from rlpad.advantages import uses_critic
 from rlpad.config import Config, SFTConfig
 from rlpad.config_loader import load_config, save_config
 from rlpad.core.models import load_tokenizer
-from rlpad.data import build_datasets
+from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.rewards import load_reward_fn
+from rlpad.run_log import RunLog
 from rlpad.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
 
-__all__ = ["fit", "main", "resolve_embedded", "run"]
+__all__ = ["Prepared", "check_inputs", "fit", "main", "prepare", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -93,27 +96,72 @@ def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     return out
 
 
-def fit(config: Config, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
-    """Resolve embedded names, build data, reward and the Ray workers, train; returns the per-step
-    records. ``wrap_workers`` (optional) wraps the workers before the trainer gets them (benchmarks
-    use it to look at the batches)."""
+def check_inputs(config: Config) -> None:
+    """The paths a run reads exist: data files (FileNotFoundError) and model folders (ValueError),
+    each named by its key. Cheap: runs before anything is built or started."""
+    data = config.data
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        for name in files:
+            if _embedded_data_task(name) is None and not os.path.isfile(name):
+                raise FileNotFoundError(f"{key}: data file not found: {name!r}")
+    model = config.actor_rollout_ref.model
+    paths = [("actor_rollout_ref.model.path", model.path), ("actor_rollout_ref.model.tokenizer_path", model.tokenizer_path)]
+    if uses_critic(config):
+        paths += [("critic.model.path", config.critic.model.path), ("critic.model.tokenizer_path",
+                                                                     config.critic.model.tokenizer_path)]
+    for key, path in paths:
+        if path and not path.startswith(("tiny:", EMBEDDED_PREFIX)) and not os.path.isdir(path):
+            what = "is a file, not" if os.path.isfile(path) else "is not"
+            raise ValueError(f"{key}={path!r} {what} a directory (a local Hugging Face checkpoint folder; "
+                             "nothing is downloaded)")
+
+
+@dataclass
+class Prepared:
+    """What the driver builds before any worker starts (:func:`prepare`)."""
+
+    config: Config
+    tokenizer: Any
+    train_loader: PromptLoader
+    val_dataset: PromptDataset | None
+    reward_fn: Callable[..., Any]
+
+
+def prepare(config: Config) -> Prepared:
+    """Check the inputs, resolve embedded names, load the tokenizer, the datasets and the reward.
+
+    Everything a user can get wrong in a recipe fails here, with ValueError / FileNotFoundError
+    naming it, before Ray or vLLM start.
+    """
+    check_inputs(config)
     config = resolve_embedded(config)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
     train_loader, val_dataset = build_datasets(config.data, tokenizer)
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
-    reward_fn = load_reward_fn(config.reward.fn)
+    return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
+
+
+def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
+    """:func:`prepare` (unless given), start the workers, train; returns the per-step records.
+    ``wrap_workers`` (optional) wraps the workers before the trainer gets them (benchmarks use it
+    to look at the batches). Third-party output goes to ``<default_local_dir>/run.log``
+    (:class:`rlpad.run_log.RunLog`)."""
+    prep = config if isinstance(config, Prepared) else prepare(config)
+    config = prep.config
     out_dir = config.trainer.default_local_dir
     os.makedirs(out_dir, exist_ok=True)
     save_config(config, os.path.join(out_dir, "config.yaml"))
 
-    workers = _launch(config)
-    try:
-        driven = wrap_workers(workers) if wrap_workers is not None else workers
-        return Trainer(config, driven, tokenizer, train_loader, val_dataset, reward_fn).fit()
-    finally:
-        with _no_interrupt():  # a second Ctrl-C must not leave workers behind
-            workers.shutdown()
+    with RunLog(out_dir, config.trainer.log_level) as run_log:
+        print(_starting_line(config, run_log), flush=True)
+        workers = _launch(config, run_log)
+        try:
+            driven = wrap_workers(workers) if wrap_workers is not None else workers
+            return Trainer(config, driven, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn).fit()
+        finally:
+            with _no_interrupt():  # a second Ctrl-C must not leave workers behind
+                workers.shutdown()
 
 
 @contextmanager
@@ -129,24 +177,36 @@ def _no_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run(config: Config) -> dict[str, float]:
+def run(config: Config | Prepared) -> dict[str, float]:
     """Train with ``config``; returns the run summary (initial/final validation reward, throughput)."""
     start = time.perf_counter()
     history = fit(config)
+    config = config.config if isinstance(config, Prepared) else config
     summary = summarize(history) | {"wall_s": time.perf_counter() - start}
     _print_summary(summary, config)
     return summary
 
 
-def _launch(config: Config):
+def _starting_line(config: Config, run_log: RunLog) -> str:
+    """The one line printed while the workers start: what starts, and where its messages go."""
+    t, arr = config.trainer, config.actor_rollout_ref
+    roles = "+".join(["actor"] + ["ref"] * config.uses_ref + ["critic"] * uses_critic(config))
+    where = ("in this process" if t.backend == "local"
+             else f"on Ray, {t.nnodes * t.n_gpus_per_node} rank(s) per role")
+    quiet = "" if run_log.level in ("info", "debug") else " (--verbose: here too)"
+    return (f"rlpad: starting {roles} and the {arr.rollout.name} rollout {where}; their start-up messages go to "
+            f"{run_log.path}{quiet}")
+
+
+def _launch(config: Config, run_log: RunLog | None = None):
     """The worker stack named by ``trainer.backend``: Ray actors, or everything in this process."""
     if config.trainer.backend == "local":
         from workers.local import launch_local_workers  # no Ray
 
-        return launch_local_workers(config)
+        return launch_local_workers(config, run_log=run_log)
     from workers.launcher import launch_workers  # the Ray side
 
-    return launch_workers(config)
+    return launch_workers(config, run_log=run_log)
 
 
 def _print_summary(summary: dict[str, float], config: Config) -> None:
@@ -178,17 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlpad.train", description="GRPO/PPO training from a recipe")
     parser.add_argument("--config", default=None, help="recipe YAML (default: the built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show Ray's, vLLM's and the workers' messages on the console too (trainer.log_level=info)")
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["trainer.log_level=info"] if args.verbose else [])]
+    try:  # what the user gave (recipe, overrides, paths, data): one line naming the problem, exit 2
+        prepared = prepare(load_config(args.config, overrides))
     except (ValueError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        run(config)
+        run(prepared)
     except KeyboardInterrupt:  # the workers are already shut down (fit)
         print(f"\ninterrupted; every worker is stopped. Resume with trainer.resume_mode=auto (the default: the latest "
-              f"checkpoint under {config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
+              f"checkpoint under {prepared.config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
         return 130
     return 0
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpad.bench.logprob_cuda import measure_speed, print_cuda_tables
+from rlpad.bench.logprob_cuda import cuda_tables, measure_speed
 from rlpad.bench.measure import require_cuda
 from rlpad.bench.models import bench_model
 from rlpad.bench.prefix import N, bench_shape
+from rlpad.bench.table import format_text
 from rlpad.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ print(json.dumps({{"codes": codes, "before": [m for m in {HEAVY!r} if m in befor
             assert not [n for n in names if n.split(".")[0] in NEVER], f"{module} imports {names}"
 
 
-def test_logprob_speed_code_runs_on_a_small_shape(capsys):
+def test_logprob_speed_code_runs_on_a_small_shape():
     """The CUDA benchmark's own code (both attention paths, micro-batches, FLOPs, rates) on CPU in bf16."""
     r = measure_speed(torch.device("cpu"), "tiny", rows=4, prompt=8, response=12, micro_rows=2, chunk=16, reps=1)
     assert r["packed_attention"] == "rlpad_varlen" and r["peak"] is None and r["model"] == "tiny"
@@ -79,8 +80,7 @@ def test_logprob_speed_code_runs_on_a_small_shape(capsys):
         assert "rmpad_mfu" not in m  # no known peak on a CPU
     with pytest.raises(ValueError, match="micro_rows=3 must be >= 1 and divide rows=4"):
         measure_speed(torch.device("cpu"), "tiny", rows=4, prompt=8, response=12, micro_rows=3, chunk=16, reps=1)
-    print_cuda_tables({"speed": r, "memory": []})
-    assert "packed attention: rlpad_varlen" in capsys.readouterr().out
+    assert "packed attention: rlpad_varlen" in format_text(cuda_tables({"speed": r, "memory": []}))
 
 
 def test_prefix_shape_code_runs_in_micro_batches_of_whole_groups():

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from rlpad.bench.e2e_async import format_async_report, ideal_speedup, run_async_e2e, summarize_async
+from rlpad.bench.e2e_async import curve_tables, ideal_speedup, run_async_e2e, summarize_async, tables
+from rlpad.bench.table import format_markdown, format_text
 
 
 def step(gen: float, wall: float, **extra) -> dict:
@@ -38,13 +39,17 @@ def test_report_names_the_ratio_and_its_share_of_the_ideal():
     modes = {"0": {"step_s": 5.0, "gen_s": 3.0, "update_actor_s": 2.0},
              "1": {"step_s": 3.5, "gen_s": 3.1, "wait_rollout_s": 0.4, "update_actor_s": 2.0, "staleness_mean": 1.0,
                    "overlap": 0.87, "speedup": 5.0 / 3.5, "of_ideal": (5.0 / 3.5) / (5.0 / 3.0)}}
-    text = format_async_report({"recipe": "r.yaml", "steps": 8, "skip": 2, "load_avg": [1.5, 1, 1],
-                                "pinned": {"rollout replica 0": [1], "actor rank 0": [0]},
-                                "ideal": ideal_speedup(modes["0"]), "modes": modes})
-    assert "k=1: sync / async step time 1.43x = 0.86 of ideal" in text
-    assert "ideal (sync gen 3.000 s + train 2.000 s) / max = 1.67x" in text
-    assert "rollout replica 0 core 1, actor rank 0 core 0; load average 1.50" in text
-    assert "| wait_rollout |  | 0.400 |" in text
+    result = {"recipe": "r.yaml", "steps": 8, "skip": 2, "load_avg": [1.5, 1, 1],
+              "pinned": {"rollout replica 0": [1], "actor rank 0": [0]}, "ideal": ideal_speedup(modes["0"]),
+              "modes": modes}
+    text = format_text(tables(result))
+    assert "k=1: sync / async step time 1.43x = 0.86 of the ideal" in text
+    assert "(gen 3.000 s + train 2.000 s) / max = 1.67x" in text
+    assert "rollout replica 0 on core 1, actor rank 0 on core 0" in text
+    assert "| wait_rollout |  | 0.400 |" in format_markdown(tables(result))
+    curves = {"recipe": "r.yaml", "png": "c.png", "runs": {"0": {"val_initial": 0.36, "val_final": 0.667,
+                                                                  "train_s": 115.2}}}
+    assert "| 0 | 0.360 | 0.667 | 115 |" in format_markdown(curve_tables(curves))
 
 
 @pytest.mark.parametrize("ks, steps", [([1, 0], 8), ([0, 1, 1], 8), ([0, -1], 8), ([0, 1], 2)])

@@ -132,3 +132,34 @@ def test_config_errors_name_the_key_before_starting_anything():
     assert "ppo_mini_batchsize" in out.stderr and "did you mean actor_rollout_ref.actor.ppo_mini_batch_size" in out.stderr
     out = subprocess.run([*cmd[:4], "data.max_prompt_length=abc"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "data.max_prompt_length" in out.stderr
+
+
+@pytest.mark.parametrize("bad", ["missing data file", "no prompt column", "model path is a file",
+                                 "missing data file, rlpad train --verbose"])
+def test_config_errors_bad_inputs_are_one_line_before_starting_anything(tmp_path, bad):
+    """A user's bad input: one `error: ...` line naming it, exit 2, no traceback, nothing started
+    (no output folder, no start-up line)."""
+    out_dir = tmp_path / "out"
+    overrides = [f"trainer.default_local_dir={out_dir}", "actor_rollout_ref.model.path=tiny:qwen2"]
+    if bad.startswith("missing data file"):
+        overrides.append(f"data.train_files=[{tmp_path / 'nowhere.parquet'}]")
+        expected = ["data.train_files", "not found", "nowhere.parquet"]
+    elif bad == "no prompt column":
+        path = tmp_path / "rows.jsonl"
+        path.write_text(json.dumps({"question": "1+1?", "reward_model": {"ground_truth": "2"}, "data_source": "toy"})
+                        + "\n")
+        overrides.append(f"data.train_files=[{path}]")
+        expected = ["rows.jsonl", "missing column 'prompt'"]
+    else:
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(b"")
+        overrides[1] = f"actor_rollout_ref.model.path={path}"
+        expected = ["actor_rollout_ref.model.path", "model.safetensors", "not a directory"]
+    entry = ["rlpad.cli", "train", "--verbose"] if bad.endswith("--verbose") else ["rlpad.train"]
+    cmd = [sys.executable, "-m", *entry, "--config", GRPO, *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(word in lines[0] for word in expected), lines[0]
+    assert result.stdout == "" and not out_dir.exists()

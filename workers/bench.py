@@ -10,9 +10,10 @@ import tempfile
 import time
 from typing import Any
 
+from rlpad.bench.table import Table
 from rlpad.embedded.synthetic import ppo_batch
 
-__all__ = ["run_worker_bench"]
+__all__ = ["run_worker_bench", "tables"]
 
 
 def _timed(fn, reps: int) -> float:
@@ -101,3 +102,14 @@ def run_worker_bench(
         tmp.cleanup()
         if started:
             ray.shutdown()
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The padded vs remove-padding table of a :func:`run_worker_bench` result."""
+    c = result["config"]
+    rows = [[key, f"{result['padded'][f'{key}_tok_s']:.0f}", f"{result['rmpad'][f'{key}_tok_s']:.0f}",
+             f"{result['speedup'][key]:.2f}x"] for key in ("compute_log_prob", "update_actor")]
+    title = (f"worker group: {c['world_size']} ranks, {c['model']}, {c['rows']} rows x ({c['prompt_length']} prompt + "
+             f"{c['response_length']} response), {c['valid_tokens'] / c['padded_tokens']:.0%} valid; valid tokens/s, "
+             f"median of {c['reps']}")
+    return [Table(["call", "padded tok/s", "rmpad tok/s", "rmpad / padded"], rows, title=title)]

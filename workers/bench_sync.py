@@ -24,8 +24,9 @@ from typing import Any
 
 from rlpad.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rlpad.bench.models import model_shape
+from rlpad.bench.table import Table
 
-__all__ = ["SYNC_MODELS", "run_sync_bench"]
+__all__ = ["SYNC_MODELS", "run_sync_bench", "tables"]
 
 # Default rows of rlpad.bench.models.MODEL_SHAPES (untied embeddings: the head is a tensor of its own).
 SYNC_MODELS = ("40m", "160m")
@@ -130,17 +131,16 @@ def run_sync_bench(sizes: tuple[str, ...] = SYNC_MODELS, *, reps: int = 3, bucke
     }
 
 
-def print_sync(result: dict[str, Any]) -> None:
-    """A table of :func:`run_sync_bench`'s result."""
-    print(f"{'size':>6} {'params':>8} {'MB/sync':>8} {'buckets':>7} {'driver +MiB':>11} {'peak MiB':>8} "
-          f"{'via driver +MiB':>15} {'sync s':>7} {'s/GB':>6} {'via driver s':>12}")
-    for r in result["runs"]:
-        print(f"{r['size']:>6} {r['params'] / 1e6:>7.1f}M {r['sync_bytes'] / 1e6:>8.0f} {r['buckets']:>7.0f} "
-              f"{r['driver_hwm_growth_mib']:>11.2f} {r['driver_peak_rss_mib']:>8.0f} "
-              f"{r['via_driver_hwm_growth_mib']:>15.0f} {r['sync_s']:>7.2f} {r['sync_s_per_gb']:>6.2f} "
-              f"{r['via_driver_s']:>12.2f}")
-    print(f"{result['model_bytes_ratio']:.1f}x the weights: driver growth {result['growth_spread_mib']:.2f} MiB apart, "
-          f"driver peak RSS during the syncs {result['peak_rss_ratio']:.3f}x")
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The table of a :func:`run_sync_bench` result."""
+    rows = [[r["size"], f"{r['params'] / 1e6:.1f}M", f"{r['sync_bytes'] / 1e6:.0f}", f"{r['buckets']:.0f}",
+             f"{r['driver_hwm_growth_mib']:.2f}", f"{r['driver_peak_rss_mib']:.0f}", f"{r['via_driver_hwm_growth_mib']:.0f}",
+             f"{r['sync_s']:.2f}", f"{r['sync_s_per_gb']:.2f}", f"{r['via_driver_s']:.2f}"] for r in result["runs"]]
+    notes = [f"{result['model_bytes_ratio']:.1f}x the weights: driver growth {result['growth_spread_mib']:.2f} MiB "
+             f"apart, driver peak RSS during the syncs {result['peak_rss_ratio']:.3f}x"]
+    return [Table(["size", "params", "MB/sync", "buckets", "driver +MiB", "peak MiB", "via driver +MiB", "sync s", "s/GB",
+                   "via driver s"], rows, title="weight sync, actor rank 0 -> engine through the object store "
+                                                "(driver memory growth and time per sync)", notes=notes)]
 
 
 def _main() -> None:

@@ -36,11 +36,13 @@ from rlpad.batch import Batch
 from rlpad.config import Config
 from rlpad.embedded.cache import cache_root
 from rlpad.rollout import backend_class
+from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.group import WorkerGroup
 from workers.placement import check_cluster_room, plan_nodes, release, reserve
+from workers.ray_logs import quiet_ray_logger, route_worker_output
 from workers.rollout import PendingRollout, RolloutReplicas
 from workers.staging import NodePaths, ship_dir
 
@@ -48,7 +50,8 @@ __all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray
 
 RANK_INFO_FILE = "workers.json"  # written next to metrics.jsonl
 
-# vLLM logs every engine step at INFO; keep the console for the progress bar and errors.
+# vLLM logs every engine step at INFO; keep the console for the progress bar and errors (a run's
+# RunLog sets VLLM_LOGGING_LEVEL from trainer.log_level).
 QUIET_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -264,10 +267,13 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
                       "(set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)", stacklevel=2)
 
 
-def launch_workers(config: Config) -> RayWorkers:
-    """Join the Ray cluster (RAY_ADDRESS) or start a local head on 127.0.0.1, then the workers."""
+def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
+    """Join the Ray cluster (RAY_ADDRESS) or start a local head on 127.0.0.1, then the workers.
+    With ``run_log``, Ray's and the workers' output go through it (workers/ray_logs.py)."""
     owns = False
     if not ray.is_initialized():
+        if run_log is not None:
+            quiet_ray_logger(run_log)
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
@@ -276,6 +282,10 @@ def launch_workers(config: Config) -> RayWorkers:
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))
-            init_local_ray(cpus, runtime_env={"env_vars": QUIET_ENV})
+            init_local_ray(cpus, runtime_env={"env_vars": QUIET_ENV | (run_log.worker_env() if run_log else {})})
             owns = True
+    if run_log is not None:
+        undo = route_worker_output(run_log)
+        if undo is not None:
+            run_log.on_close(undo)
     return RayWorkers(config, owns_ray=owns)

@@ -28,6 +28,7 @@ from rlpad.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
 from rlpad.rollout import build_rollout
+from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
@@ -122,8 +123,13 @@ class LocalWorkers:
         self.actor.shutdown()
 
 
-def launch_local_workers(config: Config) -> LocalWorkers:
-    """The single-process stack for ``config`` (``trainer.backend: local``)."""
+def launch_local_workers(config: Config, run_log: RunLog | None = None) -> LocalWorkers:
+    """The single-process stack for ``config`` (``trainer.backend: local``). With ``run_log``, vLLM leaves
+    its logging unconfigured, so its records reach the run log through the root logger (what vLLM's
+    C++ side prints to this process's stderr still shows)."""
+    if run_log is not None and "VLLM_CONFIGURE_LOGGING" not in os.environ:
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+        run_log.on_close(lambda: os.environ.pop("VLLM_CONFIGURE_LOGGING", None))
     world = config.trainer.n_gpus_per_node * config.trainer.nnodes
     if world > 1:
         print(f"trainer.backend=local runs one process (world size 1); trainer.n_gpus_per_node x nnodes = {world} "

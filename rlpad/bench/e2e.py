@@ -21,7 +21,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FlopRecorder", "overhead", "phase_table", "run_e2e", "summarize_mode"]
+from rlpad.bench.table import Table
+
+__all__ = ["FlopRecorder", "overhead", "phase_table", "run_e2e", "summarize_mode", "tables"]
 
 PHASES = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic", "sync")
 DRIVER_PHASES = ("reward", "adv")  # computed on the driver itself
@@ -130,14 +132,14 @@ def _run_mode(recipe: str, steps: int, use_remove_padding: bool, overrides: Sequ
 
 
 def run_e2e(recipe: str, steps: int = 4, overrides: Sequence[str] = (), out: str | None = None) -> dict[str, Any]:
-    """Both runs of ``recipe`` (remove-padding first, then padded); prints the table, writes JSON to ``out``."""
+    """Both runs of ``recipe`` (remove-padding first, then padded); writes JSON to ``out`` (:func:`tables`
+    formats the result)."""
     if steps < 2:
         raise ValueError(f"steps={steps}: need at least 2 (the first step is a warm-up and is not counted)")
     with tempfile.TemporaryDirectory(prefix="rlpad-e2e-") as tmp:
         modes = {name: _run_mode(recipe, steps, rmpad, overrides, os.path.join(tmp, name))
                  for name, rmpad in (("rmpad", True), ("padded", False))}
     result = {"recipe": recipe, "steps": steps, "modes": modes, "phases": phase_table(modes["rmpad"], modes["padded"])}
-    print(format_report(result))
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
@@ -146,19 +148,19 @@ def run_e2e(recipe: str, steps: int = 4, overrides: Sequence[str] = (), out: str
     return result
 
 
-def format_report(result: dict[str, Any]) -> str:
-    """The phase table and the overhead lines of a :func:`run_e2e` result, as Markdown."""
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The phase table and the overhead lines of a :func:`run_e2e` result."""
     rm, pad = result["modes"]["rmpad"], result["modes"]["padded"]
-    lines = [f"{result['recipe']}: {result['steps']} steps per mode, medians of steps 2..{result['steps']}, "
-             f"padding ratio {rm['padding_ratio']:.1%}", "",
-             "| phase | padded s | remove-padding s | padded / rmpad | FLOP-ideal |", "|---|---:|---:|---:|---:|"]
-    for row in result["phases"]:
-        ideal = f"{row['ideal']:.2f}x" if row["ideal"] else ""
-        lines.append(f"| {row['phase']} | {row['padded_s']:.3f} | {row['rmpad_s']:.3f} | {row['ratio']:.2f}x | {ideal} |")
+    rows = [[row["phase"], f"{row['padded_s']:.3f}", f"{row['rmpad_s']:.3f}", f"{row['ratio']:.2f}x",
+             f"{row['ideal']:.2f}x" if row["ideal"] else ""] for row in result["phases"]]
+    notes = []
     for name, m in (("remove-padding", rm), ("padded", pad)):
         parts = sorted(((k, v) for k, v in m.items() if k.startswith(("transfer/", "driver/")) or k == "untimed"),
                        key=lambda kv: -kv[1])
         top = ", ".join(f"{k} {v:.3f}s" for k, v in parts[:4])
-        lines.append(f"trainer overhead ({name}): {m['overhead_s']:.3f} s of a {m['step_s']:.3f} s step "
+        notes.append(f"trainer overhead ({name}): {m['overhead_s']:.3f} s of a {m['step_s']:.3f} s step "
                      f"= {m['overhead_pct']:.1f}% (largest parts: {top})")
-    return "\n".join(lines)
+    title = (f"{result['recipe']}: {result['steps']} steps per mode, medians of steps 2..{result['steps']}, "
+             f"padding ratio {rm['padding_ratio']:.1%}")
+    return [Table(["phase", "padded s", "remove-padding s", "padded / rmpad", "FLOP-ideal"], rows, title=title,
+                  notes=notes)]

@@ -23,7 +23,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_async_report", "ideal_speedup", "run_async_curves", "run_async_e2e", "summarize_async"]
+from rlpad.bench.table import Table
+
+__all__ = ["curve_tables", "ideal_speedup", "run_async_curves", "run_async_e2e", "summarize_async", "tables"]
 
 PHASES = ("gen", "wait_rollout", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
           "sync")
@@ -91,7 +93,8 @@ def _train(config: Any) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
 
 def run_async_e2e(recipe: str, ks: Sequence[int] = (0, 1), steps: int = 6, overrides: Sequence[str] = (),
                   out: str | None = None, skip: int = 2) -> dict[str, Any]:
-    """One run per k (the first must be 0: the synchronous reference); prints the table, writes JSON to ``out``."""
+    """One run per k (the first must be 0: the synchronous reference); writes JSON to ``out`` (:func:`tables`
+    formats the result)."""
     ks = list(ks)
     if not ks or ks[0] != 0 or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
         raise ValueError(f"--max-off-policy-steps {ks}: give 0 first (the synchronous reference), then distinct k >= 1")
@@ -109,7 +112,6 @@ def run_async_e2e(recipe: str, ks: Sequence[int] = (0, 1), steps: int = 6, overr
         m["of_ideal"] = m["speedup"] / ideal["ideal"]
     result = {"recipe": recipe, "steps": steps, "skip": skip, "pinned": pinned, "load_avg": list(os.getloadavg()),
               "ideal": ideal, "modes": modes}
-    print(format_async_report(result))
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
@@ -118,27 +120,26 @@ def run_async_e2e(recipe: str, ks: Sequence[int] = (0, 1), steps: int = 6, overr
     return result
 
 
-def format_async_report(result: dict[str, Any]) -> str:
-    """The per-phase table and the speed-up lines of a :func:`run_async_e2e` result, as Markdown."""
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The per-phase table of a :func:`run_async_e2e` result, with the ideal and the measured speed-up."""
     modes, ideal = result["modes"], result["ideal"]
     ks = list(modes)
-    pins = ", ".join(f"{name} core {cores[0]}" for name, cores in result["pinned"].items())
-    lines = [f"{result['recipe']}: {result['steps']} steps per run, medians of steps {result['skip'] + 1}.."
-             f"{result['steps']} ({pins}; load average {result['load_avg'][0]:.2f})", "",
-             "| phase (s) | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+    rows = []
     for p in PHASES:
         if any(f"{p}_s" in modes[k] for k in ks):
-            cells = [f"{modes[k][f'{p}_s']:.3f}" if f"{p}_s" in modes[k] else "" for k in ks]
-            label = "gen (engine, overlapped when k>0)" if p == "gen" else p
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| **step** | " + " | ".join(f"**{modes[k]['step_s']:.3f}**" for k in ks) + " |")
-    lines.append(f"ideal (sync gen {ideal['gen_s']:.3f} s + train {ideal['train_s']:.3f} s) / max = "
-                 f"{ideal['ideal']:.2f}x")
+            label = "gen (engine; overlapped when k > 0)" if p == "gen" else p
+            rows.append([label] + [f"{modes[k][f'{p}_s']:.3f}" if f"{p}_s" in modes[k] else "" for k in ks])
+    rows.append(["step"] + [f"{modes[k]['step_s']:.3f}" for k in ks])
+    notes = [f"ideal speed-up = (gen {ideal['gen_s']:.3f} s + train {ideal['train_s']:.3f} s) / max = "
+             f"{ideal['ideal']:.2f}x (the synchronous run's medians)"]
     for k in ks[1:]:
         m = modes[k]
-        lines.append(f"k={k}: sync / async step time {m['speedup']:.2f}x = {m['of_ideal']:.2f} of ideal "
+        notes.append(f"k={k}: sync / async step time {m['speedup']:.2f}x = {m['of_ideal']:.2f} of the ideal "
                      f"(staleness {m.get('staleness_mean', float('nan')):.2f}, overlap {m.get('overlap', float('nan')):.2f})")
-    return "\n".join(lines)
+    pins = ", ".join(f"{name} on core {cores[0]}" for name, cores in result["pinned"].items())
+    title = (f"{result['recipe']}: {result['steps']} steps per run, medians of steps {result['skip'] + 1}.."
+             f"{result['steps']}; {pins}")
+    return [Table(["phase (s)"] + [f"k={k}" for k in ks], rows, title=title, notes=notes)]
 
 
 def run_async_curves(recipe: str, ks: Sequence[int] = (0, 1), overrides: Sequence[str] = (),
@@ -154,15 +155,21 @@ def run_async_curves(recipe: str, ks: Sequence[int] = (0, 1), overrides: Sequenc
             runs[str(k)] = {"val": val, "train": train, "val_final": val[-1][1] if val else float("nan"),
                             "val_initial": val[0][1] if val else float("nan"), "train_s": sum(walls)}
     result = {"recipe": recipe, "load_avg": list(os.getloadavg()), "runs": runs, "png": _plot(runs, png, recipe)}
-    lines = ["| k | val reward start | val reward end | training seconds |", "|---:|---:|---:|---:|"]
-    lines += [f"| {k} | {r['val_initial']:.3f} | {r['val_final']:.3f} | {r['train_s']:.0f} |" for k, r in runs.items()]
-    print("\n".join(lines) + f"\n(load average {result['load_avg'][0]:.2f})")
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {out}")
     return result
+
+
+def curve_tables(result: dict[str, Any]) -> list[Table]:
+    """Validation reward at the start and the end of each run of :func:`run_async_curves`, and its training seconds."""
+    rows = [[k, f"{r['val_initial']:.3f}", f"{r['val_final']:.3f}", f"{r['train_s']:.0f}"]
+            for k, r in result["runs"].items()]
+    notes = [f"curves: {result['png']}"] if result["png"] else []
+    return [Table(["max_off_policy_steps", "val reward, step 0", "val reward, last step", "training s (step walls)"],
+                  rows, title=f"{result['recipe']}: the whole recipe per k", notes=notes, align="rrrr")]
 
 
 def _plot(runs: dict[str, Any], png: str, recipe: str) -> str | None:

@@ -22,10 +22,11 @@ from rlpad.bench.flops import padded_and_packed_flops
 from rlpad.bench.head_memory import VARIANTS, measure_in_subprocess
 from rlpad.bench.measure import interleaved_medians, path_rates
 from rlpad.bench.models import bench_model
+from rlpad.bench.table import Table
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["DEFAULT_MODELS", "bench_speed", "run", "print_tables"]
+__all__ = ["DEFAULT_MODELS", "bench_speed", "run", "tables"]
 
 DEFAULT_MODELS = ("tiny", "40m")  # rows of rlpad.bench.models.MODEL_SHAPES
 
@@ -66,34 +67,35 @@ def bench_speed(model_name: str, *, batch: int = 16, prompt: int = 256, response
     return result
 
 
-def print_tables(result: dict[str, Any]) -> None:
-    print("\nlog-prob + entropy, padded vs remove-padding (median seconds; tokens/s counts valid tokens)")
-    header = f"{'model':>6} {'pass':>7} {'padded s':>9} {'rmpad s':>8} {'rmpad tok/s':>11} {'speedup':>8} {'ideal':>6} {'of ideal':>8}"
-    print(header)
-    print("-" * len(header))
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The speed table and the LM-head memory lines of a :func:`run` result."""
+    rows = []
     for r in result["speed"]:
         for mode in ("fwd", "fwdbwd"):
             m = r[mode]
-            print(f"{r['model']:>6} {mode:>7} {m['padded_s']:9.3f} {m['rmpad_s']:8.3f} {m['rmpad_tok_s']:11.0f} "
-                  f"{m['speedup']:7.2f}x {r['flop_ideal_speedup']:5.2f}x {m['speedup_vs_ideal']:7.2f}x")
-    if result.get("memory"):
-        mem = {m["variant"]: m for m in result["memory"]}
-        print(f"\nLM-head log-prob + entropy, fwd+bwd, {mem['full']['tokens']} tokens x vocab {mem['full']['vocab']}")
-        for name, m in mem.items():
-            print(f"  {name:>8}: peak +{m['peak_gib']:.2f} GiB  ({m['seconds']:.1f} s)")
-        if "full" in mem and "chunked" in mem:
-            print(f"  chunked / full peak memory: {mem['chunked']['peak_gib'] / mem['full']['peak_gib']:.3f}")
+            rows.append([r["model"], mode, f"{m['padded_s']:.3f}", f"{m['rmpad_s']:.3f}", f"{m['rmpad_tok_s']:.0f}",
+                         f"{m['speedup']:.2f}x", f"{r['flop_ideal_speedup']:.2f}x", f"{m['speedup_vs_ideal']:.2f}x"])
+    out = [Table(["model", "pass", "padded s", "rmpad s", "rmpad tok/s", "speedup", "ideal", "of ideal"], rows,
+                 title="log-prob + entropy, padded vs remove-padding (median seconds; tokens/s counts valid tokens)")]
+    mem = {m["variant"]: m for m in result.get("memory", [])}
+    if mem:
+        first = next(iter(mem.values()))
+        rows = [[name, f"+{m['peak_gib']:.2f}", f"{m['seconds']:.1f}"] for name, m in mem.items()]
+        notes = ([f"chunked / full peak memory: {mem['chunked']['peak_gib'] / mem['full']['peak_gib']:.3f}"]
+                 if "full" in mem and "chunked" in mem else [])
+        out.append(Table(["LM head", "peak GiB", "s"], rows, notes=notes,
+                         title=f"LM-head log-prob + entropy, fwd+bwd, {first['tokens']} tokens x vocab {first['vocab']}"))
+    return out
 
 
 def run(models: Sequence[str] | None = None, *, reps: int = 3, memory: bool = True, out: str | None = None) -> dict[str, Any]:
-    """The whole benchmark; prints the tables and writes JSON to ``out`` when given."""
+    """The whole benchmark; writes JSON to ``out`` when given (:func:`tables` formats the result)."""
     torch.set_num_threads(os.cpu_count() or 1)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "speed": [bench_speed(name, reps=reps) for name in (models or DEFAULT_MODELS)],
         "memory": [measure_in_subprocess(v) for v in VARIANTS] if memory else [],
     }
-    print_tables(result)
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:

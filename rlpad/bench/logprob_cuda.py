@@ -27,11 +27,12 @@ from rlpad.bench.head_memory import VARIANTS, measure_cuda
 from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
 from rlpad.bench.mfu import PEAK_SOURCE
 from rlpad.bench.models import bench_model
+from rlpad.bench.table import Table
 from rlpad.core.attn_choice import resolve_attn_implementation
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["CUDA_MODEL", "measure_speed", "print_cuda_tables", "run_cuda"]
+__all__ = ["CUDA_MODEL", "cuda_tables", "measure_speed", "run_cuda"]
 
 CUDA_MODEL = "qwen2.5-0.5b"  # the row of rlpad.bench.models.MODEL_SHAPES
 
@@ -83,32 +84,35 @@ def measure_speed(device: torch.device, model_name: str, *, rows: int, prompt: i
     return result
 
 
-def print_cuda_tables(result: dict[str, Any]) -> None:
+def cuda_tables(result: dict[str, Any]) -> list[Table]:
+    """The speed table and the LM-head memory line of a :func:`run_cuda` result."""
     s = result["speed"]
     peak = s["peak"]
-    print(f"\n{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M), {s['rows']} rows "
-          f"x {s['seq_len']} (micro-batches of {s['micro_rows']}), {s['valid_fraction']:.0%} valid; packed attention: "
-          f"{s['packed_attention']}; bf16 peak: " + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak
-                                                     else "unknown device, no MFU"))
-    header = (f"{'pass':>7} {'padded s':>9} {'rmpad s':>8} {'rmpad tok/s':>11} {'speedup':>8} {'ideal':>6} "
-              f"{'of ideal':>8} {'pad TF/s':>8} {'rm TF/s':>8} {'pad MFU':>7} {'rm MFU':>7}")
-    print(header + "\n" + "-" * len(header))
+    rows = []
     for mode in ("fwd", "fwdbwd"):
         m = s[mode]
-        mfus = (f"{m['padded_mfu']:7.1%} {m['rmpad_mfu']:7.1%}" if "rmpad_mfu" in m else f"{'-':>7} {'-':>7}")
-        print(f"{mode:>7} {m['padded_s']:9.3f} {m['rmpad_s']:8.3f} {m['rmpad_tok_s']:11.0f} {m['speedup']:7.2f}x "
-              f"{m['flop_ideal_speedup']:5.2f}x {m['speedup_vs_ideal']:7.2f}x {m['padded_tflops']:8.1f} "
-              f"{m['rmpad_tflops']:8.1f} {mfus}")
+        mfus = [f"{m['padded_mfu']:.1%}", f"{m['rmpad_mfu']:.1%}"] if "rmpad_mfu" in m else ["-", "-"]
+        rows.append([mode, f"{m['padded_s']:.3f}", f"{m['rmpad_s']:.3f}", f"{m['rmpad_tok_s']:.0f}", f"{m['speedup']:.2f}x",
+                     f"{m['flop_ideal_speedup']:.2f}x", f"{m['speedup_vs_ideal']:.2f}x", f"{m['padded_tflops']:.1f}",
+                     f"{m['rmpad_tflops']:.1f}", *mfus])
+    title = (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M), {s['rows']} rows "
+             f"x {s['seq_len']} (micro-batches of {s['micro_rows']}), {s['valid_fraction']:.0%} valid; packed attention: "
+             f"{s['packed_attention']}; bf16 peak: " + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak
+                                                        else "unknown device, no MFU"))
+    out = [Table(["pass", "padded s", "rmpad s", "rmpad tok/s", "speedup", "ideal", "of ideal", "pad TF/s", "rm TF/s",
+                  "pad MFU", "rm MFU"], rows, title=title)]
     mem = {m["variant"]: m for m in result.get("memory", [])}
     if "full" in mem and "chunked" in mem:
-        print(f"\nLM-head log-prob + entropy fwd+bwd, {mem['full']['tokens']} tokens x vocab {mem['full']['vocab']}, "
-              f"bf16, torch.cuda.max_memory_allocated above the inputs: full {mem['full']['peak_gib']:.2f} GiB, "
-              f"chunked {mem['chunked']['peak_gib']:.2f} GiB ({mem['chunked']['peak_gib'] / mem['full']['peak_gib']:.3f})")
+        out.append(Table(notes=[
+            f"LM-head log-prob + entropy fwd+bwd, {mem['full']['tokens']} tokens x vocab {mem['full']['vocab']}, "
+            f"bf16, torch.cuda.max_memory_allocated above the inputs: full {mem['full']['peak_gib']:.2f} GiB, "
+            f"chunked {mem['chunked']['peak_gib']:.2f} GiB ({mem['chunked']['peak_gib'] / mem['full']['peak_gib']:.3f})"]))
+    return out
 
 
 def run_cuda(*, reps: int = 3, memory: bool = True, micro_rows: int = 16, rows: int = 64, prompt: int = 512,
              response: int = 1024, chunk: int = 4096) -> dict[str, Any]:
-    """The whole CUDA benchmark; prints the tables and returns the result (the CLI writes the JSON)."""
+    """The whole CUDA benchmark; returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
     device = require_cuda()
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -116,5 +120,4 @@ def run_cuda(*, reps: int = 3, memory: bool = True, micro_rows: int = 16, rows: 
                                chunk=chunk, reps=reps),
         "memory": [measure_cuda(v, device) for v in VARIANTS] if memory else [],
     }
-    print_cuda_tables(result)
     return result

