@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 STEPS = 4
-BEFORE_ASYNC = "436df624d36ba1c24a1d7dc14cfed11a1f38131d"  # main just before asynchronous training landed
+BEFORE_ASYNC = "208c2b6cbb0daf3715ddda96f23a0e51a470ee6c"  # main just before asynchronous training (its trainer.py)
 TIMING = ("timing_s/", "worker_s/", "tokens_per_s/", "async/overlap", "async/gen_s")
 
 
