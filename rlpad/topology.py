@@ -65,7 +65,8 @@ def _colocate(config: Config, cuda: bool) -> bool:
 def colocated(config: Config, cuda: bool) -> bool:
     """Whether the run uses the colocated layout: ``trainer.colocate``, or its default (true on CUDA
     with ``backend=ray``, ``tensor_model_parallel_size=1``, a rollout backend that can fill the
-    pool and ``max_off_policy_steps=0``, false otherwise). Raises ValueError when ``actor.fsdp`` offload is asked for without it."""
+    pool and ``max_off_policy_steps=0``, false otherwise). Raises ValueError when ``actor.fsdp`` offload
+    is asked for without it."""
     on = _colocate(config, cuda)
     problem = _offload_problem(config, on, cuda)
     if problem:

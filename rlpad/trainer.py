@@ -116,7 +116,8 @@ class Trainer:
         if k:
             if not callable(getattr(workers, "submit_generate", None)):
                 raise ValueError(f"trainer.max_off_policy_steps={k} needs workers that submit generations ahead "
-                                 f"(rlpad.async_schedule.AsyncWorkers: the Ray backend); {type(workers).__name__} does not")
+                                 "(rlpad.async_schedule.AsyncWorkers: the Ray backend); "
+                                 f"{type(workers).__name__} does not")
             self.ahead = RolloutAhead(workers, k, self.total_steps, train_loader.next_batch, self._seed)
 
     def _seed(self, step: int) -> int:

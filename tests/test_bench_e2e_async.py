@@ -62,7 +62,8 @@ def test_bad_arguments_fail_before_any_run(ks, steps):
 def test_pin_process_pins_every_thread():
     from workers.cpu_pin import pin_process
 
-    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); print(1, flush=True); time.sleep(30)"
+    code = ("import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+            "print(1, flush=True); time.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         child.stdout.readline()  # both threads exist

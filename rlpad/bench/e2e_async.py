@@ -134,8 +134,9 @@ def tables(result: dict[str, Any]) -> list[Table]:
              f"{ideal['ideal']:.2f}x (the synchronous run's medians)"]
     for k in ks[1:]:
         m = modes[k]
+        nan = float("nan")
         notes.append(f"k={k}: sync / async step time {m['speedup']:.2f}x = {m['of_ideal']:.2f} of the ideal "
-                     f"(staleness {m.get('staleness_mean', float('nan')):.2f}, overlap {m.get('overlap', float('nan')):.2f})")
+                     f"(staleness {m.get('staleness_mean', nan):.2f}, overlap {m.get('overlap', nan):.2f})")
     pins = ", ".join(f"{name} on core {cores[0]}" for name, cores in result["pinned"].items())
     title = (f"{result['recipe']}: {result['steps']} steps per run, medians of steps {result['skip'] + 1}.."
              f"{result['steps']}; {pins}")
