@@ -276,8 +276,9 @@ class TrainerConfig:
     backend: str = "ray"
     # One pool of nnodes x n_gpus_per_node bundles shared by actor, ref, critic and rollout, time-shared
     # phase by phase (workers/launcher.py); false: each role on its own GPUs. null: true on CUDA (with
-    # backend=ray, tensor_model_parallel_size=1), false on CPU (see rlpad.topology.colocated).
+    # backend=ray, tensor_model_parallel_size=1, max_off_policy_steps=0), false on CPU (rlpad.topology.colocated).
     colocate: bool | None = None
+    max_off_policy_steps: int = 0  # k >= 1: generate the next k steps' batches while the actor trains; 0: synchronous
 
 
 @dataclass
