@@ -68,6 +68,23 @@ def _bench(args: argparse.Namespace, command: str) -> int:
 
         result = run(args.models, reps=args.reps, memory=not args.no_memory, out=args.out or "results/bench_logprob.json")
         report("logprob", tables(result))
+    elif args.what == "e2e" and args.max_off_policy_steps is not None:
+        from rlpad.bench.e2e_async import curve_tables, run_async_curves, run_async_e2e, tables
+
+        recipe = (args.recipe or ["recipes/grpo_tiny_long.yaml"])[0]
+        name = os.path.splitext(os.path.basename(recipe))[0]
+        try:
+            if args.curves:
+                result = run_async_curves(recipe, args.max_off_policy_steps, overrides=args.set or (),
+                                          png=args.curves, out=args.out or f"results/async_curves_{name}.json")
+                report(f"async curves {name}", curve_tables(result))
+            else:
+                result = run_async_e2e(recipe, args.max_off_policy_steps, steps=args.steps or 8,
+                                       overrides=args.set or (), out=args.out or f"results/bench_e2e_async_{name}.json")
+                report(f"e2e async {name}", tables(result))
+        except ValueError as e:  # bad k list, too few steps or cores: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     elif args.what == "e2e":
         from rlpad.bench.e2e import run_e2e, tables
 
@@ -75,7 +92,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         for recipe in recipes:
             name = os.path.splitext(os.path.basename(recipe))[0]
             out = args.out if args.out and len(recipes) == 1 else f"results/bench_e2e_{name}.json"
-            report(f"e2e {name}", tables(run_e2e(recipe, steps=args.steps, overrides=args.set or (), out=out)))
+            report(f"e2e {name}", tables(run_e2e(recipe, steps=args.steps or 4, overrides=args.set or (), out=out)))
     elif args.what == "prefix":
         from rlpad.bench.prefix import run as run_prefix, tables
 
@@ -153,12 +170,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
-    bench.add_argument("--steps", type=int, default=4, help="e2e: training steps per mode (the first is a warm-up)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="e2e: training steps per mode (default 4, the first a warm-up; with "
+                            "--max-off-policy-steps 8, the first 2 not counted)")
     bench.add_argument("--set", nargs="*", default=None, help="e2e: recipe overrides a.b.c=value")
     bench.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4], help="sp: sequence-parallel sizes")
     bench.add_argument("--seqs", type=int, default=8, help="sp: sequences in the packed row")
     bench.add_argument("--lengths", nargs=2, type=int, default=[1024, 4096], metavar=("MIN", "MAX"),
                        help="sp: response lengths, evenly spaced from MIN to MAX")
+    bench.add_argument("--max-off-policy-steps", nargs="+", type=int, default=None, metavar="K",
+                       help="e2e: one run per trainer.max_off_policy_steps (0 first), one engine and a one-rank actor "
+                            "each on its own core: phase seconds, sync/async step ratio and its ideal")
+    bench.add_argument("--curves", default=None, metavar="PNG",
+                       help="e2e --max-off-policy-steps: train the whole recipe per k instead and plot the rewards")
     bench.add_argument("--markdown", metavar="PATH", default=None,
                        help="also write the table(s) into this Markdown file, between the markers "
                             "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")

@@ -261,7 +261,7 @@ class TrainerConfig:
     total_training_steps: int | None = None  # None: total_epochs passes over data.train_files
     total_epochs: int = 1  # passes over the training prompts (when total_training_steps is None)
     n_gpus_per_node: int = 1  # ranks of each role per node (GPUs on CUDA, processes on CPU)
-    nnodes: int = 1  # nodes (see README, Multi-node)
+    nnodes: int = 1  # nodes (see docs/cluster.md, Multi-node)
     save_freq: int = -1  # checkpoint every this many steps and after the last; -1: never
     test_freq: int = -1  # validate every this many steps; -1: only before training and after the last step
     val_before_train: bool = True  # validate before the first step
@@ -279,8 +279,9 @@ class TrainerConfig:
     backend: str = "ray"
     # One pool of nnodes x n_gpus_per_node bundles shared by actor, ref, critic and rollout, time-shared
     # phase by phase (workers/launcher.py); false: each role on its own GPUs. null: true on CUDA (with
-    # backend=ray, tensor_model_parallel_size=1), false on CPU (see rlpad.topology.colocated).
+    # backend=ray, tensor_model_parallel_size=1, max_off_policy_steps=0), false on CPU (rlpad.topology.colocated).
     colocate: bool | None = None
+    max_off_policy_steps: int = 0  # k >= 1: generate the next k steps' batches while the actor trains; 0: synchronous
 
 
 @dataclass

@@ -316,6 +316,13 @@ def validate_config(config: Config) -> Config:
     if not alg.rollout_correction.threshold > 1.0:
         problems.append(f"algorithm.rollout_correction.threshold={alg.rollout_correction.threshold!r} must be > 1 "
                         "(token_tis caps weights at it, seq_mask keeps geometric-mean ratios in [1/C, C])")
+    k = trainer.max_off_policy_steps
+    if k < 0:
+        problems.append(f"trainer.max_off_policy_steps={k} must be >= 0 (0: synchronous training)")
+    elif k >= 1 and alg.rollout_correction.mode == "none":
+        problems.append(f"trainer.max_off_policy_steps={k} trains on batches up to {k} update(s) old: set "
+                        "algorithm.rollout_correction.mode to token_tis or seq_mask to correct for the policy that "
+                        "generated them (the behaviour policy, rollout_log_probs)")
     one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)

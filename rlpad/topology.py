@@ -51,19 +51,22 @@ def _offload_problem(config: Config, on: bool, cuda: bool) -> str | None:
 
 def _colocate(config: Config, cuda: bool) -> bool:
     """``trainer.colocate``, or its default: true on CUDA with ``backend=ray``,
-    ``tensor_model_parallel_size=1`` and a rollout that can fill the pool (one engine per bundle)."""
+    ``tensor_model_parallel_size=1``, a rollout that can fill the pool (one engine per bundle) and
+    the synchronous loop (``max_off_policy_steps=0``: asynchronous training needs separate GPUs)."""
     trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
     if trainer.colocate is not None:
         return trainer.colocate
     pool = _pool(config)
     return (cuda and trainer.backend == "ray" and rollout.tensor_model_parallel_size == 1
+            and trainer.max_off_policy_steps == 0
             and rollout.num_replicas in (None, pool) and (pool == 1 or _splits(rollout.name)))
 
 
 def colocated(config: Config, cuda: bool) -> bool:
     """Whether the run uses the colocated layout: ``trainer.colocate``, or its default (true on CUDA
-    with ``backend=ray``, ``tensor_model_parallel_size=1`` and a rollout backend that can fill the
-    pool, false otherwise). Raises ValueError when ``actor.fsdp`` offload is asked for without it."""
+    with ``backend=ray``, ``tensor_model_parallel_size=1``, a rollout backend that can fill the
+    pool and ``max_off_policy_steps=0``, false otherwise). Raises ValueError when ``actor.fsdp`` offload
+    is asked for without it."""
     on = _colocate(config, cuda)
     problem = _offload_problem(config, on, cuda)
     if problem:
@@ -125,6 +128,15 @@ def layout_problems(config: Config) -> list[str]:
             problems.append(f"trainer.colocate=true puts one engine on each of the pool's {pool} bundles, and the "
                             f"{rollout.name} backend cannot be split into replicas; use a backend that seeds each prompt "
                             f"({_splitting_backends()}) or trainer.colocate=false")
+    k = trainer.max_off_policy_steps
+    if k >= 1 and trainer.backend == "local":
+        problems.append(f"trainer.max_off_policy_steps={k}: asynchronous training generates in rollout engines of "
+                        "their own while the actor trains; trainer.backend=local runs both in one process "
+                        "(set trainer.backend=ray or max_off_policy_steps=0)")
+    if k >= 1 and trainer.colocate:
+        problems.append(f"trainer.max_off_policy_steps={k}: asynchronous training needs the rollout engines on "
+                        "resources of their own; trainer.colocate=true time-shares them with the actor (set "
+                        "trainer.colocate=false or max_off_policy_steps=0)")
     cuda = {"cpu": False, "cuda": True}.get(trainer.device)
     if trainer.colocate is not None or cuda is not None:
         problem = _offload_problem(config, _colocate(config, bool(cuda)), bool(cuda))

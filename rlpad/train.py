@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +160,21 @@ def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = N
             driven = wrap_workers(workers) if wrap_workers is not None else workers
             return Trainer(config, driven, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn).fit()
         finally:
-            workers.shutdown()
+            with _no_interrupt():  # a second Ctrl-C must not leave workers behind
+                workers.shutdown()
+
+
+@contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """SIGINT ignored inside (in the main thread; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run(config: Config | Prepared) -> dict[str, float]:
@@ -230,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(prepared)
+    try:
+        run(prepared)
+    except KeyboardInterrupt:  # the workers are already shut down (fit)
+        print(f"\ninterrupted; every worker is stopped. Resume with trainer.resume_mode=auto (the default: the latest "
+              f"checkpoint under {prepared.config.trainer.default_local_dir}/checkpoints)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -3,6 +3,9 @@
 One step: prompts -> rollout (n per prompt) -> reward -> old log-probs (actor) -> ref log-probs
 -> values (PPO) -> advantages (rlpad.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
 validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
+With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.async_schedule.RolloutAhead`,
+generated up to k steps ahead while the actor trains (the workers then also implement
+:class:`rlpad.async_schedule.AsyncWorkers`); k = 0 is the synchronous loop.
 
 The trainer talks to the workers only through :class:`Workers`; ``workers/launcher.py``
 implements it with Ray actors, and anything else with the same methods (a test double, a
@@ -14,6 +17,7 @@ moves GPU memory between the engine and the actor there).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +28,7 @@ import torch
 
 from rlpad.advantages import get_estimator
 from rlpad.algos import kl_penalty, masked_mean
+from rlpad.async_schedule import INFLIGHT_FILE, RolloutAhead
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
@@ -106,6 +111,18 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.last_checkpoint: str | None = None
+        self.ahead: RolloutAhead | None = None  # the asynchronous schedule (trainer.max_off_policy_steps >= 1)
+        k = config.trainer.max_off_policy_steps
+        if k:
+            if not callable(getattr(workers, "submit_generate", None)):
+                raise ValueError(f"trainer.max_off_policy_steps={k} needs workers that submit generations ahead "
+                                 "(rlpad.async_schedule.AsyncWorkers: the Ray backend); "
+                                 f"{type(workers).__name__} does not")
+            self.ahead = RolloutAhead(workers, k, self.total_steps, train_loader.next_batch, self._seed)
+
+    def _seed(self, step: int) -> int:
+        """The rollout's sampling seed of ``step``: a resumed run samples what an uninterrupted one did."""
+        return self.config.actor_rollout_ref.rollout.seed + step
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -135,7 +152,9 @@ class Trainer:
             logger.log(0, record)
         while self.step < self.total_steps:
             self.step += 1
-            metrics = self.train_step(self.train_loader.next_batch())
+            if self.ahead is not None:
+                self.ahead.submit_ahead(self.step)  # the generations of the next k steps, then batch t
+            metrics = self.train_step(None if self.ahead is not None else self.train_loader.next_batch())
             last = self.step == self.total_steps
             if self.val_dataset is not None and ((cfg.test_freq > 0 and self.step % cfg.test_freq == 0) or last):
                 metrics.update(self.validate())
@@ -144,8 +163,9 @@ class Trainer:
             if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last):
                 self.save_checkpoint()
 
-    def train_step(self, prompts: Batch) -> dict[str, float]:
-        """One GRPO/PPO step on a batch of prompts; returns its metrics.
+    def train_step(self, prompts: Batch | None) -> dict[str, float]:
+        """One GRPO/PPO step on a batch of prompts (None: the batch the asynchronous schedule generated
+        for this step); returns its metrics.
 
         ``timing_s/<phase>`` is the driver's wall time of each phase, ``worker_s/<phase>`` the
         seconds the workers measured inside themselves for it (when they report them), and
@@ -157,9 +177,14 @@ class Trainer:
         estimator = get_estimator(algo.adv_estimator)
         timing: dict[str, float] = {}
         worker_s: dict[str, float] = {}
-        with self._generation(timing), _timed(timing, "gen"):
-            batch = self.workers.generate(prompts, seed=cfg.actor_rollout_ref.rollout.seed + self.step)
-        _pop_worker_s(batch, worker_s, "gen")
+        if self.ahead is None:
+            with self._generation(timing), _timed(timing, "gen"):
+                batch = self.workers.generate(prompts, seed=self._seed(self.step))
+            _pop_worker_s(batch, worker_s, "gen")
+            async_metrics: dict[str, float] = {}
+        else:  # generated while earlier steps trained: the step waits only for what is not done yet
+            batch, async_metrics = self.ahead.take(self.step)
+            timing["wait_rollout"] = async_metrics.pop("timing_s/wait_rollout")
         with _timed(timing, "reward"):
             scores, seq_scores = score_batch(batch, self.tokenizer, self.reward_fn)
             _check_finite("reward", seq_scores, self.step)
@@ -205,10 +230,14 @@ class Trainer:
             if key in metrics:
                 _check_finite(key, metrics[key], self.step)
         with _timed(timing, "sync"):
-            sync_s = self.workers.sync_weights()
+            sync_s = self.workers.sync_weights() if self.ahead is None else self.ahead.sync(self.step)
         if isinstance(sync_s, int | float):
             worker_s["sync"] = float(sync_s)
         metrics.update(self._batch_metrics(batch, seq_scores, timing))
+        if async_metrics:
+            metrics.update(async_metrics)
+            if async_metrics["async/gen_s"] > 0:
+                metrics["tokens_per_s/gen"] = float(batch["response_mask"].sum()) / async_metrics["async/gen_s"]
         wall = time.perf_counter() - step_start
         metrics["timing_s/step_wall"] = wall
         metrics.update({f"worker_s/{k}": v for k, v in worker_s.items()})
@@ -274,6 +303,8 @@ class Trainer:
         for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
             with self._generation():
                 batch = self.workers.generate_validation(prompts)
+            if self.ahead is not None:
+                self.ahead.check_latest(batch, "validation")
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
             if "rollout_log_probs" in batch:
                 batch.update(self.workers.compute_log_prob(batch, for_update=False))
@@ -290,6 +321,9 @@ class Trainer:
         staging = self.checkpoints.staging(self.step)
         self.workers.save_checkpoint(staging)
         state = {"step": self.step, "loader": self.train_loader.state_dict(), "history": self.history}
+        if self.ahead is not None:  # the batches generated for later steps are part of the state
+            self.ahead.save(staging)
+            state["max_off_policy_steps"] = self.ahead.k
         self.last_checkpoint = self.checkpoints.publish(self.step, state)
         return self.last_checkpoint
 
@@ -301,10 +335,16 @@ class Trainer:
         if path is None:
             return
         state = CheckpointDir.read_state(path)
+        if self.ahead is None and os.path.isfile(os.path.join(path, INFLIGHT_FILE)):
+            raise ValueError(f"checkpoint {path} holds the batches generated ahead by an asynchronous run; resume "
+                             f"it with trainer.max_off_policy_steps={state.get('max_off_policy_steps')}")
         self.workers.load_checkpoint(path)
-        self.workers.sync_weights()  # the rollout engine starts from the initial weights
         self.train_loader.load_state_dict(state["loader"])
         self.step, self.history = int(state["step"]), list(state["history"])
+        if self.ahead is None:
+            self.workers.sync_weights()  # the rollout engine starts from the initial weights
+        else:  # the engines load the checkpoint's weights first, then the saved batches come back
+            self.ahead.restore(path, self.step)
         self.last_checkpoint = path
         print(f"resumed from {path} at step {self.step}")
 

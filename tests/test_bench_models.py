@@ -18,7 +18,7 @@ def test_table_rows_and_parameter_counts():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(bench_config(name))
         counts[name] = sum(p.numel() for p in model.parameters())
-    # The README's figures: 40m 45.6M; one 160m, 168.3M (the 40m shape doubled); Qwen2.5-0.5B 494M.
+    # The figures in docs/performance.md: 40m 45.6M; one 160m, 168.3M (the 40m shape doubled); Qwen2.5-0.5B 494M.
     assert round(counts["40m"] / 1e5) == 456 and round(counts["160m"] / 1e5) == 1683
     assert round(counts["qwen2.5-0.5b"] / 1e6) == 494
     assert counts["tiny"] < 1e6 and counts["tiny-llama"] < 1e6

@@ -14,6 +14,11 @@ Two layouts (``trainer.colocate``, rlpad.config.colocated):
   (k co-resident actors). The phases time-share the GPU: :meth:`RayWorkers.begin_generation` /
   :meth:`RayWorkers.end_generation` (hooks the trainer calls around each generation) and
   :meth:`RayWorkers.sync_weights` move memory as described there; actor rank i feeds replica i.
+
+Asynchronous training (``trainer.max_off_policy_steps >= 1``, separate layout): :class:`RayWorkers`
+also implements :class:`rlpad.async_schedule.AsyncWorkers`: the driver submits every call an engine
+gets (generations, and the weight loads of the buckets actor rank 0 put in the object store), so
+each engine runs them in the schedule's order (:meth:`RayWorkers.submit_weight_sync`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from workers.critic import CriticWorker
 from workers.group import WorkerGroup
 from workers.placement import check_cluster_room, plan_nodes, release, reserve
 from workers.ray_logs import quiet_ray_logger, route_worker_output
-from workers.rollout import RolloutReplicas
+from workers.rollout import PendingRollout, RolloutReplicas
 from workers.staging import NodePaths, ship_dir
 
 __all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray", "launch_workers"]
@@ -144,6 +149,21 @@ class RayWorkers:
 
     def generate_validation(self, batch: Batch) -> Batch:
         return self.rollout.generate_validation(batch)
+
+    def submit_generate(self, batch: Batch, seed: int) -> PendingRollout:
+        """:meth:`generate` without waiting (rlpad.async_schedule.AsyncWorkers)."""
+        return self.rollout.submit_generate(batch, seed=seed)
+
+    def submit_weight_sync(self, version: int) -> PendingRollout:
+        """The actor's weights into every replica as policy ``version``, behind the calls already submitted.
+
+        The actor ranks gather the full tensors in buckets and rank 0 puts each in the object store
+        (waited for: the actor's own work); the driver then submits each replica's loads of those
+        objects and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through the driver.
+        """
+        bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
+        buckets = self.actor.call("export_weights", bucket_bytes)[0]
+        return self.rollout.submit_weights(buckets, version)
 
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
         """Old log-probs. ``for_update`` with ``actor.old_log_prob_layout=update``: split over the ranks

