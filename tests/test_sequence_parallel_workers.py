@@ -4,9 +4,10 @@ shuffled mini-batches agree), for the actor and the critic.
 
 Two layouts: row micro-batches with the token-mean loss, and token budgets (which count the whole
 row: ``ppo_max_token_len_per_gpu x sp`` per micro-batch) with shuffled mini-batches, the
-seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute). Log-probs / values, the full gradients of a mini-batch and the metrics
-of a whole update (two mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token,
-1e-5 relative for gradients and metrics), and every rank must return the same metrics.
+seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute).
+Log-probs / values, the full gradients of a mini-batch and the metrics of a whole update (two
+mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token, 1e-5 relative for
+gradients and metrics), and every rank must return the same metrics.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def _rank(rank: int, sp_size: int, init: str, spec: dict[str, Any], queue) -> No
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         peak = max(peak, (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()) - base)
-    queue.put({"rank": rank, "peak_bytes": peak, "seconds": times, "log_probs": lp.cpu().tolist() if rank == 0 else None})  # plain lists: no shared memory
+    log_probs = lp.cpu().tolist() if rank == 0 else None  # a plain list: a tensor would travel in shared memory
+    queue.put({"rank": rank, "peak_bytes": peak, "seconds": times, "log_probs": log_probs})
     dist.destroy_process_group()
 
 
