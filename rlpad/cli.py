@@ -9,7 +9,7 @@ import shlex
 import sys
 
 
-CUDA_BENCHES = ("logprob", "prefix")  # the benchmarks with a --device cuda variant
+CUDA_BENCHES = ("logprob", "prefix", "sp")  # the benchmarks with a --device cuda variant
 
 
 def _write(result: dict, out: str) -> None:
@@ -27,7 +27,18 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     def report(name: str, tables: list) -> None:
         show(name, tables, markdown=args.markdown, command=command, load=load)
 
-    if args.device == "cuda":
+    if args.what == "sp":
+        from rlpad.bench.sp import run_sp_bench, tables
+
+        try:
+            result = run_sp_bench(model=(args.models or ["40m"])[0], sizes=tuple(args.sizes), seqs=args.seqs,
+                                  min_len=args.lengths[0], max_len=args.lengths[1], reps=args.reps, device=args.device)
+        except ValueError as e:  # bad sizes, or too few GPUs: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        report(f"sp{' cuda' if args.device == 'cuda' else ''}", tables(result))
+        _write(result, args.out or f"results/bench_sp{'_cuda' if args.device == 'cuda' else ''}.json")
+    elif args.device == "cuda":
         if args.what not in CUDA_BENCHES:
             print(f"error: --device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not {args.what!r}",
                   file=sys.stderr)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
                             "sync: sizes (40m 160m)")
@@ -153,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU")
+                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU; "
+                            "sp: one GPU per rank (nccl)")
     bench.add_argument("--micro-rows", type=int, default=16,
                        help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
@@ -162,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="e2e: training steps per mode (default 4, the first a warm-up; with "
                             "--max-off-policy-steps 8, the first 2 not counted)")
     bench.add_argument("--set", nargs="*", default=None, help="e2e: recipe overrides a.b.c=value")
+    bench.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4], help="sp: sequence-parallel sizes")
+    bench.add_argument("--seqs", type=int, default=8, help="sp: sequences in the packed row")
+    bench.add_argument("--lengths", nargs=2, type=int, default=[1024, 4096], metavar=("MIN", "MAX"),
+                       help="sp: response lengths, evenly spaced from MIN to MAX")
     bench.add_argument("--max-off-policy-steps", nargs="+", type=int, default=None, metavar="K",
                        help="e2e: one run per trainer.max_off_policy_steps (0 first), one engine and a one-rank actor "
                             "each on its own core: phase seconds, sync/async step ratio and its ideal")

@@ -102,6 +102,7 @@ class ActorConfig:
     # so the first mini-batch of every step is exactly on-policy (ratio 1, ppo_kl 0, bitwise).
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
+    ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -113,6 +114,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = 8  # rows per forward on each rank
     log_prob_use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a row count
     log_prob_max_token_len_per_gpu: int = 16384  # the token budget with log_prob_use_dynamic_bsz
+    ulysses_sequence_parallel_size: int | None = None  # the reference's sequence parallelism; null: the actor's
 
 
 @dataclass
@@ -178,6 +180,7 @@ class CriticConfig:
     cliprange_value: float = 0.5  # value clip around the old values
     loss_agg_mode: str = "token-mean"  # how token losses are averaged (as actor.loss_agg_mode)
     grad_clip: float = 1.0  # clip the gradient's global norm to this
+    ulysses_sequence_parallel_size: int = 1  # the critic's sequence parallelism (as the actor's)
 
 
 @dataclass

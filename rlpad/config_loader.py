@@ -33,6 +33,7 @@ from rlpad.config import (
     REMOVED_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
 )
 from rlpad.metrics import LOGGERS
+from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
 from rlpad.topology import layout_problems
 
@@ -375,21 +376,27 @@ def validate_config(config: Config) -> Config:
     if actor.optim.lr < 0 or critic.optim.lr < 0:
         problems.append("optim.lr must be >= 0")
 
-    # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each)
-    world = 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
+    # batch arithmetic (verl semantics: mini-batch sizes count prompts, rollout.n responses each); a
+    # mini-batch splits over the data-parallel groups (ranks / sequence-parallel size, rlpad.parallel)
+    problems += sequence_parallel_problems(config)
+    world = role_world(config)
     n = max(rollout.n, 1)
-    sections = [("actor_rollout_ref.actor", actor)] + ([("critic", critic)] if uses_critic else [])
-    for key, sec in sections:
-        mini = sec.ppo_mini_batch_size
+    sections = [("actor_rollout_ref.actor", arr, "actor")] + ([("critic", critic, "critic")] if uses_critic else [])
+    for key, section, role in sections:
+        mini = (actor if role == "actor" else critic).ppo_mini_batch_size
+        sp = sp_size(section, role)
+        dp = world // sp if sp >= 1 and world % sp == 0 else world
         if d.train_batch_size <= 0 or mini <= 0:
             continue
         if (d.train_batch_size * n) % (mini * n):
             problems.append(
                 f"data.train_batch_size={d.train_batch_size} (x rollout.n={n} = {d.train_batch_size * n} responses) "
                 f"must be divisible by {key}.ppo_mini_batch_size={mini} (x n = {mini * n})")
-        elif (mini * n) % world:
+        elif (mini * n) % dp:
+            groups = (f"{world} ranks / {key}.ulysses_sequence_parallel_size={sp}" if dp != world
+                      else "trainer.n_gpus_per_node x trainer.nnodes")
             problems.append(f"{key}.ppo_mini_batch_size={mini} x rollout.n={n} = {mini * n} responses must split "
-                            f"evenly over {world} workers (trainer.n_gpus_per_node x trainer.nnodes)")
+                            f"evenly over {dp} workers ({groups})")
 
     if problems:
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))

@@ -407,3 +407,49 @@ def test_warmup_ratio_needs_the_horizon():
     assert warmup_steps(OptimConfig(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5, total_training_steps=100)) == 3
     with pytest.raises(ValueError, match="lr_warmup_steps_ratio=0.5 needs optim.total_training_steps > 0"):
         warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.5))
+
+
+SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    ([f"{SP}=2", "trainer.n_gpus_per_node=3"], f"{SP}=2 must divide the actor's ranks: the actor group has 3 ranks"),
+    ([f"{SP}=2", "trainer.backend=local"], "trainer.backend=local runs one rank"),
+    ([f"{SP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=false"],
+     f"{SP}=2 needs actor_rollout_ref.model.use_remove_padding=true"),
+    ([f"{SP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.attn_implementation=flash_attention_2"],
+     "needs actor_rollout_ref.model.attn_implementation auto or rlpad_varlen"),
+    ([f"{SP}=4", "trainer.n_gpus_per_node=4"],  # tiny:qwen2 has 2 query heads
+     f"{SP}=4 must divide the query heads of actor_rollout_ref.model.path='tiny:qwen2': 2"),
+    ([f"{SP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=0"],
+     "actor_rollout_ref.ref.ulysses_sequence_parallel_size=0 must be >= 1"),
+    (["critic.ulysses_sequence_parallel_size=2", "algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=4",
+      "critic.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1"],
+     "critic.ppo_mini_batch_size=1 x rollout.n=1 = 1 responses must split evenly over 2 workers "
+     "(4 ranks / critic.ulysses_sequence_parallel_size=2)"),
+])
+def test_sequence_parallel_config_errors(overrides, wanted):
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, overrides)
+    assert wanted in str(e.value)
+
+
+def test_sequence_parallel_sizes_per_role(tmp_path):
+    """The reference follows the actor unless set; the mini-batch splits over world / sp groups; the
+    query heads of a model folder come from its config.json (no torch)."""
+    from rlpad.parallel import attention_heads, sp_size
+
+    cfg = load_config(RECIPE, [f"{SP}=2", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                               "data.train_batch_size=2"])  # 4 responses per mini-batch over 2 groups
+    arr = cfg.actor_rollout_ref
+    assert (sp_size(arr, "actor"), sp_size(arr, "ref"), sp_size(cfg.critic, "critic")) == (2, 2, 1)
+    arr.ref.ulysses_sequence_parallel_size = 1
+    assert sp_size(arr, "ref") == 1
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 2}')
+    assert attention_heads(str(folder)) == (6, 2) and attention_heads("embedded:toy") == (2, 1)
+    with pytest.raises(ValueError, match=f"{SP}=4 must divide the query heads of actor_rollout_ref.model.path=.*: 6"):
+        load_config(RECIPE, [f"{SP}=4", "trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={folder}"])
+    (folder / "config.json").write_text('{"num_attention_heads": 8, "num_key_value_heads": 2}')
+    load_config(RECIPE, [f"{SP}=4", "trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={folder}"])

@@ -62,12 +62,13 @@ def test_library_never_imports_ray():
     assert not bad, bad
 
 
-# The scoring core's layer: rlpad/core and the two modules below it, the config schema and the
-# tiny-model factory (rlpad.core.models builds ``tiny:<arch>`` models with it). Every other module
+# The scoring core's layer: rlpad/core and the modules below it, the config schema and the
+# tiny-model factory (rlpad.core.models builds ``tiny:<arch>`` models with it) with its torch-free
+# shape table. Every other module
 # of rlpad/ and workers/ is ABOVE the core: the rollout backends, RL math, data, trainer, entry
 # points, benchmarks and the Ray workers all build on it, so none of them may be imported by it.
 CORE = "rlpad.core"
-BELOW_CORE = ("rlpad.config", "rlpad.embedded.tiny")
+BELOW_CORE = ("rlpad.config", "rlpad.embedded.tiny", "rlpad.embedded.shapes")
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:

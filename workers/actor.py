@@ -59,11 +59,13 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         mcfg = self.config.model
         path = self._local_path(mcfg.path)
         attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
-                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts,
+                    sequence_parallel=self.sp_size > 1)
         if self.reads_checkpoint:  # loaded on the CPU; sharding moves each rank's rows to its device
             model = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
         else:
             model = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
+        self._check_heads(model.config)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "ref":
@@ -82,6 +84,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
             share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (@batch_method)
+            sp=self.sp,
         )  # fmt: skip
 
     def _temperature(self, batch: Batch) -> float:

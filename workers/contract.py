@@ -26,6 +26,7 @@ from torch import nn
 
 from rlpad.batch import Batch
 from rlpad.core.forward import check_model_inputs
+from rlpad.core.sequence_parallel import SequenceParallel
 
 __all__ = ["FORWARD", "INPUT_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch", "contract_of",
            "finite_check"]
@@ -115,7 +116,7 @@ def finite_check(batch: Batch, keys: list[str], who: str) -> None:
 
 
 def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, use_remove_padding: bool,
-                share_prompts: bool = False) -> int:
+                share_prompts: bool = False, sp: SequenceParallel | None = None) -> int:
     """The one check of a batch entering a worker method: ``contract``'s keys, (B, R) response
     tensors, finite values and the model inputs (:func:`rlpad.core.forward.check_model_inputs`); returns R.
 
@@ -137,7 +138,7 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
     try:
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
                            response_length, use_remove_padding=use_remove_padding,
-                           share_prompts=share_prompts)  # fmt: skip
+                           share_prompts=share_prompts, sp=sp)  # fmt: skip
     except TypeError as e:
         raise ValueError(f"{who}: {e}") from e
     return response_length
@@ -166,7 +167,8 @@ def batch_method(contract: ContractSpec, *, roles: tuple[str, ...] | None = None
                 raise RuntimeError(f"{who} called on a {self.role!r} worker")
             self._require_model()
             c, mcfg = spec(self.config), self.config.model
-            self._agree(lambda: check_batch(batch, c, who, self.model, mcfg.use_remove_padding, mcfg.share_prompts))
+            self._agree(lambda: check_batch(batch, c, who, self.model, mcfg.use_remove_padding, mcfg.share_prompts,
+                                            self.sp))  # fmt: skip
             declared = frozenset(c.keys)
             view = DeclaredBatch({k: v for k, v in batch.tensors.items() if k in declared},
                                  {k: v for k, v in batch.non_tensors.items() if k in declared},

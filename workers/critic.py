@@ -37,11 +37,13 @@ class CriticWorker(FSDPWorker):
         mcfg = self.config.model
         path = self._local_path(mcfg.path)
         attn = dict(attn_implementation=mcfg.attn_implementation, use_remove_padding=mcfg.use_remove_padding,
-                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts)
+                    trust_remote_code=mcfg.trust_remote_code, share_prompts=mcfg.share_prompts,
+                    sequence_parallel=self.sp_size > 1)
         if self.reads_checkpoint:  # the other ranks build on the meta device and receive their shards
             lm = load_causal_lm(path, dtype=mcfg.dtype, device="cpu", attn_device=self.device, **attn)
         else:
             lm = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
+        self._check_heads(lm.config)
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)
@@ -55,6 +57,7 @@ class CriticWorker(FSDPWorker):
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
             share_prompts=self.config.model.share_prompts, check=False,  # checked where it entered (@batch_method)
+            sp=self.sp,
         )  # fmt: skip
 
     def _micro(self) -> tuple[int | None, int | None]:

@@ -9,6 +9,15 @@ rank contributes its exact share and the shares sum to the mini-batch loss. FSDP
 gradients over the ranks in its reduce-scatter, so each share is multiplied by the world size
 before ``backward``: the reduced gradient is then the gradient of the mini-batch loss, whatever
 the micro-batch count, token budget or world size.
+
+Sequence parallelism (``ulysses_sequence_parallel_size`` sp, :mod:`rlpad.parallel`): the world is
+``world / sp`` data-parallel groups of sp consecutive ranks. The rows of a batch are split over
+the groups; the ranks of one group get the same rows, run 1/sp of each packed row
+(:mod:`rlpad.core.sequence_parallel`) and all compute the same loss from the gathered log-probs,
+each token's gradient reaching only the rank that scored it, so the ranks' gradients of a group
+sum to its loss's. Counts (normalisers, metric shares) are summed once per group
+(:meth:`FSDPWorker._group_sum`), mini-batches and shuffles are per group, a token budget counts
+the whole row (``max_tokens x sp`` per micro-batch), and the world-size factor stays the world.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
+from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
+from rlpad.parallel import sp_size
 from rlpad.seqlen import restore_order
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
@@ -102,6 +113,17 @@ class FSDPWorker(CheckpointMixin):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.update_steps = 0  # completed update calls (= LR scheduler steps)
+        self.sp_size = self.sequence_parallel_size(config, self.role)
+        if self.sp_size < 1 or world_size % self.sp_size:
+            raise ValueError(f"{self.role}: sequence parallel size {self.sp_size} must divide the world size "
+                             f"{world_size}")
+        self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size  # data-parallel group, count
+        self.sp: SequenceParallel | None = None  # its sequence-parallel group (set up by _init_distributed)
+
+    @staticmethod
+    def sequence_parallel_size(config: Any, role: str) -> int:
+        """Ranks per sequence-parallel group of ``role`` under ``config`` (rlpad.parallel.sp_size)."""
+        return sp_size(config, role)
 
     # ------------------------------------------------------------------ set-up
 
@@ -146,6 +168,17 @@ class FSDPWorker(CheckpointMixin):
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=self.timeout_s),
             )  # fmt: skip
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if self.sp_size > 1:  # every rank creates every group, in the same order
+            for g in range(self.dp_size):
+                group = dist.new_group(list(range(g * self.sp_size, (g + 1) * self.sp_size)))
+                if g == self.dp_rank:
+                    self.sp = SequenceParallel(group)
+
+    def _check_heads(self, config: Any) -> None:
+        """ValueError unless the model's query heads split over the sequence-parallel ranks."""
+        if self.sp_size > 1:
+            q = config.num_attention_heads
+            kv_repeats(q, getattr(config, "num_key_value_heads", None) or q, self.sp_size)
 
     @property
     def reads_checkpoint(self) -> bool:
@@ -184,6 +217,12 @@ class FSDPWorker(CheckpointMixin):
             raise RuntimeError(f"{self.role}: call init_model() first")
 
     # ------------------------------------------------------------------ collectives
+
+    def _group_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the data-parallel groups, each counted once (the ranks of a
+        sequence-parallel group hold the same rows: only its first rank contributes)."""
+        t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+        return self._all_sum(t if self.sp is None or self.sp.rank == 0 else torch.zeros_like(t))
 
     def _all_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
         """Element-wise sum over the ranks (float64, on CPU)."""
@@ -230,7 +269,8 @@ class FSDPWorker(CheckpointMixin):
         """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch
         (:func:`rlpad.micro_batches.micro_batches`, the count agreed over the ranks; an empty one
         becomes a dummy copy of row 0), and the index lists of the real micro-batches."""
-        parts = micro_batches(batch, micro_rows, max_tokens, share_prompts=self.config.model.share_prompts,
+        budget = max_tokens * self.sp_size if max_tokens is not None else None  # the row is split over sp ranks
+        parts = micro_batches(batch, micro_rows, budget, share_prompts=self.config.model.share_prompts,
                               agree=self._all_max)
         pieces = ((batch.index(p or [0]).to(self.device), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
@@ -270,23 +310,27 @@ class FSDPWorker(CheckpointMixin):
         return [torch.empty_like(m).index_copy_(0, order, m) for m in merged]
 
     def _epoch_order(self, n: int, epoch: int, shuffle: bool) -> torch.Tensor:
-        """This rank's row order in ``epoch`` of the coming update (a permutation when ``shuffle``)."""
+        """This rank's row order in ``epoch`` of the coming update (a permutation when ``shuffle``; the
+        same on every rank of a sequence-parallel group)."""
         if not shuffle:
             return torch.arange(n)
-        key = ((self.seed * 1_000_003 + self.update_steps) * 1009 + epoch) * 131 + self.rank
+        key = ((self.seed * 1_000_003 + self.update_steps) * 1009 + epoch) * 131 + self.dp_rank
         return torch.randperm(n, generator=torch.Generator().manual_seed(key))
 
     def _check_mini(self, batch: Batch, mini_rows: int, prefix: str) -> int:
-        """Per-rank mini-batch rows; ValueError on every rank if the batch does not split into them."""
-        local_mini = mini_rows // self.world_size if mini_rows >= 1 else 0
+        """Per-rank mini-batch rows; ValueError on every rank if the batch does not split into them.
+        The mini-batch splits over the data-parallel groups (world / sequence-parallel size)."""
+        dp = self.dp_size
+        local_mini = mini_rows // dp if mini_rows >= 1 else 0
+        groups = f"{dp} data-parallel groups" if self.sp_size > 1 else f"{dp} ranks"
 
         def check() -> None:
-            if mini_rows < 1 or mini_rows % self.world_size:
-                raise ValueError(f"{prefix}: a mini-batch of {mini_rows} rows does not split over {self.world_size} ranks")
+            if mini_rows < 1 or mini_rows % dp:
+                raise ValueError(f"{prefix}: a mini-batch of {mini_rows} rows does not split over {groups}")
             if len(batch) == 0 or len(batch) % local_mini:
                 raise ValueError(
                     f"{prefix}: this rank holds {len(batch)} rows, not a multiple of the per-rank mini-batch "
-                    f"{local_mini} (ppo_mini_batch_size * rollout.n / world_size)"
+                    f"{local_mini} (ppo_mini_batch_size * rollout.n / {groups})"
                 )
 
         self._agree(check)
@@ -318,7 +362,7 @@ class FSDPWorker(CheckpointMixin):
             order = self._epoch_order(len(batch), epoch, shuffle)
             for start in range(0, len(batch), local_mini):
                 mini = batch.index(order[start : start + local_mini])
-                norms = self._all_sum(list(batch_normalizers(mini["response_mask"]).values()))
+                norms = self._group_sum(list(batch_normalizers(mini["response_mask"]).values()))
                 norms = {"global_tokens": max(float(norms[0]), 1.0), "global_seqs": max(float(norms[1]), 1.0)}
                 pieces, _ = self._pieces(mini, micro_rows, max_tokens)
                 sums: dict[str, torch.Tensor] = {}
@@ -351,9 +395,10 @@ class FSDPWorker(CheckpointMixin):
         return metrics
 
     def _reduce_stats(self, sums: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
-        """Per-rank metric shares -> totals over the ranks (``*_max`` metrics: the max)."""
+        """Per-rank metric shares -> totals over the ranks, once per data-parallel group (``*_max``
+        metrics: the max)."""
         out: dict[str, float] = {}
-        for names, reduce in (([k for k in sorted(sums) if not k.endswith("_max")], self._all_sum),
+        for names, reduce in (([k for k in sorted(sums) if not k.endswith("_max")], self._group_sum),
                               ([k for k in sorted(sums) if k.endswith("_max")], self._all_max_float)):
             if names:
                 totals = reduce(torch.stack([torch.as_tensor(sums[k]) for k in names]))

@@ -13,7 +13,10 @@ fraction of its bundle) instead of reserving its own.
 
 ``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
 (rlpad.seqlen), runs the method on every rank and merges the results back in the caller's row
-order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. A rank whose actor died raises ``RuntimeError`` naming role and rank.
+order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. With
+sequence parallelism (sp ranks per group, rlpad.parallel) the rows are split over the ``world / sp``
+data-parallel groups of consecutive ranks, every rank of a group gets the group's rows, and the
+results come from each group's first rank. A rank whose actor died raises ``RuntimeError`` naming role and rank.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ class WorkerGroup:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= world_size else 0
         self.role, self.world_size = role, world_size
         self._worker_cls, self._config = worker_cls, config
+        size_of = getattr(worker_cls, "sequence_parallel_size", None)
+        self.sp_size = size_of(config, role) if size_of is not None else 1
+        if self.sp_size < 1 or world_size % self.sp_size:
+            raise ValueError(f"{role}: sequence parallel size {self.sp_size} must divide the world size {world_size}")
+        self.dp_size = world_size // self.sp_size
         bundle = {"CPU": num_cpus_per_worker} | ({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})
         if nodes is None:
             nodes = plan_nodes(nnodes, {k: v * ranks_per_node for k, v in bundle.items()}, what=f"{role} group")
@@ -155,24 +163,27 @@ class WorkerGroup:
         return self._gather([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def split(self, batch: Batch, chunk_rows: int | None = None) -> list[list[int]]:
-        """Row indices per rank: equal counts, token work balanced; with ``chunk_rows`` each
-        consecutive chunk (e.g. a mini-batch) is balanced on its own, so chunks stay whole per rank."""
+        """Row indices per data-parallel group (per rank without sequence parallelism): equal counts,
+        token work balanced; with ``chunk_rows`` each consecutive chunk (e.g. a mini-batch) is
+        balanced on its own, so chunks stay whole per group."""
         if not isinstance(batch, Batch):
             raise ValueError(f"{self.role}: expected an rlpad.batch.Batch, got {type(batch).__name__}")
         batch.require("attention_mask", who=self.role)
-        if len(batch) < self.world_size:
-            raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {self.world_size} ranks")
+        dp = self.dp_size
+        if len(batch) < dp:
+            groups = f"{dp} data-parallel groups" if self.sp_size > 1 else f"{dp} ranks"
+            raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {groups}")
         lengths = batch["attention_mask"].sum(-1).tolist()
         size = chunk_rows or len(batch)
         share = bool(getattr(getattr(self._config, "model", None), "share_prompts", False))
-        parts: list[list[int]] = [[] for _ in range(self.world_size)]
+        parts: list[list[int]] = [[] for _ in range(dp)]
         for start in range(0, len(batch), size):
             chunk = lengths[start : start + size]
             split = self._split_groups(batch, start, len(chunk)) if share else None
             if split is None:
-                split = balance_across_ranks(chunk, min(self.world_size, len(chunk)))
-            for rank, idx in enumerate(split):
-                parts[rank].extend(start + i for i in idx)
+                split = balance_across_ranks(chunk, min(dp, len(chunk)))
+            for group, idx in enumerate(split):
+                parts[group].extend(start + i for i in idx)
         return parts
 
     def _split_groups(self, batch: Batch, start: int, rows: int) -> list[list[int]] | None:
@@ -186,22 +197,27 @@ class WorkerGroup:
         groups = prompt_groups(ids, mask, pos[sl] if pos is not None else None, response_length)
         prompt_cols = mask.shape[1] - response_length
         units, tokens = shared_units(groups, mask[:, :prompt_cols].sum(-1).tolist(), mask[:, prompt_cols:].sum(-1).tolist())
-        return balance_units_across_ranks(units, tokens, self.world_size)
+        return balance_units_across_ranks(units, tokens, self.dp_size)
 
     def call_batch(self, method: str, batch: Batch, *, chunk_rows: int | None = None, **kwargs: Any) -> Any:
-        """``method(shard, **kwargs)`` on every rank with its shard of ``batch`` (see :meth:`split`):
+        """``method(shard, **kwargs)`` on every rank with its group's shard of ``batch`` (see :meth:`split`):
         the keys of the method's batch contract that ``batch`` holds (:mod:`workers.contract`).
 
-        Batch results are merged in the caller's row order; any other result is returned from rank 0
-        (metrics are all-reduced by the workers, so every rank returns the same).
+        Batch results are merged in the caller's row order from each data-parallel group's first
+        rank; any other result is returned from rank 0 (metrics are all-reduced by the workers, so
+        every rank returns the same).
         """
         contract = contract_of(self._worker_cls, method, self._config)
         parts = self.split(batch, chunk_rows)
         batch = batch.select(*contract.present(batch))  # ship only what the method declares it reads
-        refs = [getattr(w, method).remote(batch.index(p), **kwargs) for w, p in zip(self.workers, parts)]
+        shards = [batch.index(p) for p in parts]
+        if self.sp_size > 1:  # the ranks of a group read one copy from the object store
+            shards = [ray.put(shard) for shard in shards]
+        refs = [getattr(w, method).remote(shards[rank // self.sp_size], **kwargs)
+                for rank, w in enumerate(self.workers)]
         results = self._gather(refs)
         if all(isinstance(r, Batch) for r in results):
-            merged = Batch.concat(results).index(reverse_index(parts))
+            merged = Batch.concat(results[:: self.sp_size]).index(reverse_index(parts))
             seconds = [r.meta[WORKER_SECONDS] for r in results if WORKER_SECONDS in r.meta]
             if seconds:  # the group is as fast as its slowest rank
                 merged.meta[WORKER_SECONDS] = max(seconds)

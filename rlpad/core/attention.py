@@ -13,7 +13,9 @@ chosen in :mod:`rlpad.core.attn_choice`). The kernel of each call comes from the
 Either way no token attends across a sequence boundary and no nnz x nnz mask is built. With a
 padding mask (the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments``
 it runs the shared-prompt attention (:mod:`rlpad.core.shared_attention`), which is why
-``share_prompts`` needs ``rlpad_varlen`` on every device.
+``share_prompts`` needs ``rlpad_varlen`` on every device. Given ``rlpad_sequence_shard``
+(sequence parallelism, :mod:`rlpad.core.sequence_parallel`) it exchanges this rank's slice of the
+row for a slice of the heads over the whole row, attends as above, and exchanges back.
 
 Nothing here reads the device once per layer on the varlen path: the forward passes
 ``cu_seq_lens_q`` (a device tensor) and ``max_length_q`` (a Python int), computed once per
@@ -32,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlpad.core.attn_dispatch import SDPA, attention_kernel, expand_kv, varlen_attention
+from rlpad.core.sequence_parallel import SHARD_KWARG
 from rlpad.core.shared_attention import shared_prompt_attention
 from rlpad.core.shared_prompt import SEGMENTS_KWARG
 
@@ -120,7 +123,21 @@ def varlen_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Per-sequence causal attention; ``query/key/value`` are (B, H, S, D), output (B, S, H, D)."""
+    """Per-sequence causal attention; ``query/key/value`` are (B, H, S, D), output (B, S, H, D).
+
+    With a sequence shard (``rlpad_sequence_shard``) S is this rank's slice of the packed row: the
+    attention runs on the whole row for a slice of the heads, between two all-to-all exchanges."""
+    shard = kwargs.get(SHARD_KWARG)
+    if shard is None:
+        return _attend(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+    if attention_mask is not None:
+        raise ValueError("sequence parallelism runs the packed row only (use_remove_padding=True)")
+    query, key, value = shard.to_heads(query, key, value)
+    out, _ = _attend(module, query, key, value, None, dropout, scaling, sliding_window, softcap, **kwargs)
+    return shard.to_tokens(out), None
+
+
+def _attend(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs):
     if attention_mask is not None:  # padded batch: the mask already encodes padding and windows
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if softcap is not None or kwargs.get("s_aux") is not None:

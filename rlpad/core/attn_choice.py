@@ -67,10 +67,17 @@ def resolve_attn_implementation(choice: str, device: torch.device | str, *, use_
     return choice
 
 
-def require_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False) -> None:
+def require_varlen_attention(model: PreTrainedModel, *, share_prompts: bool = False,
+                             sequence_parallel: bool = False) -> None:
     """ValueError unless ``model`` runs a varlen attention (what a packed (1, nnz) row needs);
-    ``share_prompts`` needs ``rlpad_varlen`` itself (it reads the shared-prompt segments)."""
+    ``share_prompts`` and ``sequence_parallel`` need ``rlpad_varlen`` itself (it reads the
+    shared-prompt segments and exchanges the sequence shards)."""
     impl = model.config._attn_implementation
+    if sequence_parallel and impl != VARLEN_ATTENTION:
+        raise ValueError(
+            f"sequence parallelism needs the {VARLEN_ATTENTION!r} attention (it exchanges the row's slices around "
+            f"the kernel), the model uses {impl!r}; load it with attn_implementation='rlpad_varlen' or 'auto'"
+        )
     if share_prompts and impl != VARLEN_ATTENTION:
         raise ValueError(
             f"share_prompts=True needs the {VARLEN_ATTENTION!r} attention (it runs varlen kernels on CUDA), the model "

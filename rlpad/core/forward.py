@@ -19,6 +19,11 @@ tokens, by one of two paths, equal per token:
 Either way only the N hidden states that score a valid response token leave the core.
 :func:`compute_log_probs` is core + LM head + :func:`rlpad.core.padding.pad_input` back to (B, R);
 the critic (:mod:`rlpad.core.value`) is core + value head + the same scatter.
+
+* sequence-parallel (``sp``, on top of remove-padding, with or without shared prompts): the packed
+  row is split over the ranks of a group, the attention exchanges slices for heads, and each rank
+  scores the tokens of its slice; the (B, R) results are summed over the group
+  (:mod:`rlpad.core.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
 from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from rlpad.core.padding import index_first_axis, pad_input, unpad_input
+from rlpad.core.padding import index_first_axis, unpad_input
+from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
@@ -51,15 +57,28 @@ def check_model_inputs(
     *,
     use_remove_padding: bool,
     share_prompts: bool = False,
+    sp: SequenceParallel | None = None,
 ) -> None:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
     ``model``) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
-    for ``share_prompts``, which needs remove-padding)."""
+    for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding)."""
     check_share_prompts(use_remove_padding, share_prompts)
+    sp = active(sp)
+    check_sequence_parallel(use_remove_padding, sp)
     check_rollout_tensors(model.get_input_embeddings().num_embeddings, input_ids, attention_mask, position_ids,
                           response_length)  # fmt: skip
     if use_remove_padding:
-        require_varlen_attention(model, share_prompts=share_prompts)
+        require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
+    if sp is not None:
+        config = model.config
+        kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                   or config.num_attention_heads, sp.size)  # fmt: skip
+
+
+def check_sequence_parallel(use_remove_padding: bool, sp: SequenceParallel | None) -> None:
+    """ValueError when sequence parallelism is asked without ``use_remove_padding``."""
+    if sp is not None and not use_remove_padding:
+        raise ValueError("sequence parallelism needs use_remove_padding=True (the ranks share one packed row)")
 
 
 def check_share_prompts(use_remove_padding: bool, share_prompts: bool) -> None:
@@ -77,6 +96,7 @@ def scoring_hidden_states(
     *,
     use_remove_padding: bool,
     share_prompts: bool = False,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
@@ -84,8 +104,12 @@ def scoring_hidden_states(
     Valid response token (b, t) is scored by the hidden state of token (b, P + t - 1), a valid
     token of the same sequence (P = S - R): in the packed row that is its slot in the gather; with
     ``share_prompts`` token 0 of every row of a group reads the group's one last prompt token.
+    ``sp`` (sequence parallelism, :mod:`rlpad.core.sequence_parallel`): this rank runs its slice of
+    the packed row and returns the states and indices of the tokens scored from that slice only.
     """
     check_share_prompts(use_remove_padding, share_prompts)
+    sp = active(sp)
+    check_sequence_parallel(use_remove_padding, sp)
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     batch, seqlen = input_ids.shape
@@ -98,24 +122,42 @@ def scoring_hidden_states(
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
     if share_prompts:
-        row = pack_shared_prompts(input_ids, attention_mask, position_ids, response_length)
-        hidden = backbone(
-            input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=None, use_cache=False,
-            **{SEGMENTS_KWARG: row.segments},
-        ).last_hidden_state[0]
-        return hidden.index_select(0, row.score_index), response_idx
-    # The sequence bounds once per forward: cu_seqlens on the device and max_seqlen a Python int
-    # for the varlen kernels, PackedBounds for the sdpa path (read from the device on first use).
-    ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
-    packed_positions = index_first_axis(position_ids.reshape(-1, 1), indices)
-    hidden = backbone(
-        input_ids=ids.view(1, -1), position_ids=packed_positions.view(1, -1), attention_mask=None, use_cache=False,
-        cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen,
-        **{BOUNDS_KWARG: PackedBounds(cu_seqlens, ids.shape[0])},
-    ).last_hidden_state[0]
-    packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
-    packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)
-    return hidden.index_select(0, packed_slot[rows * seqlen + prompt_length - 1 + cols]), response_idx
+        row = pack_shared_prompts(input_ids, attention_mask, position_ids, response_length,
+                                  pad_to=sp.size if sp is not None else 1)  # fmt: skip
+        ids, positions, score_slots = row.input_ids[0], row.position_ids[0], row.score_index
+        attention = {SEGMENTS_KWARG: row.segments}
+    else:
+        # The sequence bounds once per forward: cu_seqlens on the device and max_seqlen a Python int
+        # for the varlen kernels, PackedBounds for the sdpa path (read from the device on first use).
+        ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
+        ids, positions = ids.view(-1), index_first_axis(position_ids.reshape(-1, 1), indices).view(-1)
+        if sp is not None:
+            ids, positions, cu_seqlens, max_seqlen = _pad_row(ids, positions, cu_seqlens, max_seqlen, sp)
+        attention = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
+                         max_length_k=max_seqlen, **{BOUNDS_KWARG: PackedBounds(cu_seqlens, ids.shape[0])})
+        packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
+        packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)
+        score_slots = packed_slot[rows * seqlen + prompt_length - 1 + cols]
+    if sp is None:
+        hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
+                          use_cache=False, **attention).last_hidden_state[0]  # fmt: skip
+        return hidden.index_select(0, score_slots), response_idx
+    shard = sp.shard(ids, positions, attention)
+    hidden = backbone(attention_mask=None, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
+    mine, local = shard.local(score_slots)
+    return hidden.index_select(0, local), response_idx[mine]
+
+
+def _pad_row(ids, positions, cu_seqlens, max_seqlen, sp: SequenceParallel):
+    """The packed row padded to a multiple of ``sp.size``: token 0 at positions 0, 1, ..., a sequence
+    of its own in ``cu_seqlens`` (which then ends at the padded length, as the varlen kernels need)."""
+    pad = sp.padded_length(ids.shape[0]) - ids.shape[0]
+    if not pad:
+        return ids, positions, cu_seqlens, max_seqlen
+    ids = torch.cat([ids, ids.new_zeros(pad)])
+    positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype, device=positions.device)])
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([ids.shape[0]])])
+    return ids, positions, cu_seqlens, max(max_seqlen, pad)
 
 
 def _head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk_size):
@@ -144,6 +186,7 @@ def compute_log_probs(
     calculate_entropy: bool = False,
     logits_chunk_size: int | None = None,
     check: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
 
@@ -153,26 +196,29 @@ def compute_log_probs(
     (:mod:`rlpad.core.shared_prompt`); equal per token, needs the ``rlpad_varlen`` attention.
     ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.core.logprob`).
     ``check=False`` skips the input checks for a caller that ran :func:`check_model_inputs` once on
-    the whole batch (the workers do, where a batch enters them).
+    the whole batch (the workers do, where a batch enters them). ``sp``: this rank's
+    sequence-parallel group (:mod:`rlpad.core.sequence_parallel`); every rank of it gets the same
+    (B, R) results, each rank's LM head having run on its slice of the row only.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits_chunk_size is not None and logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1 or None, got {logits_chunk_size}")
     check_share_prompts(use_remove_padding, share_prompts)
+    sp = active(sp)
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
-        use_remove_padding=use_remove_padding, share_prompts=share_prompts,
+        use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)
-    log_probs = pad_input(log_probs.unsqueeze(-1), response_idx, batch, response_length).squeeze(-1)
+    log_probs = response_grid(log_probs, response_idx, batch, response_length, sp)
     if calculate_entropy:
-        entropy = pad_input(entropy.unsqueeze(-1), response_idx, batch, response_length).squeeze(-1)
+        entropy = response_grid(entropy, response_idx, batch, response_length, sp)
     return log_probs, entropy
 
 

@@ -25,12 +25,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def _attn(choice: str, device, use_remove_padding: bool, share_prompts: bool) -> str:
+def _attn(choice: str, device, use_remove_padding: bool, share_prompts: bool, sequence_parallel: bool = False) -> str:
     """The attention implementation: :func:`resolve_attn_implementation`, or ``rlpad_varlen`` for
-    ``share_prompts`` (ValueError for another explicit choice)."""
-    if share_prompts:
-        if choice not in ("auto", VARLEN_ATTENTION):
-            raise ValueError(f"share_prompts needs attn_implementation 'auto' or {VARLEN_ATTENTION!r}, got {choice!r}")
+    ``share_prompts`` and ``sequence_parallel`` (ValueError for another explicit choice)."""
+    for needs, what in ((share_prompts, "share_prompts"), (sequence_parallel, "sequence parallelism")):
+        if needs and choice not in ("auto", VARLEN_ATTENTION):
+            raise ValueError(f"{what} needs attn_implementation 'auto' or {VARLEN_ATTENTION!r}, got {choice!r}")
+    if share_prompts or sequence_parallel:
         choice = VARLEN_ATTENTION
     return resolve_attn_implementation(choice, device, use_remove_padding=use_remove_padding)
 
@@ -45,6 +46,7 @@ def load_causal_lm(
     use_remove_padding: bool = True,
     attn_device: str | torch.device | None = None,
     share_prompts: bool = False,
+    sequence_parallel: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
 
@@ -54,10 +56,10 @@ def load_causal_lm(
     attention (flash_attention_2 on CUDA with flash-attn, rlpad's own ``rlpad_varlen`` elsewhere),
     which serves both the padded and the packed path; an explicit choice that cannot run here,
     or ``sdpa`` with ``use_remove_padding``, raises ValueError before anything is loaded.
-    ``share_prompts`` needs ``rlpad_varlen`` (``auto`` picks it on every device).
+    ``share_prompts`` and ``sequence_parallel`` need ``rlpad_varlen`` (``auto`` picks it on every device).
     """
     torch_dtype = parse_dtype(dtype)
-    attn = _attn(attn_implementation, attn_device or device, use_remove_padding, share_prompts)
+    attn = _attn(attn_implementation, attn_device or device, use_remove_padding, share_prompts, sequence_parallel)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
@@ -79,6 +81,7 @@ def empty_causal_lm(
     attn_implementation: str = "auto",
     use_remove_padding: bool = True,
     share_prompts: bool = False,
+    sequence_parallel: bool = False,
 ) -> PreTrainedModel:
     """The model :func:`load_causal_lm` would return, built on the meta device from the config alone.
 
@@ -86,7 +89,7 @@ def empty_causal_lm(
     attention implementation is chosen for ``attn_device``, where the weights will live.
     """
     torch_dtype = parse_dtype(dtype)
-    attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts)
+    attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts, sequence_parallel)
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_config
 

@@ -131,10 +131,13 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
 
 
 def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int,
+    *, pad_to: int = 1,
 ) -> SharedPromptRow:
     """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
-    each group's prompt once; see the module docstring."""
+    each group's prompt once; see the module docstring. ``pad_to``: pad the row to a multiple of it
+    (sequence parallelism) with token 0 at positions 0, 1, ..., a block of its own that attends
+    only to itself and is never scored."""
     batch, seqlen = input_ids.shape
     prompt_cols = seqlen - response_length
     device = input_ids.device
@@ -162,8 +165,13 @@ def pack_shared_prompts(
     flat = torch.cat(src)
     packed_ids = input_ids.reshape(-1).index_select(0, flat).view(1, -1)
     packed_pos = position_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    pad = -cursor % pad_to
+    if pad:
+        packed_ids = torch.cat([packed_ids, packed_ids.new_zeros(1, pad)], 1)
+        packed_pos = torch.cat([packed_pos, torch.arange(pad, device=device, dtype=packed_pos.dtype)[None]], 1)
+        prompts.append((cursor, pad))
     # Response token t > 0 of row r is scored by packed slot resp_start[r] + t - 1.
     score = [torch.cat([torch.tensor([first_slot[r]], device=device), resp_start[r] + torch.arange(int(n) - 1, device=device)])
              for r, n in enumerate(resp_lens) if n]  # fmt: skip
     score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long, device=device)
-    return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor, device), score_index)
+    return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor + pad, device), score_index)

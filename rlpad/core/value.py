@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rlpad.core.forward import check_model_inputs, scoring_hidden_states
-from rlpad.core.padding import pad_input
+from rlpad.core.sequence_parallel import SequenceParallel, active, response_grid
 
 __all__ = ["ValueModel", "compute_values"]
 
@@ -27,21 +27,24 @@ def compute_values(
     use_remove_padding: bool,
     share_prompts: bool = False,
     check: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """Values ``(B, R)`` in fp32 of the response tokens; zero on padding. Differentiable.
 
     ``share_prompts``: each distinct prompt once (see :func:`rlpad.core.forward.scoring_hidden_states`).
     ``check=False`` skips the input checks (the caller ran :func:`check_model_inputs` already).
+    ``sp``: sequence parallelism; the value head runs on this rank's slice, every rank gets all values.
     """
+    sp = active(sp)
     if check:
         check_model_inputs(backbone, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
-        share_prompts=share_prompts,
+        share_prompts=share_prompts, sp=sp,
     )
-    values = value_head(hidden).float()  # (N, 1)
-    return pad_input(values, response_idx, input_ids.shape[0], response_length).squeeze(-1)
+    values = value_head(hidden).float().squeeze(-1)  # (N,)
+    return response_grid(values, response_idx, input_ids.shape[0], response_length, sp)
 
 
 class ValueModel(nn.Module):
@@ -63,8 +66,8 @@ class ValueModel(nn.Module):
         self.value_head = head.to(dtype=ref.dtype, device=ref.device)
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
-                share_prompts: bool = False, check: bool = True):
+                share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
-            use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check,
+            use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check, sp=sp,
         )

@@ -41,6 +41,7 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import get_task
+from rlpad.embedded.shapes import WARM_START_DIMS
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
 
 __all__ = [
@@ -50,13 +51,7 @@ __all__ = [
 
 SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
 ARCH = "qwen2"
-# The embedded default model (~132k parameters): 2 layers, width 64, two heads of 32 sharing one
-# key/value head. Wider (128) or deeper (3 layers) models learned no faster under GRPO in the
-# tuning runs, and every step of a smaller model is cheaper.
-# vLLM's Qwen2 takes the head size as hidden_size // num_attention_heads (it ignores head_dim),
-# and its CPU attention accepts head sizes 32, 64, 80, 96, ...: keep hidden = heads * head_dim.
-DEFAULT_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                    head_dim=32, intermediate_size=256)
+DEFAULT_DIMS: dict[str, Any] = WARM_START_DIMS  # the embedded default model (rlpad.embedded.shapes)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 INFO_FILE = "rlpad_sft.json"
 MAX_ANSWER_TOKENS = 4  # the toy task's longest answer ("40") plus EOS, with one spare

@@ -12,20 +12,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
+from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, tiny_heads
 
-# Each architecture exercises a different attention detail. ``gqa``: key/value heads are half
-# the query heads (grouped-query attention); otherwise one key/value head per query head.
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    # GQA, qkv bias, tied embeddings.
-    "qwen2": dict(model_type="qwen2", gqa=True, tie_word_embeddings=True),
-    # Plain multi-head attention (no GQA), untied LM head.
-    "llama": dict(model_type="llama", gqa=False, tie_word_embeddings=False),
-    # GQA with a sliding window shorter than the test sequences.
-    "mistral": dict(model_type="mistral", gqa=True, sliding_window=8, tie_word_embeddings=False),
-    # GQA with per-head RMSNorm on queries and keys.
-    "qwen3": dict(model_type="qwen3", gqa=True, tie_word_embeddings=True),
-}
+__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
 
 CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
@@ -34,12 +23,12 @@ SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
 def tiny_config(
     arch: str = "qwen2",
     *,
-    vocab_size: int = 128,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
+    vocab_size: int = TINY_DEFAULTS["vocab_size"],
+    hidden_size: int = TINY_DEFAULTS["hidden_size"],
+    num_hidden_layers: int = TINY_DEFAULTS["num_hidden_layers"],
     intermediate_size: int | None = None,
-    head_dim: int = 32,
-    max_position_embeddings: int = 2048,
+    head_dim: int = TINY_DEFAULTS["head_dim"],
+    max_position_embeddings: int = TINY_DEFAULTS["max_position_embeddings"],
     **overrides: Any,
 ) -> PretrainedConfig:
     """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`).
@@ -53,9 +42,8 @@ def tiny_config(
         raise ValueError(f"head_dim={head_dim} must divide hidden_size={hidden_size}")
     fields = dict(ARCHITECTURES[arch])
     model_type = fields.pop("model_type")
-    heads = hidden_size // head_dim
-    fields["num_attention_heads"] = heads
-    fields["num_key_value_heads"] = max(1, heads // 2) if fields.pop("gqa") else heads
+    del fields["gqa"]
+    fields["num_attention_heads"], fields["num_key_value_heads"] = tiny_heads(arch, hidden_size, head_dim)
     fields.update(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

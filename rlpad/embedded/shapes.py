@@ -1,0 +1,46 @@
+"""The shapes of the embedded models, torch-free: the tiny architectures, their default sizes, the
+warm-started model's dimensions, and the head counts they give (the config checks read these
+without building a model; :mod:`rlpad.embedded.tiny` builds the models from them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ARCHITECTURES", "TINY_DEFAULTS", "WARM_START_DIMS", "tiny_heads"]
+
+# Each architecture exercises a different attention detail. ``gqa``: key/value heads are half
+# the query heads (grouped-query attention); otherwise one key/value head per query head.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # GQA, qkv bias, tied embeddings.
+    "qwen2": dict(model_type="qwen2", gqa=True, tie_word_embeddings=True),
+    # Plain multi-head attention (no GQA), untied LM head.
+    "llama": dict(model_type="llama", gqa=False, tie_word_embeddings=False),
+    # GQA with a sliding window shorter than the test sequences.
+    "mistral": dict(model_type="mistral", gqa=True, sliding_window=8, tie_word_embeddings=False),
+    # GQA with per-head RMSNorm on queries and keys.
+    "qwen3": dict(model_type="qwen3", gqa=True, tie_word_embeddings=True),
+}
+
+# tiny_config's default sizes (``tiny:<arch>`` model paths are built with exactly these).
+TINY_DEFAULTS: dict[str, int] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, head_dim=32,
+                                     max_position_embeddings=2048)
+
+# The embedded default model (~132k parameters, ``embedded:<task>`` paths): 2 layers, width 64, two
+# heads of 32 sharing one key/value head. Wider (128) or deeper (3 layers) models learned no faster
+# under GRPO in the tuning runs, and every step of a smaller model is cheaper. vLLM's Qwen2 takes
+# the head size as hidden_size // num_attention_heads (it ignores head_dim), and its CPU attention
+# accepts head sizes 32, 64, 80, 96, ...: keep hidden = heads * head_dim.
+WARM_START_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=32, intermediate_size=256)
+
+
+def tiny_heads(arch: str, hidden_size: int = TINY_DEFAULTS["hidden_size"],
+               head_dim: int = TINY_DEFAULTS["head_dim"]) -> tuple[int, int]:
+    """(query heads, key/value heads) of tiny architecture ``arch``: ``hidden_size // head_dim``
+    query heads (vLLM derives the head size that way), half as many key/value heads (at least one)
+    for a GQA architecture."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    heads = hidden_size // head_dim
+    return heads, (max(1, heads // 2) if ARCHITECTURES[arch]["gqa"] else heads)

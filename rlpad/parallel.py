@@ -1,0 +1,92 @@
+"""How a role's ranks split into data- and sequence-parallel groups (Ulysses); torch-free.
+
+A role of ``world`` ranks with sequence-parallel size sp (``ulysses_sequence_parallel_size``) runs
+``world / sp`` data-parallel groups of sp consecutive ranks: rank r is in group ``r // sp`` at
+index ``r % sp``. The batch is split over the groups; every rank of a group gets the same rows and
+runs 1/sp of each packed row (:mod:`rlpad.core.sequence_parallel`). The sizes, and the rules a
+config must meet for them, are written here once: the config checks (rlpad.config_loader) and the
+workers (workers/) read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from rlpad.advantages import ESTIMATORS
+from rlpad.config import ActorRolloutRefConfig, Config, CriticConfig
+from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_heads
+
+__all__ = ["ROLE_KEYS", "attention_heads", "role_world", "sequence_parallel_problems", "sp_size"]
+
+# The config key of each role's sequence-parallel size.
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+             "ref": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+             "critic": "critic.ulysses_sequence_parallel_size"}
+
+
+def sp_size(section: ActorRolloutRefConfig | CriticConfig, role: str) -> int:
+    """The sequence-parallel size of ``role`` from its worker's config section (``actor_rollout_ref``
+    for the actor and the reference, whose null size means the actor's; ``critic`` for the critic)."""
+    if role == "critic":
+        return section.ulysses_sequence_parallel_size  # type: ignore[union-attr]
+    if role == "ref" and section.ref.ulysses_sequence_parallel_size is not None:
+        return section.ref.ulysses_sequence_parallel_size
+    if role not in ("actor", "ref"):
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLE_KEYS)}")
+    return section.actor.ulysses_sequence_parallel_size
+
+
+def role_world(config: Config) -> int:
+    """Ranks per role: ``trainer.n_gpus_per_node x trainer.nnodes``, or 1 for ``trainer.backend=local``."""
+    trainer = config.trainer
+    return 1 if trainer.backend == "local" else max(trainer.n_gpus_per_node, 1) * max(trainer.nnodes, 1)
+
+
+def attention_heads(path: str) -> tuple[int, int] | None:
+    """(query heads, key/value heads) of the model at ``path`` without loading it: ``tiny:<arch>``
+    and ``embedded:<task>`` from rlpad.embedded.shapes, a folder from its config.json; None when
+    unknown here (the worker checks the loaded model)."""
+    if path.startswith("tiny:"):
+        arch = path.split(":", 1)[1]
+        return tiny_heads(arch) if arch in ARCHITECTURES else None
+    if path.startswith("embedded:"):
+        return WARM_START_DIMS["num_attention_heads"], WARM_START_DIMS["num_key_value_heads"]
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    cfg = cfg if "num_attention_heads" in cfg else cfg.get("text_config", {})  # multimodal configs nest it
+    heads = cfg.get("num_attention_heads")
+    return (heads, cfg.get("num_key_value_heads") or heads) if isinstance(heads, int) else None
+
+
+def sequence_parallel_problems(config: Config) -> list[str]:
+    """Every role's sequence-parallel size against its world, its model and its attention."""
+    arr = config.actor_rollout_ref
+    roles = [("actor", arr, arr.model)] + [("ref", arr, arr.model)] * config.uses_ref
+    estimator = ESTIMATORS.get(config.algorithm.adv_estimator)  # an unknown one is reported elsewhere
+    roles += [("critic", config.critic, config.critic.model)] * bool(estimator is not None and estimator.uses_critic)
+    world, problems = role_world(config), []
+    for role, section, model in roles:
+        key, sp = ROLE_KEYS[role], sp_size(section, role)
+        model_key = "critic.model" if role == "critic" else "actor_rollout_ref.model"
+        if sp < 1:
+            problems.append(f"{key}={sp} must be >= 1")
+            continue
+        if sp == 1:
+            continue
+        if world % sp:
+            where = ("trainer.backend=local runs one rank" if config.trainer.backend == "local" else
+                     f"the {role} group has {world} ranks (trainer.n_gpus_per_node x trainer.nnodes)")
+            problems.append(f"{key}={sp} must divide the {role}'s ranks: {where}")
+        if not model.use_remove_padding:
+            problems.append(f"{key}={sp} needs {model_key}.use_remove_padding=true (the ranks share one packed row)")
+        if model.attn_implementation not in ("auto", "rlpad_varlen"):
+            problems.append(f"{key}={sp} needs {model_key}.attn_implementation auto or rlpad_varlen (its attention "
+                            f"exchanges the row's slices), got {model.attn_implementation!r}")
+        heads = attention_heads(model.path)
+        if heads is not None and heads[0] % sp:
+            problems.append(f"{key}={sp} must divide the query heads of {model_key}.path={model.path!r}: "
+                            f"{heads[0]} (each rank attends with heads / sp of them)")
+    return problems

@@ -1,0 +1,116 @@
+"""Sequence parallelism in the FSDP2 workers: 4 plain processes (gloo, no Ray) as 2 data-parallel x
+2 sequence-parallel ranks against the same 2 data-parallel groups with sp = 1 (one rank each, so
+shuffled mini-batches agree), for the actor and the critic.
+
+Two layouts: row micro-batches with the token-mean loss, and token budgets (which count the whole
+row: ``ppo_max_token_len_per_gpu x sp`` per micro-batch) with shuffled mini-batches, the
+seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute).
+Log-probs / values, the full gradients of a mini-batch and the metrics of a whole update (two
+mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token, 1e-5 relative for
+gradients and metrics), and every rank must return the same metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlpad.batch import Batch
+from rlpad.config import ActorRolloutRefConfig, CriticConfig
+from rlpad.embedded.synthetic import ppo_batch
+from spawn_ranks import spawn_ranks
+from workers.actor import ActorWorker
+from workers.critic import CriticWorker
+from workers.net import free_port
+
+P, R, VOCAB, ROWS, MINI = 8, 12, 128, 16, 8
+TOL, REL = 2e-5, 1e-5
+LAYOUTS = {
+    "rows": dict(ppo_micro_batch_size_per_gpu=3, use_dynamic_bsz=False, shuffle=False, loss_agg_mode="token-mean"),
+    "budgets": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=P + R, shuffle=True,
+                    loss_agg_mode="seq-mean-token-mean", enable_gradient_checkpointing=True),
+}
+METRICS = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
+           "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
+
+
+def configs(layout: str, sp: int) -> tuple[ActorRolloutRefConfig, CriticConfig]:
+    actor = ActorRolloutRefConfig()
+    actor.model.path = "tiny:qwen2"  # 2 query heads, 1 key/value head: repeated for sp = 2
+    actor.rollout.n, actor.rollout.log_prob_micro_batch_size_per_gpu = 1, 3
+    a = actor.actor
+    a.ppo_mini_batch_size, a.entropy_coeff, a.optim.lr, a.ulysses_sequence_parallel_size = MINI, 0.01, 1e-2, sp
+    critic = CriticConfig()
+    critic.model.path, critic.ppo_mini_batch_size, critic.ulysses_sequence_parallel_size = "tiny:qwen2", MINI, sp
+    for section in (a, critic, actor.model, critic.model):
+        fields = {f.name for f in dataclasses.fields(section)}
+        for k, v in LAYOUTS[layout].items():
+            if k in fields and not (section is critic and k == "shuffle"):
+                setattr(section, k, v)
+    return actor, critic
+
+
+def make_batch() -> Batch:
+    return ppo_batch(ROWS, P, R, vocab_size=VOCAB, seed=4)
+
+
+def group_rows(dp_rank: int, dp: int) -> torch.Tensor:
+    """The rows a data-parallel group gets: each mini-batch's rows dealt out in turn (whole mini-batches)."""
+    return torch.cat([torch.arange(s, s + MINI)[dp_rank::dp] for s in range(0, ROWS, MINI)])
+
+
+def run_layout(rank: int, world: int, port: int, layout: str, sp: int) -> dict:
+    actor_cfg, critic_cfg = configs(layout, sp)
+    rows = group_rows(rank // sp, world // sp)
+    shard = make_batch().index(rows)
+    common = dict(rank=rank, world_size=world, master_port=port, device="cpu", seed=3)
+    actor = ActorWorker(actor_cfg, role="actor", **common)
+    actor.init_model()
+    critic = CriticWorker(critic_cfg, rollout_n=1, **common)
+    critic.init_model()
+    out = {"rows": rows, "old_log_probs": actor.compute_log_prob(shard)["old_log_probs"],
+           "values": critic.compute_values(shard)["values"]}
+    # Gradients at the initial weights (one mini-batch: its first rows), then a whole update on moved
+    # weights (two mini-batches, two optimizer steps) for the metrics.
+    first = shard.index(torch.arange(MINI // (world // sp)))
+    out["actor_grads"] = actor.update_actor(first, return_grads=True)["grads"]
+    out["critic_grads"] = critic.update_critic(first, return_grads=True)["grads"]
+    out["metrics"] = actor.update_actor(shard) | critic.update_critic(shard)
+    return out
+
+
+def _ranks_main(rank: int, world: int, ports: list[int]) -> dict:
+    results = {layout: run_layout(rank, world, ports[0], layout, sp=2) for layout in LAYOUTS}
+    dist.destroy_process_group()
+    if rank < 2:  # the reference: the same 2 data-parallel groups with sp = 1, one rank each
+        results["reference"] = {layout: run_layout(rank, 2, ports[1], layout, sp=1) for layout in LAYOUTS}
+        dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return spawn_ranks(_ranks_main, 4, tmp_path_factory.mktemp("sp_workers"), [free_port(), free_port()])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dp2_x_sp2_workers_equal_one_rank(ranks, layout):
+    for rank, results in enumerate(ranks):
+        got, ref = results[layout], ranks[rank // 2]["reference"][layout]  # its data-parallel group with sp = 1
+        assert torch.equal(got["rows"], ref["rows"])
+        for key in ("old_log_probs", "values"):
+            torch.testing.assert_close(got[key], ref[key], atol=TOL, rtol=0)
+        same = {k: v for k, v in got["metrics"].items() if not k.startswith("worker_s")}
+        assert same == {k: v for k, v in ranks[0][layout]["metrics"].items() if not k.startswith("worker_s")}, rank
+        for key in METRICS:
+            assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=REL, abs=1e-7), key
+        for which in ("actor_grads", "critic_grads"):
+            for name, g in ref[which].items():
+                assert _rel(got[which][name], g) <= REL, f"rank {rank} {which} {name}: {_rel(got[which][name], g):.2e}"
