@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -12,15 +11,8 @@ import sys
 CUDA_BENCHES = ("logprob", "prefix", "sp")  # the benchmarks with a --device cuda variant
 
 
-def _write(result: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {out}")
-
-
 def _bench(args: argparse.Namespace, command: str) -> int:
-    from rlpad.bench.table import show
+    from rlpad.bench.table import show, write_json
 
     load = os.getloadavg()  # before the benchmark loads the machine itself
 
@@ -37,7 +29,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         report(f"sp{' cuda' if args.device == 'cuda' else ''}", tables(result))
-        _write(result, args.out or f"results/bench_sp{'_cuda' if args.device == 'cuda' else ''}.json")
+        write_json(result, args.out or f"results/bench_sp{'_cuda' if args.device == 'cuda' else ''}.json")
     elif args.device == "cuda":
         if args.what not in CUDA_BENCHES:
             print(f"error: --device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not {args.what!r}",
@@ -58,7 +50,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         report(f"{args.what} cuda", tables)
-        _write(result, args.out or f"results/bench_{args.what}_cuda.json")
+        write_json(result, args.out or f"results/bench_{args.what}_cuda.json")
     elif args.what == "all":
         from rlpad.bench.report import run_all
 
@@ -104,13 +96,13 @@ def _bench(args: argparse.Namespace, command: str) -> int:
 
         result = run_worker_bench(model=(args.models or ["40m"])[0], reps=args.reps)
         report("workers", tables(result))
-        _write(result, args.out or "results/bench_workers.json")
+        write_json(result, args.out or "results/bench_workers.json")
     elif args.what == "sync":
         from workers.bench_sync import SYNC_MODELS, run_sync_bench, tables  # the Ray side
 
         result = run_sync_bench(tuple(args.models or SYNC_MODELS), reps=args.reps)
         report("sync", tables(result))
-        _write(result, args.out or "results/bench_sync.json")
+        write_json(result, args.out or "results/bench_sync.json")
     else:
         from rlpad.bench.rollout import run_rollout_bench, tables
         from workers.bench_replicas import run_replica_bench  # the Ray side
@@ -118,7 +110,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         result = run_rollout_bench(reps=args.reps)
         result["replicas"] = run_replica_bench(reps=args.reps)
         report("rollout", tables(result))
-        _write(result, args.out or "results/bench_rollout.json")
+        write_json(result, args.out or "results/bench_rollout.json")
     return 0
 
 

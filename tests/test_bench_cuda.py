@@ -15,7 +15,7 @@ from rlpad.bench.measure import require_cuda
 from rlpad.bench.models import bench_model
 from rlpad.bench.prefix import N, bench_shape
 from rlpad.bench.table import format_text
-from rlpad.cli import main as cli
+from rlpad.cli import CUDA_BENCHES, main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("omegaconf", "yaml", "ray", "vllm", "flash_attn", "pyarrow")  # what the GPU machine may lack
@@ -31,7 +31,7 @@ def test_device_cuda_without_cuda_is_one_clear_line(capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: --device cuda needs a CUDA GPU"), err
     assert cli(["bench", "rollout", "--device", "cuda"]) == 2
-    assert "--device cuda is for `rlpad bench logprob/prefix`" in capsys.readouterr().err
+    assert f"--device cuda is for `rlpad bench {'/'.join(CUDA_BENCHES)}`, not 'rollout'" in capsys.readouterr().err
 
 
 def test_cuda_bench_commands_stay_light():

@@ -21,6 +21,7 @@ from typing import Any
 
 from rlpad.bench.memory import peak_rss_bytes, rss_bytes
 from rlpad.bench.models import MODEL_SHAPES, bench_model, model_shape
+from rlpad.bench.table import write_json
 
 __all__ = ["main", "run_init_bench"]
 
@@ -127,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['hwm_over_model']:.2f}x model)  growth during init {r['growth_over_model']:.2f}x model  "
               f"bit-identical: {not r['mismatched']}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out, indent=1)
     return 0
 
 

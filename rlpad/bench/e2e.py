@@ -14,14 +14,13 @@ Ray, splitting and merging) and the driver's own phases (reward, advantages).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from rlpad.bench.table import Table
+from rlpad.bench.table import Table, write_json
 
 __all__ = ["FlopRecorder", "overhead", "phase_table", "run_e2e", "summarize_mode", "tables"]
 
@@ -141,10 +140,7 @@ def run_e2e(recipe: str, steps: int = 4, overrides: Sequence[str] = (), out: str
                  for name, rmpad in (("rmpad", True), ("padded", False))}
     result = {"recipe": recipe, "steps": steps, "modes": modes, "phases": phase_table(modes["rmpad"], modes["padded"])}
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {out}")
+        write_json(result, out)
     return result
 
 

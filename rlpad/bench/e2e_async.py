@@ -16,14 +16,13 @@ plots the validation (and training) reward of every run in one PNG.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from rlpad.bench.table import Table
+from rlpad.bench.table import Table, write_json
 
 __all__ = ["curve_tables", "ideal_speedup", "run_async_curves", "run_async_e2e", "summarize_async", "tables"]
 
@@ -113,10 +112,7 @@ def run_async_e2e(recipe: str, ks: Sequence[int] = (0, 1), steps: int = 6, overr
     result = {"recipe": recipe, "steps": steps, "skip": skip, "pinned": pinned, "load_avg": list(os.getloadavg()),
               "ideal": ideal, "modes": modes}
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {out}")
+        write_json(result, out)
     return result
 
 
@@ -157,10 +153,7 @@ def run_async_curves(recipe: str, ks: Sequence[int] = (0, 1), overrides: Sequenc
                             "val_initial": val[0][1] if val else float("nan"), "train_s": sum(walls)}
     result = {"recipe": recipe, "load_avg": list(os.getloadavg()), "runs": runs, "png": _plot(runs, png, recipe)}
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {out}")
+        write_json(result, out)
     return result
 
 

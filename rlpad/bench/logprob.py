@@ -10,7 +10,6 @@ its own process (peak RSS growth, :mod:`rlpad.bench.head_memory`).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from rlpad.bench.flops import padded_and_packed_flops
 from rlpad.bench.head_memory import VARIANTS, measure_in_subprocess
 from rlpad.bench.measure import interleaved_medians, path_rates
 from rlpad.bench.models import bench_model
-from rlpad.bench.table import Table
+from rlpad.bench.table import Table, write_json
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 
@@ -97,8 +96,5 @@ def run(models: Sequence[str] | None = None, *, reps: int = 3, memory: bool = Tr
         "memory": [measure_in_subprocess(v) for v in VARIANTS] if memory else [],
     }
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {out}")
+        write_json(result, out)
     return result

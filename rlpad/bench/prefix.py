@@ -28,7 +28,7 @@ from rlpad.bench.flops import forward_flops, packed_work, shared_prompt_work
 from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
 from rlpad.bench.mfu import PEAK_SOURCE
 from rlpad.bench.models import bench_model
-from rlpad.bench.table import Table
+from rlpad.bench.table import Table, write_json
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.attn_dispatch import SDPA, choose_kernel, device_kernels
@@ -152,10 +152,7 @@ def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = 
     result = _run(model, model_name, reps=reps, shapes=shapes, groups=groups, micro_rows=None, chunk=CHUNK,
                   warmup=False)
     if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {out}")
+        write_json(result, out)
     return result
 
 

@@ -4,11 +4,13 @@ A benchmark turns its result into :class:`Table` s (cells already formatted); :f
 them and, with ``--markdown PATH``, :func:`write_markdown` writes them into PATH between the
 markers ``<!-- rlpad bench NAME: begin -->`` and ``<!-- rlpad bench NAME: end -->`` (replacing
 what was there, or appending the block), under a line with the command, the date, the machine
-and its load average. Tables in the docs are written this way, never typed.
+and its load average. Tables in the docs are written this way, never typed. :func:`write_json`
+writes a benchmark's whole result next to them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Table", "begin_marker", "end_marker", "format_markdown", "format_text", "machine", "show",
-           "write_markdown"]
+           "write_json", "write_markdown"]
 
 
 @dataclass
@@ -134,3 +136,11 @@ def show(name: str, tables: Sequence[Table], *, markdown: str | None = None, com
     if markdown:
         write_markdown(markdown, name, tables, command=command or f"rlpad bench {name}", load=load)
         print(f"wrote the {name} table to {markdown}")
+
+
+def write_json(result: dict, path: str, *, indent: int = 2) -> None:
+    """Write a benchmark's ``result`` as JSON to ``path`` (parent folders created) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=indent)
+    print(f"wrote {path}", flush=True)
