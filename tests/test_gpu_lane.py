@@ -103,8 +103,9 @@ def test_wheels_and_install_step_from_a_fresh_copy(tmp_path):
     rlpad_file, omegaconf_file = os.path.join(clone, "rlpad", "__init__.py"), os.path.join(target, "omegaconf", "__init__.py")
     assert f"gpu_site: rlpad from {rlpad_file}, omegaconf from {omegaconf_file}" in done.stdout, done.stdout
 
-    # The lane's own test modules import on that python too (pytest is all they add).
-    lane = "import sys; sys.path[:0] = ['tests/gpu']; import test_cuda_exactness, test_cuda_workers, test_cuda_train"
+    # The lane's own test modules import on that python too (pytest adds itself and, for the
+    # conftest.py files of tests/gpu and tests, those two folders to sys.path).
+    lane = "import sys; sys.path[:0] = ['tests/gpu', 'tests']; import test_cuda_exactness, test_cuda_workers, test_cuda_train"
     imported = run([*isolated, lane], cwd=clone, env={**env, "PYTHONPATH": f"{clone}:{target}:{site}"})
     assert imported.returncode == 0, imported.stderr[-1500:]
 

@@ -7,6 +7,7 @@ from rlpad.config import ActorRolloutRefConfig
 from workers.actor import ActorWorker
 from rlpad.embedded.synthetic import ppo_batch
 from workers.offload import StateOffloader
+from worker_state import snapshot
 
 P, R, VOCAB = 8, 10, 128
 
@@ -18,14 +19,6 @@ def make_actor() -> ActorWorker:
     w = ActorWorker(cfg, device="cpu")
     w.init_model()
     return w
-
-
-def snapshot(w: ActorWorker) -> dict[str, torch.Tensor]:
-    out = {f"p.{n}": p.detach().to_local().clone() for n, p in w.root.named_parameters()}
-    for i, state in enumerate(w.optimizer.state.values()):
-        for k, v in state.items():
-            out[f"o.{i}.{k}"] = (v.to_local() if hasattr(v, "to_local") else v).clone()
-    return out
 
 
 def test_offload_round_trip_is_bit_identical_and_training_continues_identically():

@@ -16,6 +16,7 @@ from rlpad.embedded.tiny import tiny_model
 from workers.actor import ActorWorker
 
 from rlpad.embedded.synthetic import ppo_batch
+from worker_state import snapshot
 
 P, R, VOCAB = 24, 40, 128  # tiny:qwen2: vocab 128, GQA, 2 layers, random weights of seed 0
 GRAD_BOUNDS = {k: BF16_BOUNDS[k] for k in ("grad_rel", "grad_cos_min")}
@@ -83,14 +84,6 @@ def test_fsdp2_nccl_bf16_within_the_bounds(workers, batch, record):
     assert finite, "NaN/inf gradients from the CUDA update"
     assert not violations(lp), violations(lp)
     assert not violations(grads, GRAD_BOUNDS), violations(grads, GRAD_BOUNDS)
-
-
-def snapshot(w: ActorWorker) -> dict[str, torch.Tensor]:
-    out = {f"p.{n}": p.detach().to_local().clone() for n, p in w.root.named_parameters()}
-    for i, state in enumerate(w.optimizer.state.values()):
-        for k, v in state.items():
-            out[f"o.{i}.{k}"] = (v.to_local() if hasattr(v, "to_local") else v).clone()
-    return out
 
 
 def test_offload_round_trip_on_cuda(workers, batch, record):
