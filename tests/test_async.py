@@ -21,6 +21,7 @@ import uuid
 import psutil
 import pytest
 
+from gated_reward import HOLD_WHILE
 from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
 from rlpad.async_schedule import VERSION_KEY, Sequential
 from rlpad.checkpoint import CheckpointDir
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
+GATED_REWARD = os.path.join(ROOT, "tests", "gated_reward.py")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 STEPS = 4
 BEFORE_ASYNC = "208c2b6cbb0daf3715ddda96f23a0e51a470ee6c"  # main just before asynchronous training (its trainer.py)
@@ -178,11 +180,14 @@ def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(s
     ray_tmp = tempfile.mkdtemp(prefix="rl-")  # short: Ray's socket paths live under it
     env = dict(os.environ, RLPAD_TEST_RUN=marker, RAY_TMPDIR=ray_tmp, PYTHONPATH=ROOT)
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "rlpad.train", "--config", GRPO, *overrides(out, 1, "trainer.save_freq=2")]
+    cmd = [sys.executable, "-m", "rlpad.train", "--config", GRPO,
+           *overrides(out, 1, "trainer.save_freq=2", f"reward.fn={GATED_REWARD}:score")]
     log = open(os.path.join(stack.root, "interrupted.log"), "w+")
-    proc = subprocess.Popen([*cmd, f"trainer.resume_mode={stack.init}"], env=env, cwd=ROOT, start_new_session=True,
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
     latest = os.path.join(out, "checkpoints", "latest")
+    # Once step 2's checkpoint is written, step 3's reward waits: the interrupt lands mid-run however
+    # fast the steps are (the same reward, ungated, serves the resumed run).
+    proc = subprocess.Popen([*cmd, f"trainer.resume_mode={stack.init}"], env={**env, HOLD_WHILE: latest}, cwd=ROOT,
+                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 400
     while not os.path.exists(latest) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
