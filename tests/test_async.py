@@ -173,6 +173,12 @@ def left_behind(marker: str, wait_s: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
+def ctrl_c_default() -> None:
+    """SIGINT back to its default in the child: a shell that starts the tests in the background (``make
+    test &``) ignores it, the children inherit that, and Python then installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(stack):
     reference, _ = stack.train("k1", 1)
     out = os.path.join(stack.root, "interrupted")
@@ -187,7 +193,8 @@ def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(s
     # Once step 2's checkpoint is written, step 3's reward waits: the interrupt lands mid-run however
     # fast the steps are (the same reward, ungated, serves the resumed run).
     proc = subprocess.Popen([*cmd, f"trainer.resume_mode={stack.init}"], env={**env, HOLD_WHILE: latest}, cwd=ROOT,
-                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True)
+                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ctrl_c_default)
     deadline = time.monotonic() + 400
     while not os.path.exists(latest) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
