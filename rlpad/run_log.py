@@ -31,19 +31,17 @@ from rlpad.config import LOG_LEVELS
 
 __all__ = ["LEVELS", "LineLevels", "RunLog"]
 
-LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
-assert tuple(LEVELS) == LOG_LEVELS, "rlpad.config.LOG_LEVELS and run_log.LEVELS must name the same levels"
+_NAMED = logging.getLevelNamesMapping()  # logging's own names: WARNING, WARN, FATAL, ...
+LEVELS = {name: _NAMED[name.upper()] for name in LOG_LEVELS}  # trainer.log_level -> logging level
 
 _OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), pkg) + os.sep
               for pkg in ("rlpad", "workers"))  # warnings raised from these files are rlpad's own
-_LEVEL_WORD = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
+_LEVEL_WORD = re.compile(rf"\b({'|'.join(n for n in _NAMED if n != 'NOTSET')})\b")
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} ")  # torch / glog: I1123, [W1123 ...
 _PY_WARNING = re.compile(r"\b\w*Warning: ")
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt|Fault)\b")
 _FATAL = re.compile(r"Traceback \(most recent call last\)|Segmentation fault|core dumped|\bSIG[A-Z]{3,}\b|"
                     r"out of memory|\bOOM\b|\bKilled\b|\bAborted\b")
-_WORD_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
-                "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL, "FATAL": logging.CRITICAL}
 _GLOG_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
 
 
@@ -74,7 +72,7 @@ class LineLevels:
         elif line[:1].isspace() and text and source in self._last:
             return self._last[source]
         elif m := _LEVEL_WORD.search(line[:80]):
-            level = _WORD_LEVELS[m.group(1)]
+            level = _NAMED[m.group(1)]
         elif m := _GLOG.match(text):
             level = _GLOG_LEVELS[m.group(1)]
         elif _PY_WARNING.search(line):
