@@ -165,18 +165,13 @@ class RolloutReplicas:
 
     def generate(self, batch: Batch, seed: int | None = None) -> Batch:
         """B prompt rows -> B*n rollout rows, the prompts split in whole groups across the replicas."""
-        self._check(batch)
-        slices = split_prompts(len(batch), len(self.actors))
-        refs = [actor.generate.remote(batch.index(slice(start, stop)), seed=seed, prompt_offset=start)
-                for actor, (start, stop) in zip(self.actors, slices)]
-        return self._merge(self._get(refs))
+        return self.submit_generate(batch, seed=seed).result()
 
     def submit_generate(self, batch: Batch, seed: int | None = None) -> PendingRollout:
-        """:meth:`generate` without waiting: it runs on each replica after the calls submitted before it."""
-        self._check(batch)
-        slices = split_prompts(len(batch), len(self.actors))
-        refs = [actor.generate.remote(batch.index(slice(start, stop)), seed=seed, prompt_offset=start)
-                for actor, (start, stop) in zip(self.actors, slices)]
+        """:meth:`generate` without waiting: it runs on each replica after the calls submitted before it
+        (the weight loads submitted since the last generation are checked by its result)."""
+        refs = self._spread(batch, lambda actor, part, offset: actor.generate.remote(part, seed=seed,
+                                                                                   prompt_offset=offset))
         pending = PendingRollout(self, refs, self._loads)
         self._loads = []  # checked by this generation's result: they ran before it
         return pending
@@ -196,18 +191,17 @@ class RolloutReplicas:
 
     def generate_validation(self, batch: Batch) -> Batch:
         """Validation rollout, split like :meth:`generate`."""
-        self._check(batch)
-        slices = split_prompts(len(batch), len(self.actors))
-        refs = [actor.generate_validation.remote(batch.index(slice(start, stop)))
-                for actor, (start, stop) in zip(self.actors, slices)]
+        refs = self._spread(batch, lambda actor, part, _: actor.generate_validation.remote(part))
         return self._merge(self._get(refs))
 
-    @staticmethod
-    def _check(batch: Batch) -> None:
+    def _spread(self, batch: Batch, call: Callable[[Any, Batch, int], ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """``call(actor, prompts, offset)`` per replica on its slice of whole prompt groups; the refs in slice order."""
         if not isinstance(batch, Batch):
             raise ValueError(f"rollout: expected an rlpad.batch.Batch, got {type(batch).__name__}")
         if len(batch) == 0:
             raise ValueError("rollout: empty prompt batch")
+        return [call(actor, batch.index(slice(start, stop)), start)
+                for actor, (start, stop) in zip(self.actors, split_prompts(len(batch), len(self.actors)))]
 
     @staticmethod
     def _merge(parts: list[Batch]) -> Batch:
