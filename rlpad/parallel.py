@@ -16,7 +16,8 @@ from rlpad.advantages import ESTIMATORS
 from rlpad.config import ActorRolloutRefConfig, Config, CriticConfig
 from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_heads
 
-__all__ = ["ROLE_KEYS", "attention_heads", "role_world", "sequence_parallel_problems", "sp_size"]
+__all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "role_world", "sequence_parallel_problems",
+           "sp_size"]
 
 # The config key of each role's sequence-parallel size.
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
@@ -34,6 +35,19 @@ def sp_size(section: ActorRolloutRefConfig | CriticConfig, role: str) -> int:
     if role not in ("actor", "ref"):
         raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLE_KEYS)}")
     return section.actor.ulysses_sequence_parallel_size
+
+
+def dp_size(world: int, sp: int, role: str) -> int:
+    """The data-parallel groups of a ``world``-rank role at sequence-parallel size ``sp``: ``world / sp``
+    (ValueError unless sp >= 1 divides the world; the workers' check for groups built without a config load)."""
+    if sp < 1 or world % sp:
+        raise ValueError(f"{role}: sequence parallel size {sp} must divide the world size {world}")
+    return world // sp
+
+
+def data_parallel_groups(dp: int, sp: int) -> str:
+    """What a batch splits over, for error messages: ``"N ranks"``, or ``"N data-parallel groups"`` when sp > 1."""
+    return f"{dp} data-parallel groups" if sp > 1 else f"{dp} ranks"
 
 
 def role_world(config: Config) -> int:

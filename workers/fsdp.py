@@ -42,7 +42,7 @@ from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
-from rlpad.parallel import sp_size
+from rlpad.parallel import data_parallel_groups, dp_size, sp_size
 from rlpad.seqlen import restore_order
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
@@ -114,10 +114,8 @@ class FSDPWorker(CheckpointMixin):
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.update_steps = 0  # completed update calls (= LR scheduler steps)
         self.sp_size = self.sequence_parallel_size(config, self.role)
-        if self.sp_size < 1 or world_size % self.sp_size:
-            raise ValueError(f"{self.role}: sequence parallel size {self.sp_size} must divide the world size "
-                             f"{world_size}")
-        self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size  # data-parallel group, count
+        self.dp_size = dp_size(world_size, self.sp_size, self.role)  # data-parallel groups
+        self.dp_rank = rank // self.sp_size  # this rank's group
         self.sp: SequenceParallel | None = None  # its sequence-parallel group (set up by _init_distributed)
 
     @staticmethod
@@ -322,7 +320,7 @@ class FSDPWorker(CheckpointMixin):
         The mini-batch splits over the data-parallel groups (world / sequence-parallel size)."""
         dp = self.dp_size
         local_mini = mini_rows // dp if mini_rows >= 1 else 0
-        groups = f"{dp} data-parallel groups" if self.sp_size > 1 else f"{dp} ranks"
+        groups = data_parallel_groups(dp, self.sp_size)
 
         def check() -> None:
             if mini_rows < 1 or mini_rows % dp:

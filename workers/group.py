@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.core.shared_prompt import prompt_groups
+from rlpad.parallel import data_parallel_groups, dp_size
 from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
 from workers.contract import contract_of
 from workers.net import free_port
@@ -95,9 +96,7 @@ class WorkerGroup:
         self._worker_cls, self._config = worker_cls, config
         size_of = getattr(worker_cls, "sequence_parallel_size", None)
         self.sp_size = size_of(config, role) if size_of is not None else 1
-        if self.sp_size < 1 or world_size % self.sp_size:
-            raise ValueError(f"{role}: sequence parallel size {self.sp_size} must divide the world size {world_size}")
-        self.dp_size = world_size // self.sp_size
+        self.dp_size = dp_size(world_size, self.sp_size, role)
         bundle = {"CPU": num_cpus_per_worker} | ({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})
         if nodes is None:
             nodes = plan_nodes(nnodes, {k: v * ranks_per_node for k, v in bundle.items()}, what=f"{role} group")
@@ -171,7 +170,7 @@ class WorkerGroup:
         batch.require("attention_mask", who=self.role)
         dp = self.dp_size
         if len(batch) < dp:
-            groups = f"{dp} data-parallel groups" if self.sp_size > 1 else f"{dp} ranks"
+            groups = data_parallel_groups(dp, self.sp_size)
             raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {groups}")
         lengths = batch["attention_mask"].sum(-1).tolist()
         size = chunk_rows or len(batch)
