@@ -11,9 +11,10 @@ chosen in :mod:`rlpad.core.attn_choice`). The kernel of each call comes from the
   length batched into one call; K/V expanded for GQA; optional sliding window). Exact.
 
 Either way no token attends across a sequence boundary and no nnz x nnz mask is built. With a
-padding mask (the padded path) it defers to sdpa. Given the forward keyword ``rlpad_shared_segments``
-it runs the shared-prompt attention (:mod:`rlpad.core.shared_attention`), which is why
-``share_prompts`` needs ``rlpad_varlen`` on every device. Given ``rlpad_sequence_shard``
+padding mask (the padded path) it defers to sdpa, with a mask in which no query row is fully
+masked (:func:`unmask_unattended_rows`: finite in bf16 whatever kernel sdpa picks). Given the
+forward keyword ``rlpad_shared_segments`` it runs the shared-prompt attention
+(:mod:`rlpad.core.shared_attention`), which is why ``share_prompts`` needs ``rlpad_varlen`` on every device. Given ``rlpad_sequence_shard``
 (sequence parallelism, :mod:`rlpad.core.sequence_parallel`) it exchanges this rank's slice of the
 row for a slice of the heads over the whole row, attends as above, and exchanges back.
 
@@ -42,7 +43,8 @@ VARLEN_ATTENTION = "rlpad_varlen"
 # The forward keyword carrying a packed row's :class:`PackedBounds` (read by the sdpa path only).
 BOUNDS_KWARG = "rlpad_packed_bounds"
 
-__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "sequence_bounds", "varlen_attention_forward"]
+__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "sequence_bounds", "unmask_unattended_rows",
+           "varlen_attention_forward"]
 
 
 class PackedBounds:
@@ -181,10 +183,25 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, sliding
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
-    """No mask for a packed or unpadded row (the attention reads bounds); sdpa's mask otherwise."""
+    """No mask for a packed or unpadded row (the attention reads bounds); for a padded batch sdpa's
+    mask with no fully masked query row (:func:`unmask_unattended_rows`)."""
     if attention_mask is None:
         return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return unmask_unattended_rows(sdpa_mask(*args, attention_mask=attention_mask, **kwargs))
+
+
+def unmask_unattended_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean (B, 1, Q, K) mask whose query rows that see no key (left padding; padding beyond a
+    sliding window) see every key instead.
+
+    Such a row's output is never read (its token is padding, and padding keys are masked for every
+    real query), but a kernel given a row with no key may return NaN in its backward (cuDNN's sdpa
+    in bf16 does), which then reaches the weights through the gradient. Rows with a key are
+    unchanged, so real tokens get exactly the attention they had. No host sync: one reduction.
+    """
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return mask | ~mask.any(dim=-1, keepdim=True)
 
 
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)

@@ -2,7 +2,8 @@
 q/k-norm): bf16 packed (the dispatch's varlen kernel), bf16 padded sdpa and bf16 shared prompts
 against the fp32 oracle (each sequence alone, on the CPU), within rlpad.embedded.exactness's
 BF16_BOUNDS, which a boundary leak through the same kernel must exceed; the profiler shows the
-varlen kernel ran forward and backward. In fp32 the same model takes the exact sdpa fallback.
+varlen kernel ran forward and backward. The padded path stays finite under every sdpa backend.
+In fp32 the same model takes the exact sdpa fallback.
 No path waits on the device once per layer: a deeper model makes no more synchronizing calls.
 """
 
@@ -10,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from lane import cuda_kernel, kernel_calls, model_pair, profiled, ran_forward_and_backward
 
 from rlpad.core.attn_dispatch import FLASH_ATTN, SDPA, flash_attn_installed, torch_varlen_missing
@@ -59,9 +61,8 @@ def test_bf16_forward_and_backward_within_bounds(arch, record):
             table[f"{name}/{kind}"] = errors(got, ref, mask)
             calls[name] = kernel_calls(counts, kernel)
         table[f"leak/{kind}"] = errors(leaky_packed(model, cuda_batch, RESPONSE), ref, mask)
-        model.set_attn_implementation("sdpa")
+        # The padded path as the product runs it: rlpad_varlen's padded branch is transformers' sdpa.
         table[f"padded/{kind}"] = errors(scored(model, cuda_batch, RESPONSE, rmpad=False), ref, mask)
-        model.set_attn_implementation("rlpad_varlen")
     record(arch=arch, kernel=kernel, errors=table, calls=calls, bounds=BF16_BOUNDS)
     for name, errs in table.items():
         if not name.startswith("leak/"):
@@ -72,6 +73,43 @@ def test_bf16_forward_and_backward_within_bounds(arch, record):
     # The varlen kernel ran, forward and backward: one call per layer (shared prompts: two).
     assert ran_forward_and_backward(calls["rmpad"], layers), calls
     assert ran_forward_and_backward(calls["shared"], 2 * layers), calls
+
+
+def masked_sdpa_backends() -> dict[str, str | None]:
+    """Each sdpa backend -> None when it runs a bf16 call with a boolean mask on this GPU, else why not."""
+    q = torch.randn(2, 2, 16, 32, dtype=torch.bfloat16, device="cuda")
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool, device="cuda").tril()
+    out = {}
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.MATH):
+        try:
+            with sdpa_kernel([backend]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            out[backend.name] = None
+        except RuntimeError as err:
+            out[backend.name] = str(err).splitlines()[0][:120]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_bf16_finite_under_each_sdpa_backend(arch, backend, record):
+    """The padded path (left-padded prompts, right-padded responses, a sliding window for mistral)
+    within the bounds, gradients finite, whichever kernel sdpa runs: no query row reaches it fully
+    masked (rlpad.core.attention.unmask_unattended_rows)."""
+    why = masked_sdpa_backends()[backend]
+    if why is not None:
+        pytest.skip(f"sdpa backend {backend} does not run a masked bf16 call on this GPU: {why}")
+    model, model32 = model_pair(arch)
+    table = {}
+    for kind, batch in batches().items():
+        ref = oracle(model32, batch, RESPONSE)
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            got = scored(model, on_cuda(batch), RESPONSE, rmpad=False)
+        table[f"padded/{kind}"] = errors(got, ref, batch["attention_mask"][:, -RESPONSE:])
+    record(arch=arch, backend=backend, errors=table)
+    for name, errs in table.items():
+        assert not violations(errs), (name, violations(errs))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
