@@ -43,8 +43,23 @@ VARLEN_ATTENTION = "rlpad_varlen"
 # The forward keyword carrying a packed row's :class:`PackedBounds` (read by the sdpa path only).
 BOUNDS_KWARG = "rlpad_packed_bounds"
 
-__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "sequence_bounds", "unmask_unattended_rows",
-           "varlen_attention_forward"]
+__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "packed_row_mask", "sequence_bounds",
+           "unmask_unattended_rows", "varlen_attention_forward"]
+
+
+def packed_row_mask(device: torch.device) -> torch.Tensor:
+    """The ``attention_mask`` rlpad passes with a packed row: a 4D mask with no entries.
+
+    transformers hands a 4D mask to the attention function as it is, without building one (which,
+    for a row with ``attention_mask=None``, would first look for packed sequences in
+    ``position_ids`` and read the device to decide: a host sync per forward). ``rlpad_varlen``
+    reads it as "no mask: the packed row", whose bounds come from ``cu_seq_lens_q`` or the segments.
+    """
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
+def _is_packed_row(attention_mask: torch.Tensor | None) -> bool:
+    return attention_mask is None or (attention_mask.dim() == 4 and attention_mask.numel() == 0)
 
 
 class PackedBounds:
@@ -129,6 +144,8 @@ def varlen_attention_forward(
 
     With a sequence shard (``rlpad_sequence_shard``) S is this rank's slice of the packed row: the
     attention runs on the whole row for a slice of the heads, between two all-to-all exchanges."""
+    if _is_packed_row(attention_mask):
+        attention_mask = None
     shard = kwargs.get(SHARD_KWARG)
     if shard is None:
         return _attend(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)

@@ -31,11 +31,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
+from rlpad.core.attention import BOUNDS_KWARG, VARLEN_ATTENTION, PackedBounds, packed_row_mask
 from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
+from rlpad.core.host_plan import HostBatch, packed_plan, response_positions, to_device
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from rlpad.core.padding import index_first_axis, unpad_input
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
 
@@ -97,6 +97,7 @@ def scoring_hidden_states(
     use_remove_padding: bool,
     share_prompts: bool = False,
     sp: SequenceParallel | None = None,
+    host: HostBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
@@ -106,58 +107,52 @@ def scoring_hidden_states(
     ``share_prompts`` token 0 of every row of a group reads the group's one last prompt token.
     ``sp`` (sequence parallelism, :mod:`rlpad.core.sequence_parallel`): this rank runs its slice of
     the packed row and returns the states and indices of the tokens scored from that slice only.
+    Every index the forward needs is built on the host (:mod:`rlpad.core.host_plan`) from ``host``,
+    the batch's host copy, when the caller has one, else from one read of the batch (none on the CPU),
+    and moved in one copy: nothing reads the device after that.
     """
     check_share_prompts(use_remove_padding, share_prompts)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
-    batch, seqlen = input_ids.shape
+    device = input_ids.device
+    if host is None:
+        host = HostBatch.of(input_ids, attention_mask, position_ids)  # the one read of the batch
+    seqlen = input_ids.shape[1]
     prompt_length = seqlen - response_length
-    response_idx = attention_mask[:, prompt_length:].reshape(-1).nonzero().flatten()
-    rows, cols = response_idx // response_length, response_idx % response_length
     if not use_remove_padding:
+        response_idx, rows, cols = to_device(list(response_positions(host, response_length)), device)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
+    pad_to = sp.size if sp is not None else 1
     if share_prompts:
-        row = pack_shared_prompts(input_ids, attention_mask, position_ids, response_length,
-                                  pad_to=sp.size if sp is not None else 1)  # fmt: skip
-        ids, positions, score_slots = row.input_ids[0], row.position_ids[0], row.score_index
+        row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
+                                  pad_to=pad_to).to(device)
+        ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids[0], row.score_index, row.response_idx
         attention = {SEGMENTS_KWARG: row.segments}
     else:
         # The sequence bounds once per forward: cu_seqlens on the device and max_seqlen a Python int
-        # for the varlen kernels, PackedBounds for the sdpa path (read from the device on first use).
-        ids, indices, cu_seqlens, max_seqlen, _ = unpad_input(input_ids.unsqueeze(-1), attention_mask, validate=False)
-        ids, positions = ids.view(-1), index_first_axis(position_ids.reshape(-1, 1), indices).view(-1)
-        if sp is not None:
-            ids, positions, cu_seqlens, max_seqlen = _pad_row(ids, positions, cu_seqlens, max_seqlen, sp)
+        # for the varlen kernels, PackedBounds for the sdpa path (its host copy, no device read).
+        plan = packed_plan(host, response_length, pad_to=pad_to)
+        host_cu, plan = plan.cu_seqlens, plan.to(device)
+        ids, positions, score_slots, response_idx = plan.input_ids, plan.position_ids, plan.score_slots, plan.response_idx
+        cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
         attention = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
-                         max_length_k=max_seqlen, **{BOUNDS_KWARG: PackedBounds(cu_seqlens, ids.shape[0])})
-        packed_slot = torch.full((batch * seqlen,), -1, dtype=torch.long, device=ids.device)
-        packed_slot[indices] = torch.arange(indices.numel(), device=ids.device)
-        score_slots = packed_slot[rows * seqlen + prompt_length - 1 + cols]
+                         max_length_k=max_seqlen, **{BOUNDS_KWARG: PackedBounds(host_cu, ids.shape[0])})
+    # flash_attention_2 reads the packed row from attention_mask=None; rlpad_varlen from a 4D empty
+    # mask, which spares transformers' search of position_ids for sequences (a host sync).
+    no_mask = packed_row_mask(device) if backbone.config._attn_implementation == VARLEN_ATTENTION else None
     if sp is None:
-        hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=None,
+        hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=no_mask,
                           use_cache=False, **attention).last_hidden_state[0]  # fmt: skip
         return hidden.index_select(0, score_slots), response_idx
     shard = sp.shard(ids, positions, attention)
-    hidden = backbone(attention_mask=None, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
+    hidden = backbone(attention_mask=no_mask, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
     mine, local = shard.local(score_slots)
     return hidden.index_select(0, local), response_idx[mine]
-
-
-def _pad_row(ids, positions, cu_seqlens, max_seqlen, sp: SequenceParallel):
-    """The packed row padded to a multiple of ``sp.size``: token 0 at positions 0, 1, ..., a sequence
-    of its own in ``cu_seqlens`` (which then ends at the padded length, as the varlen kernels need)."""
-    pad = sp.padded_length(ids.shape[0]) - ids.shape[0]
-    if not pad:
-        return ids, positions, cu_seqlens, max_seqlen
-    ids = torch.cat([ids, ids.new_zeros(pad)])
-    positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype, device=positions.device)])
-    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([ids.shape[0]])])
-    return ids, positions, cu_seqlens, max(max_seqlen, pad)
 
 
 def _head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk_size):
@@ -187,6 +182,7 @@ def compute_log_probs(
     logits_chunk_size: int | None = None,
     check: bool = True,
     sp: SequenceParallel | None = None,
+    host: HostBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
 
@@ -198,7 +194,8 @@ def compute_log_probs(
     ``check=False`` skips the input checks for a caller that ran :func:`check_model_inputs` once on
     the whole batch (the workers do, where a batch enters them). ``sp``: this rank's
     sequence-parallel group (:mod:`rlpad.core.sequence_parallel`); every rank of it gets the same
-    (B, R) results, each rank's LM head having run on its slice of the row only.
+    (B, R) results, each rank's LM head having run on its slice of the row only. ``host``: the
+    batch's host copy (:class:`rlpad.core.host_plan.HostBatch`) where the caller has one.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -212,7 +209,7 @@ def compute_log_probs(
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
-        use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
+        use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp, host=host,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)

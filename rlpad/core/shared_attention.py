@@ -64,15 +64,14 @@ def _varlen(kernel, query, key, value, seg: SharedSegments, scale, dropout, wind
     pq, pk, pv = (t.index_select(0, seg.prompt_index) for t in (q, k, v))
     args = dict(scale=scale, window=window, dropout=dropout)
     out_p = varlen_attention(kernel, pq, pk, pv, seg.prompt_cu, seg.prompt_cu, seg.prompt_max, seg.prompt_max, **args)
-    parts, order = [out_p], [seg.prompt_index]
+    parts = [out_p]
     if seg.resp_index.numel():  # shape metadata, no device read
         rq = q.index_select(0, seg.resp_index)
         rk, rv = (t.index_select(0, seg.resp_kv_index) for t in (k, v))
         parts.append(varlen_attention(kernel, rq, rk, rv, seg.resp_cu_q, seg.resp_cu_k, seg.resp_max_q,
                                       seg.resp_max_k, **args))  # fmt: skip
-        order.append(seg.resp_index)
-    out = q.new_zeros(q.shape).index_copy(0, torch.cat(order), torch.cat(parts))
-    return out.unsqueeze(0)  # (1, T, H, D)
+    # Back to row order with one gather by the inverse permutation (made once per forward).
+    return torch.cat(parts).index_select(0, seg.varlen_inverse).unsqueeze(0)  # (1, T, H, D)
 
 
 def shared_prompt_attention(

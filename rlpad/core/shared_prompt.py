@@ -18,9 +18,11 @@ token 0 of every row is scored by the hidden state of its group's last prompt to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+from rlpad.core.host_plan import HostBatch, response_positions, to_device
 
 __all__ = ["SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "pack_shared_prompts", "prompt_groups"]
 
@@ -74,7 +76,11 @@ class SharedSegments:
     resp_cu_k: torch.Tensor
     resp_max_q: int
     resp_max_k: int
+    varlen_inverse: torch.Tensor  # row slot -> its place in cat(prompt outputs, response outputs)
     masks: dict = field(default_factory=dict)  # CPU masks by (prompt_len, length, window), shared by the layers
+
+    def tensor_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
 
 @dataclass
@@ -87,16 +93,24 @@ class SharedPromptRow:
     position_ids: torch.Tensor
     segments: SharedSegments
     score_index: torch.Tensor
+    response_idx: torch.Tensor  # (N,) flat index into (B, R) of each scored token
+
+    def to(self, device: torch.device) -> SharedPromptRow:
+        """The row with every tensor (its segments' too) on ``device``, in one copy (no host sync)."""
+        seg_names = self.segments.tensor_fields()
+        own = [self.input_ids, self.position_ids, self.score_index, self.response_idx]
+        moved = to_device(own + [getattr(self.segments, n) for n in seg_names], device)
+        segments = replace(self.segments, masks={}, **dict(zip(seg_names, moved[len(own):])))
+        return SharedPromptRow(*moved[:2], segments, *moved[2:len(own)])
 
 
-def _cu(lengths: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
-def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], total: int,
-              device: torch.device) -> SharedSegments:
-    """Segments from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
-    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], total: int) -> SharedSegments:
+    """Segments (host tensors) from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
+    ar = torch.arange
     # Queries of equal shape (prompt length, own length) form one block; prompts are (0, length).
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for start, length in prompts:
@@ -105,8 +119,8 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
         by_shape.setdefault((prompts[p][1], length), []).append((start, prompts[p][0]))
     blocks, q_parts, kv_parts = [], [], []
     for (plen, n), items in by_shape.items():
-        q_index = torch.tensor([s for s, _ in items], device=device)[:, None] + ar(n)
-        kv_index = torch.cat([torch.tensor([ps for _, ps in items], device=device)[:, None] + ar(plen), q_index], 1)
+        q_index = torch.tensor([s for s, _ in items])[:, None] + ar(n)
+        kv_index = torch.cat([torch.tensor([ps for _, ps in items])[:, None] + ar(plen), q_index], 1)
         blocks.append((len(items), plen, n))
         q_parts.append(q_index.flatten())
         kv_parts.append(kv_index.flatten())
@@ -115,43 +129,50 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
         raise AssertionError(f"segments cover {q_order.numel()} of {total} packed tokens")
     inverse = torch.empty_like(q_order)
     inverse[q_order] = ar(total)
+    prompt_index = torch.cat([s + ar(n) for s, n in prompts])
+    resp_index = torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0)
+    varlen_inverse = torch.empty(total, dtype=torch.long)
+    varlen_inverse[torch.cat([prompt_index, resp_index])] = ar(total)
     kv = [torch.cat([prompts[p][0] + ar(prompts[p][1]), s + ar(n)]) for s, n, p in responses]
     return SharedSegments(
         total=total, prompt_starts=[s for s, _ in prompts], blocks=blocks, q_order=q_order,
         kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts], kv_sizes=[t.numel() for t in kv_parts],
-        inverse=inverse, prompt_index=torch.cat([s + ar(n) for s, n in prompts]),
-        prompt_cu=_cu([n for _, n in prompts], device), prompt_max=max(n for _, n in prompts),
-        resp_index=torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0),
-        resp_kv_index=torch.cat(kv) if kv else ar(0),
-        resp_cu_q=_cu([n for _, n, _ in responses], device),
-        resp_cu_k=_cu([prompts[p][1] + n for _, n, p in responses], device),
+        inverse=inverse, prompt_index=prompt_index,
+        prompt_cu=_cu([n for _, n in prompts]), prompt_max=max(n for _, n in prompts),
+        resp_index=resp_index, resp_kv_index=torch.cat(kv) if kv else ar(0),
+        resp_cu_q=_cu([n for _, n, _ in responses]),
+        resp_cu_k=_cu([prompts[p][1] + n for _, n, p in responses]),
         resp_max_q=max((n for _, n, _ in responses), default=0),
         resp_max_k=max((prompts[p][1] + n for _, n, p in responses), default=0),
+        varlen_inverse=varlen_inverse,
     )  # fmt: skip
 
 
 def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int,
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int,
     *, pad_to: int = 1,
 ) -> SharedPromptRow:
     """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
     each group's prompt once; see the module docstring. ``pad_to``: pad the row to a multiple of it
     (sequence parallelism) with token 0 at positions 0, 1, ..., a block of its own that attends
-    only to itself and is never scored."""
-    batch, seqlen = input_ids.shape
+    only to itself and is never scored.
+
+    Built on the host from one read of the batch (none when it is on the CPU): the row is on the
+    CPU; :meth:`SharedPromptRow.to` moves it to the device in one copy."""
+    host = HostBatch.of(input_ids, attention_mask, position_ids)
+    batch, seqlen = host.input_ids.shape
     prompt_cols = seqlen - response_length
-    device = input_ids.device
-    prompt_lens = attention_mask[:, :prompt_cols].sum(1).tolist()
-    resp_lens = attention_mask[:, prompt_cols:].sum(1).tolist()
+    prompt_lens = host.attention_mask[:, :prompt_cols].sum(1).tolist()
+    resp_lens = host.attention_mask[:, prompt_cols:].sum(1).tolist()
     src: list[torch.Tensor] = []  # flat (B*S) indices of the packed tokens, in packed order
     prompts: list[tuple[int, int]] = []
     responses: list[tuple[int, int, int]] = []
     first_slot = [0] * batch  # packed slot scoring response token 0 of each row
     resp_start = [0] * batch
     cursor = 0
-    for g, rows in enumerate(prompt_groups(input_ids, attention_mask, position_ids, response_length)):
+    for g, rows in enumerate(prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)):
         plen = int(prompt_lens[rows[0]])
-        src.append(rows[0] * seqlen + torch.arange(prompt_cols - plen, prompt_cols, device=device))
+        src.append(rows[0] * seqlen + torch.arange(prompt_cols - plen, prompt_cols))
         prompts.append((cursor, plen))
         cursor += plen
         last_prompt = cursor - 1
@@ -159,19 +180,21 @@ def pack_shared_prompts(
             first_slot[r], resp_start[r] = last_prompt, cursor
             n = int(resp_lens[r])
             if n:
-                src.append(r * seqlen + torch.arange(prompt_cols, prompt_cols + n, device=device))
+                src.append(r * seqlen + torch.arange(prompt_cols, prompt_cols + n))
                 responses.append((cursor, n, g))
                 cursor += n
     flat = torch.cat(src)
-    packed_ids = input_ids.reshape(-1).index_select(0, flat).view(1, -1)
-    packed_pos = position_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    packed_ids = host.input_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    packed_pos = host.position_ids.reshape(-1).index_select(0, flat).view(1, -1)
     pad = -cursor % pad_to
     if pad:
         packed_ids = torch.cat([packed_ids, packed_ids.new_zeros(1, pad)], 1)
-        packed_pos = torch.cat([packed_pos, torch.arange(pad, device=device, dtype=packed_pos.dtype)[None]], 1)
+        packed_pos = torch.cat([packed_pos, torch.arange(pad, dtype=packed_pos.dtype)[None]], 1)
         prompts.append((cursor, pad))
     # Response token t > 0 of row r is scored by packed slot resp_start[r] + t - 1.
-    score = [torch.cat([torch.tensor([first_slot[r]], device=device), resp_start[r] + torch.arange(int(n) - 1, device=device)])
+    score = [torch.cat([torch.tensor([first_slot[r]]), resp_start[r] + torch.arange(int(n) - 1)])
              for r, n in enumerate(resp_lens) if n]  # fmt: skip
-    score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long, device=device)
-    return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor + pad, device), score_index)
+    score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long)
+    response_idx = response_positions(host, response_length)[0]
+    return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor + pad), score_index,
+                           response_idx)

@@ -16,6 +16,7 @@ from lane import cuda_kernel, kernel_calls, model_pair, profiled, ran_forward_an
 
 from rlpad.core.attn_dispatch import FLASH_ATTN, SDPA, flash_attn_installed, torch_varlen_missing
 from rlpad.core.forward import compute_log_probs
+from rlpad.core.host_plan import HostBatch
 from rlpad.embedded.exactness import BF16_BOUNDS, LEAK_DETECTING, errors, leaky_packed, oracle, scored, violations
 from rlpad.embedded.synthetic import grpo_batch, rollout_batch
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
@@ -158,21 +159,34 @@ def host_syncs(fn) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_no_host_sync_per_layer(dtype, record):
-    """Forward + backward of the packed and the shared-prompt row with 2 and 6 layers: the same
-    number of synchronizing calls (the per-forward ones: unpadding, the bounds, the scatter)."""
+    """The packed and the shared-prompt row with 2 and 6 layers: at most ONE synchronizing call per
+    forward (the read of the batch the index plan is built from, rlpad.core.host_plan), none with the
+    batch's host copy given, and forward + backward the same count at any depth, run after run."""
     counts = {}
     for layers in (2, 6):
         model = tiny_model("qwen2", vocab_size=VOCAB, seed=1, dtype=dtype, num_hidden_layers=layers).cuda().train()
         for kind, batch in batches().items():
             b, share = on_cuda(batch), kind == "grpo"
+            path = "shared" if share else "rmpad"
+
+            def forward(host=None):
+                return compute_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE,  # noqa: B023
+                                         use_remove_padding=True, share_prompts=share, calculate_entropy=True,  # noqa: B023
+                                         check=False, host=host)
 
             def step():
-                lp, ent = compute_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE,
-                                            use_remove_padding=True, share_prompts=share, calculate_entropy=True)
-                (lp + 0.1 * ent).sum().backward()  # noqa: B023 (run inside this iteration)
+                lp, ent = forward()
+                (lp + 0.1 * ent).sum().backward()
 
             step()  # warm-up (lazy initialisation)
-            counts[f"{'shared' if share else 'rmpad'}/{layers} layers"] = host_syncs(step)
+            host = HostBatch.of(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+            counts[f"{path}/{layers} layers/forward"] = host_syncs(forward)
+            counts[f"{path}/{layers} layers/forward, host copy given"] = host_syncs(lambda: forward(host))  # noqa: B023
+            counts[f"{path}/{layers} layers/forward+backward"] = [host_syncs(step) for _ in range(2)]
     record(dtype=str(dtype), synchronizing_calls=counts)
     for path in ("rmpad", "shared"):
-        assert counts[f"{path}/2 layers"] == counts[f"{path}/6 layers"], counts
+        for layers in (2, 6):
+            assert counts[f"{path}/{layers} layers/forward"] <= 1, counts
+            assert counts[f"{path}/{layers} layers/forward, host copy given"] == 0, counts
+        runs = counts[f"{path}/2 layers/forward+backward"] + counts[f"{path}/6 layers/forward+backward"]
+        assert len(set(runs)) == 1, counts
