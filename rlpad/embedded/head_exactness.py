@@ -33,17 +33,14 @@ def head_inputs(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype, dev
                 bias: bool = False, seed: int = 0) -> dict[str, torch.Tensor | None]:
     """Random head inputs (logits of a few nats' spread, like a trained LM's), the last label V-1,
     and random upstream gradients ``g_lp`` / ``g_ent`` (N,) fp32."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {
-        "hidden": torch.randn(tokens, hidden, generator=gen),
-        "weight": torch.randn(vocab, hidden, generator=gen) * (2.0 / hidden**0.5),
-        "bias": torch.randn(vocab, generator=gen) * 0.5 if bias else None,
-        "labels": torch.randint(0, vocab, (tokens,), generator=gen),
-        "g_lp": torch.randn(tokens, generator=gen), "g_ent": torch.randn(tokens, generator=gen),
-    }
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
+    out = {"hidden": randn(tokens, hidden).to(dtype), "weight": (randn(vocab, hidden) * (2.0 / hidden**0.5)).to(dtype),
+           "bias": (randn(vocab) * 0.5).to(dtype) if bias else None,
+           "labels": torch.randint(0, vocab, (tokens,), generator=gen, device=device),
+           "g_lp": randn(tokens), "g_ent": randn(tokens)}
     out["labels"][-1] = vocab - 1
-    return {k: (v.to(device, dtype) if v is not None and v.is_floating_point() and not k.startswith("g_") else
-                v.to(device) if v is not None else None) for k, v in out.items()}
+    return out
 
 
 def head_errors(head: Callable, x: dict, temperature: float = 1.0, *, entropy_grad: bool = True,
