@@ -96,12 +96,26 @@ def run_head(device: str = "cpu", *, tokens: tuple[int, ...] | None = None, hidd
     for n in tokens:
         x = head_inputs(n, hidden, vocab, dtype=torch.bfloat16, device=dev, seed=n)
         result["head_path"] = head_path(x["hidden"], x["weight"])
-        passes = {f"{v}/{mode}": (lambda v=v, b=(mode == "fwdbwd"): _pass(v, x, chunk, b))
+        oom: set[str] = set()  # variants that ran out of device memory (full logits at 19000 tokens may)
+
+        def guarded(v: str, backward: bool) -> None:
+            if v not in oom:
+                try:
+                    _pass(v, x, chunk, backward)
+                except torch.cuda.OutOfMemoryError:
+                    oom.add(v)
+                    x["hidden"].grad = x["weight"].grad = None
+                    torch.cuda.empty_cache()
+
+        passes = {f"{v}/{mode}": (lambda v=v, b=(mode == "fwdbwd"): guarded(v, b))
                   for v in VARIANTS for mode in ("fwd", "fwdbwd")}
         seconds = interleaved_medians(passes, reps, dev)
         e = min(n, err_tokens)
         ref_lp, ref_ent = fp64_head(x["hidden"][:e], x["weight"], x["labels"][:e])
         for v in VARIANTS:
+            if v in oom:
+                result["rows"].append({"tokens": n, "variant": v, "oom": True})
+                continue
             peak, (lp, ent) = _peak_and_outputs(v, x, chunk, dev)
             row = {"tokens": n, "variant": v, "fwd_s": seconds[f"{v}/fwd"], "fwdbwd_s": seconds[f"{v}/fwdbwd"],
                    "fwd_vs_floor": seconds[f"{v}/fwd"] / seconds["floor/fwd"],
@@ -126,9 +140,10 @@ def tables(result: dict[str, Any]) -> list[Table]:
         return "-" if v is None else format(v, f)
 
     rows = [[str(r["tokens"]), r["variant"] + (f" ({result['head_path']})" if r["variant"] == "head" else ""),
-             f"{r['fwd_s'] * 1e3:.2f}", f"{r['fwd_vs_floor']:.2f}x", f"{r['fwdbwd_s'] * 1e3:.2f}",
-             f"{r['fwdbwd_vs_floor']:.2f}x", cell(r["peak_gib"], ".2f"), cell(r.get("lp_err"), ".1e"),
-             cell(r.get("ent_err"), ".1e")] for r in result["rows"]]
+             *(["out of memory"] + ["-"] * 6 if r.get("oom") else
+               [f"{r['fwd_s'] * 1e3:.2f}", f"{r['fwd_vs_floor']:.2f}x", f"{r['fwdbwd_s'] * 1e3:.2f}",
+                f"{r['fwdbwd_vs_floor']:.2f}x", cell(r["peak_gib"], ".2f"), cell(r.get("lp_err"), ".1e"),
+                cell(r.get("ent_err"), ".1e")])] for r in result["rows"]]
     title = (f"LM head alone, log-prob + entropy, {result['device']} (torch {result['torch']}, triton "
              f"{result['triton'] or 'none'}), bf16, hidden {result['hidden']}, vocab {result['vocab']}, "
              f"logits_chunk_size {result['chunk']}; medians of {result['reps']}")
