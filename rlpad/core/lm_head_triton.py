@@ -2,10 +2,11 @@
 
 Forward, one kernel (:func:`_stats_kernel`): a program owns ``BLOCK_N`` tokens and a slice of the
 vocabulary; over its V tiles it forms ``z = h @ W_tile^T (+ b) / T`` with a tensor-core dot in
-fp32 accumulation and keeps, online, ``m = max z``, ``s = sum exp(z - m)``, ``t = sum exp(z - m) z``
-and the label's ``z``. Nothing (N, V) is written: the slices' (m, s, t, z_label) are (splits, N)
-and merged in torch into ``lse = m + log s``, ``E_p[z] = t / s``, ``log_prob = z_label - lse``,
-``entropy = lse - E_p[z]`` (fp32), and ``lse`` and ``E_p[z]`` are saved for the backward. The
+fp32 accumulation and keeps, online, ``m = max z``, ``s = sum exp(z - m)``, ``t = sum exp(z - m)
+(z - m)`` (centred: its rounding scales with the entropy, not with |z|) and the label's ``z``.
+Nothing (N, V) is written: the slices' (m, s, t, z_label) are (splits, N) and merged in torch into
+``lse = m + log s``, ``E_p[z] = m + t / s``, ``log_prob = z_label - lse``, ``entropy = log s - t / s``
+(fp32, no cancellation of m), and ``lse`` and ``E_p[z]`` are saved for the backward. The
 vocabulary is split over programs so that a few thousand tokens still fill every SM.
 
 Backward: with ``p = exp(z - lse)``, ``dz = (g_lp (onehot(y) - p) - g_H p (z - E_p[z])) / T``.
@@ -79,9 +80,11 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.exp(m - m_new)
-        e = tl.exp(z - m_new[:, None])  # 0 on the columns past V
+        d = tl.where(col_ok[None, :], z - m_new[:, None], float("-inf"))  # <= 0; -inf past V
+        e = tl.exp(d)
+        # t is centred on the running max: t = sum e (z - m); moving m to m_new shifts it by s (m - m_new)
+        t = scale * (t + s * tl.where(s > 0, m - m_new, 0.0)) + tl.sum(tl.where(col_ok[None, :], e * d, 0.0), axis=1)
         s = s * scale + tl.sum(e, axis=1)
-        t = t * scale + tl.sum(e * tl.where(col_ok[None, :], z, 0.0), axis=1)
         zl += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
         m = m_new
     out = split * N + rows
@@ -155,11 +158,13 @@ def head_stats(hidden, weight, bias, labels, temperature, *, splits=None, blocks
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, PRECISION=_precision(hidden.dtype), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES)  # fmt: skip
     top = m.amax(dim=0)
-    scale = torch.exp(m - top)
+    shift = m - top  # <= 0
+    scale = torch.exp(shift)
     total = (s * scale).sum(dim=0)
-    lse = top + total.log()
-    mean_z = (t * scale).sum(dim=0) / total
-    return zl.sum(dim=0) - lse, lse - mean_z, lse, mean_z
+    centred = (scale * (t + s * shift)).sum(dim=0) / total  # E_p[z] - top
+    log_total = total.log()
+    lse = top + log_total
+    return zl.sum(dim=0) - lse, log_total - centred, lse, top + centred
 
 
 class TritonHead(torch.autograd.Function):
@@ -185,6 +190,9 @@ class TritonHead(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, labels, lse, mean_z = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        if not (need_h or need_w or need_b) or (grad_log_probs is None and grad_entropy is None):
+            return None, None, None, None, None, None, None, None, None
         n, h = hidden.shape
         v = weight.shape[0]
         bn, bv, bk = ctx.blocks
@@ -192,7 +200,7 @@ class TritonHead(torch.autograd.Function):
         v_block = min(v, max(bv, (ctx.chunk_size * v // n) // bv * bv))
         slices = [(s, min(s + v_block, v)) for s in range(0, v, v_block)]
         grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = torch.zeros(v, dtype=torch.float32, device=weight.device) if need_b and bias is not None else None
+        grad_b = torch.zeros(v, dtype=torch.float32, device=weight.device) if need_b else None
         grad_h = None
         if need_h:
             grad_h = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if len(slices) > 1 else None
