@@ -80,10 +80,10 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.exp(m - m_new)
-        d = tl.where(col_ok[None, :], z - m_new[:, None], float("-inf"))  # <= 0; -inf past V
-        e = tl.exp(d)
+        d = z - m_new[:, None]  # <= 0; -inf past V
+        e = tl.exp(d)  # 0 past V
         # t is centred on the running max: t = sum e (z - m); moving m to m_new shifts it by s (m - m_new)
-        t = scale * (t + s * tl.where(s > 0, m - m_new, 0.0)) + tl.sum(tl.where(col_ok[None, :], e * d, 0.0), axis=1)
+        t = scale * (t + s * tl.where(s > 0, m - m_new, 0.0)) + tl.sum(e * tl.where(col_ok[None, :], d, 0.0), axis=1)
         s = s * scale + tl.sum(e, axis=1)
         zl += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
         m = m_new
@@ -182,6 +182,7 @@ class TritonHead(torch.autograd.Function):
                                                      blocks=blocks)  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mean_z)
         ctx.temperature, ctx.chunk_size, ctx.blocks = temperature, chunk_size, blocks
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None: the kernel drops its term
         if not calculate_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
