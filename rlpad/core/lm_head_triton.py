@@ -25,6 +25,8 @@ linear cross-entropy has no entropy; verl's kernel lives inside verl (no depende
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -136,10 +138,20 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """``(SMs, pipeline stages)`` for ``device``: 3 stages of 128 x 64 + 64 x 128 bf16 tiles need
+    96 KiB of shared memory, which GPUs with ~100 KiB per block (sm_86, sm_89) cannot spare."""
+    if device.type != "cuda":
+        return 4, NUM_STAGES  # Triton's interpreter: any
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    return props.multi_processor_count, NUM_STAGES if smem >= 160 * 1024 else 2
+
+
 def _splits(n_blocks: int, v_tiles: int, device: torch.device) -> int:
     """Vocabulary splits so that token blocks x splits is about WAVES programs per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(v_tiles, -(-WAVES * sms // n_blocks)))
+    return max(1, min(v_tiles, -(-WAVES * _device_limits(device)[0] // n_blocks)))
 
 
 def head_stats(hidden, weight, bias, labels, temperature, *, splits=None, blocks=(BLOCK_N, BLOCK_V, BLOCK_K)):
@@ -156,7 +168,7 @@ def head_stats(hidden, weight, bias, labels, temperature, *, splits=None, blocks
         hidden, weight, bias if bias is not None else weight, labels, m, s, t, zl, n, v, h,
         hidden.stride(0), weight.stride(0), float(temperature), per_split, HAS_BIAS=bias is not None,
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, PRECISION=_precision(hidden.dtype), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)  # fmt: skip
+        num_stages=_device_limits(hidden.device)[1])  # fmt: skip
     top = m.amax(dim=0)
     shift = m - top  # <= 0
     scale = torch.exp(shift)
@@ -217,7 +229,8 @@ class TritonHead(torch.autograd.Function):
                 glp if glp is not None else lse, gent if gent is not None else lse, d, n, start, vb, h,
                 hidden.stride(0), weight.stride(0), float(ctx.temperature), HAS_BIAS=bias is not None,
                 HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk,
-                GROUP_N=GROUP_N, PRECISION=_precision(hidden.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)  # fmt: skip
+                GROUP_N=GROUP_N, PRECISION=_precision(hidden.dtype), num_warps=NUM_WARPS,
+                num_stages=_device_limits(hidden.device)[1])  # fmt: skip
             if grad_w is not None:
                 torch.mm(d.t(), hidden, out=grad_w[start:end])
             if need_h:
