@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlpad.core.lm_head import HEAD_PATHS, TORCH, TORCH_CUDA, TRITON, choose_head, head_path
-from rlpad.core.logprob import _ChunkedHead, chunked_log_probs_and_entropy
+from rlpad.core.logprob import chunked_log_probs_and_entropy
 from rlpad.embedded.head_exactness import HEAD_LP_BOUND, fp64_head, head_errors, head_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,10 +28,10 @@ FP32_TOL = 2e-5  # the project's fp32 exactness bound
 FP32_GRAD_REL = 1e-5
 
 
-def torch_head(chunk, calculate_entropy=True):
+def torch_head(chunk, path=None):
     def head(hidden, weight, labels, bias, temperature):
         return chunked_log_probs_and_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
-                                             chunk_size=chunk, calculate_entropy=calculate_entropy)
+                                             chunk_size=chunk, head=path)
     return head
 
 
@@ -64,20 +64,13 @@ def test_no_entropy_is_none_and_log_probs_keep_their_gradient():
     assert h.grad is not None and torch.isfinite(h.grad).all()
 
 
-def lowp_head(chunk):
-    """The torch_cuda head's arithmetic (``lowp=True``), which the dispatch picks on CUDA without Triton."""
-    def head(hidden, weight, labels, bias, temperature):
-        return _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk, True, True)
-    return head
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fp32_logits_head_in_bf16_beats_bf16_rounded_logits(temperature):
-    """bf16 inputs: fp32-output logits (lowp) are within HEAD_LP_BOUND of fp64 on the same rounded
+    """bf16 inputs: the torch_cuda head (fp32-output logits; the dispatch's pick on CUDA without Triton) is within HEAD_LP_BOUND of fp64 on the same rounded
     inputs; today's bf16 chunked path (logits rounded to bf16) is far outside it (negative control)."""
     x = head_inputs(40, 64, 512, dtype=torch.bfloat16, bias=True, seed=5)
-    good = head_errors(lowp_head(16), x, temperature)
-    rounded = head_errors(lambda h, w, y, b, t: _ChunkedHead.apply(h, w, b, y, t, 16, True, False), x, temperature)
+    good = head_errors(torch_head(16, TORCH_CUDA), x, temperature)  # on the CPU: upcast GEMMs, same arithmetic
+    rounded = head_errors(torch_head(16, TORCH), x, temperature)
     assert good["lp_max"] < HEAD_LP_BOUND and good["ent_max"] < HEAD_LP_BOUND, good
     assert rounded["lp_max"] > 10 * HEAD_LP_BOUND and rounded["ent_max"] > 4 * HEAD_LP_BOUND, rounded
     # gradients from bf16 GEMMs of the bf16-rounded dz: bf16's relative precision, no worse
@@ -105,6 +98,7 @@ def test_dispatch_rule():
     (dict(labels=torch.zeros(3)), TypeError, "labels must be int64 token ids, got torch.float32"),
     (dict(chunk_size=0), ValueError, "logits_chunk_size must be >= 1"),
     (dict(temperature=0.0), ValueError, "temperature must be > 0"),
+    (dict(head="cuda"), ValueError, "unknown LM head 'cuda'"),
 ])
 def test_bad_inputs_fail_before_compute(change, error, match):
     args = dict(hidden=torch.zeros(3, 4), weight=torch.zeros(7, 4), labels=torch.zeros(3, dtype=torch.long),

@@ -28,8 +28,8 @@ import torch
 
 from rlpad.bench.measure import device_peak, interleaved_medians, require_cuda
 from rlpad.bench.table import Table
-from rlpad.core.lm_head import head_path, triton_missing
-from rlpad.core.logprob import _ChunkedHead, chunked_log_probs_and_entropy, log_probs_and_entropy
+from rlpad.core.lm_head import TORCH, TORCH_CUDA, head_path, triton_missing
+from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.embedded.head_exactness import fp64_head, head_inputs
 
 __all__ = ["DEFAULTS", "VARIANTS", "run_head", "tables"]
@@ -43,8 +43,8 @@ def _heads(chunk: int) -> dict[str, Callable]:
     """Variant -> ``f(hidden, weight, labels) -> (log_prob, entropy)`` (the floor: ``None``)."""
     return {
         "head": lambda h, w, y: chunked_log_probs_and_entropy(h, w, y, chunk_size=chunk),
-        "torch_cuda": lambda h, w, y: _ChunkedHead.apply(h, w, None, y, 1.0, chunk, True, True),
-        "chunked_bf16": lambda h, w, y: _ChunkedHead.apply(h, w, None, y, 1.0, chunk, True, False),
+        "torch_cuda": lambda h, w, y: chunked_log_probs_and_entropy(h, w, y, chunk_size=chunk, head=TORCH_CUDA),
+        "chunked_bf16": lambda h, w, y: chunked_log_probs_and_entropy(h, w, y, chunk_size=chunk, head=TORCH),
         "full_logits": lambda h, w, y: log_probs_and_entropy(h @ w.t(), y),
     }
 

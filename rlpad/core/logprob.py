@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlpad.core.lm_head import TORCH_CUDA, TRITON, head_path, mm_fp32
+from rlpad.core.lm_head import HEAD_PATHS, TORCH_CUDA, TRITON, head_path, mm_fp32
 
 __all__ = ["check_head_inputs", "chunked_log_probs_and_entropy", "log_probs_and_entropy"]
 
@@ -129,6 +129,7 @@ def chunked_log_probs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     calculate_entropy: bool = True,
+    head: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and entropy through the LM head ``weight (V, H)``, chunk by chunk.
 
@@ -137,10 +138,13 @@ def chunked_log_probs_and_entropy(
     extra memory is a few ``chunk_size x V`` fp32 buffers plus one weight-sized gradient buffer
     (the Triton head: one ``chunk_size x V`` buffer in the weight's dtype, in backward only).
     Log-probs and entropies are fp32 (fp64 for fp64 inputs); the head is
-    :func:`rlpad.core.lm_head.head_path`'s choice.
+    :func:`rlpad.core.lm_head.head_path`'s choice, or ``head`` (one of
+    :data:`rlpad.core.lm_head.HEAD_PATHS`) where a test or a benchmark names one.
     """
     check_head_inputs(hidden, weight, labels, bias, temperature, chunk_size)
-    path = head_path(hidden, weight)
+    if head is not None and head not in HEAD_PATHS:
+        raise ValueError(f"unknown LM head {head!r}; use one of {HEAD_PATHS} or None (the dispatch's choice)")
+    path = head or head_path(hidden, weight)
     if path == TRITON:
         from rlpad.core.lm_head_triton import triton_log_probs_and_entropy
 

@@ -7,25 +7,29 @@ and bias within bf16's precision; the 7B head shape at 2048 tokens."""
 import pytest
 import torch
 
-from rlpad.core.lm_head import TRITON, head_path, triton_missing
-from rlpad.core.logprob import _ChunkedHead, chunked_log_probs_and_entropy
+from rlpad.core.lm_head import TORCH, TORCH_CUDA, TRITON, head_path, triton_missing
+from rlpad.core.logprob import chunked_log_probs_and_entropy
 from rlpad.embedded.head_exactness import HEAD_LP_BOUND, fp64_head, head_errors, head_inputs
 
 GRAD_REL = 1e-2  # bf16: dz and the gradients are rounded to bf16 (~4e-3 relative per element)
 
 
-def triton_head(chunk):
+def named_head(chunk, path):
     def head(h, w, y, b, t):
-        return chunked_log_probs_and_entropy(h, w, y, bias=b, temperature=t, chunk_size=chunk)
+        return chunked_log_probs_and_entropy(h, w, y, bias=b, temperature=t, chunk_size=chunk, head=path)
     return head
 
 
+def triton_head(chunk):
+    return named_head(chunk, TRITON)
+
+
 def torch_cuda_head(chunk):
-    return lambda h, w, y, b, t: _ChunkedHead.apply(h, w, b, y, t, chunk, True, True)
+    return named_head(chunk, TORCH_CUDA)
 
 
-def rounded_head(chunk):  # before issue #26: logits rounded to bf16 (negative control)
-    return lambda h, w, y, b, t: _ChunkedHead.apply(h, w, b, y, t, chunk, True, False)
+def rounded_head(chunk):  # the torch head in bf16, as before issue #26: logits rounded to bf16 (negative control)
+    return named_head(chunk, TORCH)
 
 
 def test_the_dispatch_picks_triton_in_bf16(record):
