@@ -99,6 +99,8 @@ def test_dispatch_rule():
     (dict(chunk_size=0), ValueError, "logits_chunk_size must be >= 1"),
     (dict(temperature=0.0), ValueError, "temperature must be > 0"),
     (dict(head="cuda"), ValueError, "unknown LM head 'cuda'"),
+    (dict(head="torch_cuda", weight=torch.zeros(7, 4, dtype=torch.bfloat16)), TypeError,
+     "the torch_cuda LM head needs hidden and weight in one dtype, got torch.float32 and torch.bfloat16"),
 ])
 def test_bad_inputs_fail_before_compute(change, error, match):
     args = dict(hidden=torch.zeros(3, 4), weight=torch.zeros(7, 4), labels=torch.zeros(3, dtype=torch.long),

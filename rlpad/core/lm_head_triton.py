@@ -188,7 +188,7 @@ class TritonHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy, blocks, splits):
-        hidden, weight = hidden.contiguous(), weight.contiguous()
+        hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
         bias = bias.contiguous() if bias is not None else None
         log_probs, entropy, lse, mean_z = head_stats(hidden, weight, bias, labels, temperature, splits=splits,
                                                      blocks=blocks)  # fmt: skip

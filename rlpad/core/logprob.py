@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlpad.core.lm_head import HEAD_PATHS, TORCH_CUDA, TRITON, head_path, mm_fp32
+from rlpad.core.lm_head import HEAD_PATHS, TORCH, TORCH_CUDA, TRITON, head_path, mm_fp32
 
 __all__ = ["check_head_inputs", "chunked_log_probs_and_entropy", "log_probs_and_entropy"]
 
@@ -158,6 +158,8 @@ def chunked_log_probs_and_entropy(
     if head is not None and head not in HEAD_PATHS:
         raise ValueError(f"unknown LM head {head!r}; use one of {HEAD_PATHS} or None (the dispatch's choice)")
     path = head or head_path(hidden, weight)
+    if path != TORCH and hidden.dtype != weight.dtype:
+        raise TypeError(f"the {path} LM head needs hidden and weight in one dtype, got {hidden.dtype} and {weight.dtype}")
     if path == TRITON:
         from rlpad.core.lm_head_triton import triton_log_probs_and_entropy
 
