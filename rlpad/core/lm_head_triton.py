@@ -58,7 +58,8 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, s
     return acc / temperature
 
 
-@triton.jit
+# Sizes vary per call and carry no alignment the loads need: not specialised (one compile per flag set).
+@triton.jit(do_not_specialize=["N", "V", "tiles_per_split"])
 def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, stride_h, stride_w,
                   temperature, tiles_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -96,7 +97,7 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
     tl.store(zl_ptr + out, zl, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "v_start", "VB"])
 def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, N, v_start, VB, H,
                stride_h, stride_w, temperature, HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr,
                HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
