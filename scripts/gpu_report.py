@@ -126,7 +126,7 @@ def build(out: str, wall_s: float | None) -> dict[str, Any]:
     parts = {os.path.splitext(os.path.basename(p))[0]: read_json(p)
              for p in sorted(glob.glob(os.path.join(out, "parts", "*.json")))}  # fmt: skip
     bench = {}
-    for name in ("logprob", "prefix"):
+    for name in ("logprob", "prefix", "head"):
         step = next((s for s in read_steps(out) if s["name"] == f"bench_{name}"), None)
         path = os.path.join(out, f"bench_{name}.json")
         bench[name] = {"step": step, "json": read_json(path) if os.path.isfile(path) else None,
@@ -176,7 +176,7 @@ def markdown(r: dict[str, Any]) -> str:
         for name, p in other.items():
             shown = ", ".join(f"{k}={fmt(v)}" for k, v in numeric_leaves(p) if k != "test")
             lines.append(f"- **{name}**: {shown}")
-    lines += ["", "## Benchmarks (Qwen2.5-0.5B shape, bf16)", ""]
+    lines += ["", "## Benchmarks (bf16; logprob, prefix: Qwen2.5-0.5B shape; head: hidden 3584, vocab 152064)", ""]
     for name, b in r["bench"].items():
         step = b["step"] or {}
         lines.append(f"### rlpad bench {name} --device cuda: exit {step.get('rc', 'not run')}"

@@ -5,7 +5,7 @@
 #   1. pytest tests/gpu: CUDA exactness forward and backward (4 architectures, packed / padded /
 #      shared prompts, bf16 vs the fp32 oracle, a boundary-leak control, the profiler), the fp32
 #      fallback, FSDP2 on nccl + offload, 20 steps of the default GRPO job;
-#   2. rlpad bench logprob --device cuda and rlpad bench prefix --device cuda;
+#   2. rlpad bench logprob --device cuda, rlpad bench prefix --device cuda and rlpad bench head --device cuda;
 #   3. one report: results/gpu/report.md + report.json (scripts/gpu_report.py).
 # Exits non-zero if a test or a benchmark failed; without a CUDA device, at once with one line.
 set -uo pipefail
@@ -14,8 +14,9 @@ cd "$HERE"
 PY=${PY:-python3}
 OUT=${RLPAD_GPU_OUT:-results/gpu}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
-TEST_S=${RLPAD_GPU_TEST_S:-300}    # time limits (s) of the steps: 300 + 2 x 100 + set-up stays under 9 min
-BENCH_S=${RLPAD_GPU_BENCH_S:-100}
+TEST_S=${RLPAD_GPU_TEST_S:-270}    # time limits (s) of the steps: 270 + 2 x 90 + 60 + set-up stays under 9 min
+BENCH_S=${RLPAD_GPU_BENCH_S:-90}
+HEAD_S=${RLPAD_GPU_HEAD_S:-60}
 
 # shellcheck disable=SC2086
 why=$($PY -c 'import torch; print("" if torch.cuda.is_available() else f"torch {torch.__version__} sees none")' 2>/dev/null) \
@@ -55,8 +56,11 @@ lp_rc=$?
 step bench_prefix "$BENCH_S" $PY -m rlpad.cli bench prefix --device cuda --out "$OUT/bench_prefix.json"
 prefix_rc=$?
 # shellcheck disable=SC2086
+step bench_head "$HEAD_S" $PY -m rlpad.cli bench head --device cuda --out "$OUT/bench_head.json"
+head_rc=$?
+# shellcheck disable=SC2086
 $PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))"
 report_rc=$?
-for rc in $tests_rc $lp_rc $prefix_rc $report_rc; do
+for rc in $tests_rc $lp_rc $prefix_rc $head_rc $report_rc; do
     [ "$rc" -eq 0 ] || exit 1
 done
