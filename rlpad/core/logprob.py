@@ -51,10 +51,7 @@ def _chunk_stats(hidden, weight, bias, temperature, *, probs: bool = True, lowp:
     e = torch.sub(z, z_max).exp_()
     total = e.sum(dim=-1)
     lse = total.log().add_(z_max.squeeze(-1))
-    if lowp:
-        mean_z = _centred_mean(z, z_max, e, total)
-    else:
-        mean_z = (e.unsqueeze(1) @ z.unsqueeze(-1)).view(-1).div_(total)  # E_p[z] without an (n, V) temporary
+    mean_z = _centred_mean(z, z_max, e, total)
     p = e.div_(total.unsqueeze(-1)) if probs else None
     return z, p, lse, mean_z
 
