@@ -1,0 +1,161 @@
+"""Where a pass spends its time: kernels by kind, launches, host vs device time (torch.profiler).
+
+:func:`kernel_kind` is a pure function of a kernel's name (and the input dtypes of the op that
+launched it, for GEMM kernels whose names carry none, e.g. cuBLAS's ``nvjet_*``):
+
+=====================  ==================================================================
+kind                   names (lower case, first rule that matches)
+=====================  ==================================================================
+attention              flash, fmha, attention, attn, sdpa, flex
+bf16 GEMM / fp32 GEMM  gemm, gemv, nvjet, cublas, xmma, cutlass, and the aten matmul ops;
+                       bf16/fp16 in the name -> bf16, else sgemm / f32 / simt -> fp32, else
+                       the launching op's input dtypes; "GEMM, dtype unknown" when none
+copy/index             memcpy, memset, copy, index, gather, scatter, cat, embedding, ...
+elementwise/reduce     triton_* fused kernels (before copy/index: their names list the fused
+                       ops), elementwise, reduce, softmax, norm, aten
+                       pointwise / reduction ops
+other                  the rest
+=====================  ==================================================================
+
+:func:`profile_pass` runs a callable once under the profiler and folds its events: on CUDA the
+device events (kernels, memcpy, memset: one launch each) with their device time; on the CPU,
+where there are no kernels, the aten ops (views and allocations aside) with their self time:
+the same code path, CPU numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+
+__all__ = ["KINDS", "kernel_kind", "kind_table", "profile_pass"]
+
+BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN = "bf16 GEMM", "fp32 GEMM", "GEMM, dtype unknown"
+ATTENTION, ELEMENTWISE, COPY, OTHER = "attention", "elementwise/reduce", "copy/index", "other"
+KINDS = (BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN, ATTENTION, ELEMENTWISE, COPY, OTHER)
+
+_ATTENTION = ("flash", "fmha", "attention", "attn", "sdpa", "flex")
+_GEMM = ("gemm", "gemv", "nvjet", "cublas", "xmma", "cutlass")
+_ATEN_GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_addmm_activation",
+              "aten::mv", "aten::addmv", "aten::dot"}
+_HALF = ("bf16", "bfloat16", "f16", "fp16", "half", "hgemm")
+_FP32 = ("sgemm", "f32", "fp32", "simt", "float")
+_COPY = ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat", "embedding", "nonzero", "clone", "stack",
+         "repeat", "flip", "roll", "pad")
+_ELEMENTWISE = ("elementwise", "reduce", "softmax", "norm", "mul", "add", "sub", "div", "exp", "log",
+                "sum", "mean", "max", "min", "pow", "sqrt", "silu", "sigmoid", "neg", "clamp", "tanh", "cos",
+                "sin", "fill", "zero", "abs", "where")
+# aten ops that launch nothing themselves (views, allocation, ops that only call others): not work on the CPU
+_NO_WORK = {"aten::linear", "aten::matmul", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::type_as",
+            "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::_unsafe_view",
+            "aten::as_strided", "aten::transpose", "aten::t", "aten::reshape", "aten::_reshape_alias", "aten::expand",
+            "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::detach",
+            "aten::alias", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::resolve_conj",
+            "aten::resolve_neg", "aten::lift_fresh", "aten::narrow", "aten::view_as", "aten::unflatten",
+            "aten::flatten", "aten::chunk", "aten::detach_", "aten::result_type", "aten::set_"}
+
+
+def _gemm_dtype(name: str, dtypes: Sequence[str]) -> str:
+    if any(m in name for m in _HALF):
+        return BF16_GEMM
+    if any(m in name for m in _FP32):
+        return FP32_GEMM
+    lowered = [d.lower() for d in dtypes]
+    if any(("bfloat16" in d or "half" in d) for d in lowered):
+        return BF16_GEMM
+    if any(d in ("float", "c10::float", "float32") for d in lowered):
+        return FP32_GEMM
+    return GEMM_UNKNOWN
+
+
+def kernel_kind(name: str, dtypes: Sequence[str] = ()) -> str:
+    """The kind (one of :data:`KINDS`) of the kernel or op called ``name``; ``dtypes``: the input
+    dtypes of the op that launched it (``c10::BFloat16``, ``float``, ...), read only for GEMMs."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    lowered = name.lower()
+    if any(m in lowered for m in _ATTENTION):
+        return ATTENTION
+    if lowered in _ATEN_GEMM or any(m in lowered for m in _GEMM):
+        return _gemm_dtype(lowered, dtypes)
+    if lowered.startswith("triton_") and "_tem_" not in lowered:  # inductor's fused pointwise / reductions
+        return ELEMENTWISE
+    if any(m in lowered for m in _COPY):
+        return COPY
+    if any(m in lowered for m in _ELEMENTWISE):
+        return ELEMENTWISE
+    return OTHER
+
+
+def _work_events(prof, device: torch.device) -> list[tuple[str, Sequence[str], float]]:
+    """``(name, launching op's input dtypes, microseconds)`` of every unit of work of a profile."""
+    events = prof.events()
+    if device.type == "cuda":
+        dtypes = {e.id: e.input_dtypes or () for e in events if e.device_type == DeviceType.CPU}
+        return [(e.name, dtypes.get(e.linked_correlation_id, ()), e.time_range.elapsed_us()) for e in events
+                if e.device_type == DeviceType.CUDA]  # fmt: skip
+    return [(e.name, e.input_dtypes or (), e.self_cpu_time_total) for e in events
+            if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and e.name not in _NO_WORK]
+
+
+def profile_pass(fn: Callable[[], object], device: torch.device, *, top: int = 8) -> dict[str, Any]:
+    """Run ``fn()`` once under torch.profiler (after the caller's warm-up) and fold what it ran.
+
+    Returns ``wall_ms`` (synchronised, profiler on), ``host_ms`` (time inside PyTorch ops on the
+    host: the sum of the top-level ops' CPU time), ``device_ms`` (the units of work's time: kernel
+    time on CUDA), ``launches`` (their number: kernels + memcpy + memset on CUDA, aten ops on the
+    CPU), ``kinds`` ({kind: {"ms", "count"}} over :data:`KINDS`, zeros kept) and ``top`` (the
+    ``top`` names by time: name, kind, ms, count).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - start
+    work = _work_events(prof, device)
+    kinds = {k: {"ms": 0.0, "count": 0} for k in KINDS}
+    by_name: dict[str, list] = {}
+    for name, dtypes, us in work:
+        kind = kernel_kind(name, dtypes)
+        kinds[kind]["ms"] += us / 1e3
+        kinds[kind]["count"] += 1
+        entry = by_name.setdefault(name, [kind, 0.0, 0])
+        entry[1] += us / 1e3
+        entry[2] += 1
+    host_us = sum(e.cpu_time_total for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"wall_ms": wall * 1e3, "host_ms": host_us / 1e3, "device_ms": sum(k["ms"] for k in kinds.values()),
+            "launches": len(work), "kinds": kinds,
+            "top": [{"name": n[:120], "kind": k, "ms": ms, "count": c} for n, (k, ms, c) in ranked]}
+
+
+def kind_table(profiles: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """``(columns, rows)``: one row per kind (ms and share of device time) for each profile named in
+    ``profiles``, then the launches, device, host and wall time."""
+    names = list(profiles)
+    columns = ["kind"] + [f"{n} {what}" for n in names for what in ("ms", "share")]
+    rows = []
+    for kind in KINDS:
+        if not any(p["kinds"][kind]["count"] for p in profiles.values()):
+            continue
+        row = [kind]
+        for p in profiles.values():
+            k = p["kinds"][kind]
+            row += [f"{k['ms']:.1f} ({k['count']})", f"{k['ms'] / p['device_ms']:.0%}" if p["device_ms"] else "-"]
+        rows.append(row)
+    for label, key in (("launches", "launches"), ("device ms", "device_ms"), ("host ms (in ops)", "host_ms"),
+                       ("wall ms (profiled)", "wall_ms")):
+        row = [label]
+        for p in profiles.values():
+            row += [f"{p[key]:.0f}" if key == "launches" else f"{p[key]:.1f}", ""]
+        rows.append(row)
+    return columns, rows
