@@ -17,6 +17,7 @@ from rlpad.bench.models import bench_model
 from rlpad.bench.prefix import N, bench_shape
 from rlpad.bench.table import format_text
 from rlpad.cli import CUDA_BENCHES, main as cli
+from rlpad.core.forward import compute_log_probs
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("omegaconf", "yaml", "ray", "vllm", "flash_attn", "pyarrow")  # what the GPU machine may lack
@@ -145,6 +146,32 @@ def test_profile_folds_a_known_workload_on_cpu():
     assert p["top"] and all(t["kind"] in KINDS for t in p["top"])
 
 
+def test_launches_per_decoder_layer_on_cpu():
+    """The per-layer count against an independent one: a 4-layer model's packed forward makes
+    2 x (launches per layer) more launches than the same model with 2 layers, and each layer's
+    forward is counted once."""
+    from rlpad.embedded.synthetic import rollout_batch
+    from rlpad.embedded.tiny import tiny_model
+
+    data = rollout_batch(2, 8, 12, vocab_size=1024, seed=0, edge_rows=False)
+    got = {}
+    for layers in (2, 4):
+        model = tiny_model("qwen2", dtype=torch.bfloat16, vocab_size=1024, num_hidden_layers=layers)
+
+        def fwd(model=model):
+            with torch.no_grad():
+                compute_log_probs(model, data["input_ids"], data["attention_mask"], data["position_ids"], 12,
+                                  use_remove_padding=True, calculate_entropy=True, logits_chunk_size=16)
+        fwd()
+        got[layers] = profile_pass(fwd, torch.device("cpu"), layers=model.model.layers)
+        assert got[layers]["layer_calls"] == layers
+        assert not model.model.layers[0]._forward_hooks  # the ranges' hooks are gone
+    per_layer = got[2]["launches_per_layer"]
+    assert per_layer > 10 and per_layer == got[4]["launches_per_layer"]
+    assert got[4]["launches"] - got[2]["launches"] == 2 * per_layer
+    assert "launches_per_layer" not in profile_pass(lambda: None, torch.device("cpu"))
+
+
 def test_logprob_columns_code_runs_on_a_small_shape():
     """The CUDA benchmark's own code on CPU in bf16, tiny shape: the 4 columns on the same tokens
     (micro-batches, FLOPs, rates), their agreement with rmpad, the profile of one micro-batch."""
@@ -174,6 +201,7 @@ def test_logprob_columns_code_runs_on_a_small_shape():
         assert p["kinds"]["bf16 GEMM"]["count"] > 0 and p["kinds"]["attention"]["count"] > 0
         assert p["launches"] == sum(k["count"] for k in p["kinds"].values())
     assert prof["fwdbwd"]["launches"] > prof["fwd"]["launches"]
+    assert prof["fwd"]["layer_calls"] == 2 and 0 < prof["fwd"]["launches_per_layer"] < prof["fwd"]["launches"] / 2
     with pytest.raises(ValueError, match="micro_rows=3 must be >= 1 and divide rows=4"):
         measure_shape(torch.device("cpu"), "tiny", rows=4, prompt=8, response=12, micro_rows=3, chunk=16, reps=1)
     with pytest.raises(ValueError, match="columns must include 'rmpad'"):

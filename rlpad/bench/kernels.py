@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
-__all__ = ["KINDS", "kernel_kind", "kind_table", "profile_pass"]
+__all__ = ["KINDS", "LAYER_RANGE", "kernel_kind", "kind_table", "profile_pass"]
 
 BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN = "bf16 GEMM", "fp32 GEMM", "GEMM, dtype unknown"
 ATTENTION, ELEMENTWISE, COPY, OTHER = "attention", "elementwise/reduce", "copy/index", "other"
@@ -91,40 +91,84 @@ def kernel_kind(name: str, dtypes: Sequence[str] = ()) -> str:
     return OTHER
 
 
-def _work_events(prof, device: torch.device) -> list[tuple[str, Sequence[str], float]]:
-    """``(name, launching op's input dtypes, microseconds)`` of every unit of work of a profile."""
+LAYER_RANGE = "rlpad.decoder_layer"  # the profiler range around each decoder layer's forward (profile_pass(layers=...))
+
+
+def _in_layer(event) -> bool:
+    while event is not None:
+        if event.name == LAYER_RANGE:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _dtypes(op) -> Sequence[str]:
+    return (getattr(op, "input_dtypes", None) or ()) if op is not None else ()  # recorded with record_shapes
+
+
+def _work_events(prof, device: torch.device) -> list[tuple[str, Sequence[str], float, bool]]:
+    """``(name, launching op's input dtypes, microseconds, launched inside a decoder layer)`` of every
+    unit of work of a profile."""
     events = prof.events()
     if device.type == "cuda":
-        dtypes = {e.id: e.input_dtypes or () for e in events if e.device_type == DeviceType.CPU}
-        return [(e.name, dtypes.get(e.linked_correlation_id, ()), e.time_range.elapsed_us()) for e in events
-                if e.device_type == DeviceType.CUDA]  # fmt: skip
-    return [(e.name, e.input_dtypes or (), e.self_cpu_time_total) for e in events
+        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+        out = []
+        for e in events:
+            if e.device_type == DeviceType.CUDA:
+                op = ops.get(getattr(e, "linked_correlation_id", None))
+                out.append((e.name, _dtypes(op), e.time_range.elapsed_us(), _in_layer(op)))
+        return out
+    return [(e.name, _dtypes(e), e.self_cpu_time_total, _in_layer(e)) for e in events
             if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and e.name not in _NO_WORK]
 
 
-def profile_pass(fn: Callable[[], object], device: torch.device, *, top: int = 8) -> dict[str, Any]:
+def _layer_ranges(layers: Sequence[torch.nn.Module]) -> list:
+    """Forward hooks opening a profiler range :data:`LAYER_RANGE` around each of ``layers``; returns the handles."""
+    from torch.autograd.profiler import record_function
+
+    open_ranges: list = []
+
+    def enter(*_):
+        open_ranges.append(record_function(LAYER_RANGE))
+        open_ranges[-1].__enter__()
+
+    def leave(*_):
+        open_ranges.pop().__exit__(None, None, None)
+
+    return [h for m in layers for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+
+
+def profile_pass(fn: Callable[[], object], device: torch.device, *, layers: Sequence[torch.nn.Module] = (),
+                 top: int = 8) -> dict[str, Any]:
     """Run ``fn()`` once under torch.profiler (after the caller's warm-up) and fold what it ran.
 
     Returns ``wall_ms`` (synchronised, profiler on), ``host_ms`` (time inside PyTorch ops on the
     host: the sum of the top-level ops' CPU time), ``device_ms`` (the units of work's time: kernel
     time on CUDA), ``launches`` (their number: kernels + memcpy + memset on CUDA, aten ops on the
     CPU), ``kinds`` ({kind: {"ms", "count"}} over :data:`KINDS`, zeros kept) and ``top`` (the
-    ``top`` names by time: name, kind, ms, count).
+    ``top`` names by time: name, kind, ms, count). With ``layers`` (the decoder layers), also
+    ``layer_calls`` (their forwards) and ``launches_per_layer``: the launches made inside one
+    layer's forward, on average (a backward runs outside these ranges: count forwards only).
     """
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    with profile(activities=activities, record_shapes=True) as prof:
-        start = time.perf_counter()
-        fn()
-        sync()
-        wall = time.perf_counter() - start
+    hooks = _layer_ranges(layers)
+    try:
+        with profile(activities=activities, record_shapes=True) as prof:
+            start = time.perf_counter()
+            fn()
+            sync()
+            wall = time.perf_counter() - start
+    finally:
+        for h in hooks:
+            h.remove()
     work = _work_events(prof, device)
     kinds = {k: {"ms": 0.0, "count": 0} for k in KINDS}
     by_name: dict[str, list] = {}
-    for name, dtypes, us in work:
+    for name, dtypes, us, _ in work:
         kind = kernel_kind(name, dtypes)
         kinds[kind]["ms"] += us / 1e3
         kinds[kind]["count"] += 1
@@ -133,9 +177,13 @@ def profile_pass(fn: Callable[[], object], device: torch.device, *, top: int = 8
         entry[2] += 1
     host_us = sum(e.cpu_time_total for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"wall_ms": wall * 1e3, "host_ms": host_us / 1e3, "device_ms": sum(k["ms"] for k in kinds.values()),
-            "launches": len(work), "kinds": kinds,
-            "top": [{"name": n[:120], "kind": k, "ms": ms, "count": c} for n, (k, ms, c) in ranked]}
+    out = {"wall_ms": wall * 1e3, "host_ms": host_us / 1e3, "device_ms": sum(k["ms"] for k in kinds.values()),
+           "launches": len(work), "kinds": kinds,
+           "top": [{"name": n[:120], "kind": k, "ms": ms, "count": c} for n, (k, ms, c) in ranked]}
+    if layers:
+        calls = sum(e.name == LAYER_RANGE for e in prof.events())
+        out.update(layer_calls=calls, launches_per_layer=sum(w[3] for w in work) / max(calls, 1))
+    return out
 
 
 def kind_table(profiles: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -152,10 +200,10 @@ def kind_table(profiles: dict[str, dict[str, Any]]) -> tuple[list[str], list[lis
             k = p["kinds"][kind]
             row += [f"{k['ms']:.1f} ({k['count']})", f"{k['ms'] / p['device_ms']:.0%}" if p["device_ms"] else "-"]
         rows.append(row)
-    for label, key in (("launches", "launches"), ("device ms", "device_ms"), ("host ms (in ops)", "host_ms"),
-                       ("wall ms (profiled)", "wall_ms")):
+    for label, key in (("launches", "launches"), ("launches per decoder layer (fwd)", "launches_per_layer"),
+                       ("device ms", "device_ms"), ("host ms (in ops)", "host_ms"), ("wall ms (profiled)", "wall_ms")):
         row = [label]
         for p in profiles.values():
-            row += [f"{p[key]:.0f}" if key == "launches" else f"{p[key]:.1f}", ""]
+            row += ["-" if key not in p else f"{p[key]:.0f}" if "launches" in key else f"{p[key]:.1f}", ""]
         rows.append(row)
     return columns, rows

@@ -43,7 +43,7 @@ from rlpad.bench.models import bench_model, model_shape
 from rlpad.bench.peers import PEER_ATTENTION, packed_peer_log_probs
 from rlpad.bench.table import Table
 from rlpad.core.attn_choice import resolve_attn_implementation
-from rlpad.core.forward import compute_log_probs
+from rlpad.core.forward import backbone_of, compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 
 __all__ = ["COLUMNS", "CUDA_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
@@ -171,7 +171,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
             model.zero_grad(set_to_none=True)
 
         result["profile"] = {"micro_rows": micro_rows, "valid_tokens": int(first["attention_mask"].sum()),
-                             "fwd": profile_pass(fwd, device), "fwdbwd": profile_pass(fwdbwd, device)}
+                             "fwd": profile_pass(fwd, device, layers=backbone_of(model).layers),
+                             "fwdbwd": profile_pass(fwdbwd, device)}
     del model, data, pieces, fns
     gc.collect()
     if device.type == "cuda":
