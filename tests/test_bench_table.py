@@ -101,7 +101,7 @@ def test_every_bench_formats_a_small_fake_result():
     cases = {
         "logprob": (logprob.tables({"speed": [speed], "memory": memory}), "| tiny | fwd | 0.500 | 0.250 | 200 |"),
         "logprob cuda": (logprob_cuda.cuda_tables({"shapes": [cuda_shape], "memory": memory}),
-                         "| fwdbwd | packed_flex | 0.826 | 40000 | 300.0 | 30.0% | 45.0 | 0.62x | 1.20x | 0.0021 |"),
+                         "| fwdbwd | packed_flex | 0.826 | 40000 | 300.0 | 30.0% | 45.0 | 0.62x | 1.20x | 0.52 | 0.0021 |"),
         "prefix": (prefix.tables({"model": "40m", "params_m": 45.6, "dtype": "torch.float32", "device": "cpu",
                                   "groups": 8, "peak": None, "shapes": [{"prompt": 512, "max_response": 256,
                                                                          "flop_ideal_speedup": 2.24, "fwd": _rates(),

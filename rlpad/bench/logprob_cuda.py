@@ -16,7 +16,7 @@ response tokens): medians of interleaved repetitions (CUDA-synchronised wall tim
 valid tokens, achieved TFLOP/s and MFU of the FLOPs the column executes
 (:mod:`rlpad.bench.flops`, fwd+bwd = 3x; :mod:`rlpad.bench.mfu`), rmpad's speed-up over it with
 the FLOP-ideal one (:func:`rlpad.bench.measure.path_rates`), peak ``torch.cuda.max_memory_allocated``
-over the pass, and the max |log-prob| and |entropy| difference vs rmpad on the valid response
+over the pass (weights included), and the max |log-prob| and |entropy| difference vs rmpad on the valid response
 tokens. Then one rmpad micro-batch under torch.profiler, forward and forward+backward: device time
 by kernel kind, launches, host vs device time (:mod:`rlpad.bench.kernels`). Memory: LM-head
 log-prob + entropy forward+backward on 4096 tokens, full logits vs chunked (:mod:`rlpad.bench.head_memory`).
@@ -198,10 +198,15 @@ def shape_tables(s: dict[str, Any]) -> list[Table]:
                          f"{m['peak_gib']:.1f}" if m.get("peak_gib") is not None else "-",
                          "" if c == "rmpad" else f"{m['rmpad_speedup']:.2f}x",
                          "" if c == "rmpad" else f"{m['flop_ideal_speedup']:.2f}x",
+                         "" if c == "rmpad" else f"{m['of_ideal']:.2f}",
                          f"{s['agreement'][c]['lp_max_diff']:.2g}" if c != "rmpad" else ""])
     notes = [f"not run: {k} ({why})" for k, why in s["skipped"].items()]
+    notes.insert(0, "s: seconds of the whole batch (median); tok/s: valid tokens; TF/s and MFU: the FLOPs the column "
+                    "executes; peak GiB: torch.cuda.max_memory_allocated over the pass, weights included; rmpad "
+                    "speed-up: the column's seconds / rmpad's, next to its FLOPs / rmpad's (FLOP ratio) and their "
+                    "ratio (of ideal); lp max diff: max |log-prob - rmpad's| over the valid response tokens")
     out = [Table(["pass", "column", "s", "tok/s", "TF/s", "MFU", "peak GiB", "rmpad speed-up", "FLOP ratio",
-                  "lp max diff"], rows, title=_title(s), align="ll" + "r" * 8, notes=notes)]
+                  "of ideal", "lp max diff"], rows, title=_title(s), align="ll" + "r" * 9, notes=notes)]
     if "profile" in s:
         p = s["profile"]
         columns, rows = kind_table({"fwd": p["fwd"], "fwd+bwd": p["fwdbwd"]})
