@@ -21,7 +21,7 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Any
 
-# bench name -> "module:function" turning its JSON into rlpad.bench.table.Table s
+# the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
 TABLES = {"logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
@@ -143,7 +143,7 @@ def build(out: str, wall_s: float | None) -> dict[str, Any]:
     parts = {os.path.splitext(os.path.basename(p))[0]: read_json(p)
              for p in sorted(glob.glob(os.path.join(out, "parts", "*.json")))}  # fmt: skip
     bench = {}
-    for name in ("logprob", "prefix"):
+    for name in TABLES:  # the benchmarks the lane runs
         step = next((s for s in read_steps(out) if s["name"] == f"bench_{name}"), None)
         path = os.path.join(out, f"bench_{name}.json")
         bench[name] = {"step": step, "json": read_json(path) if os.path.isfile(path) else None,
