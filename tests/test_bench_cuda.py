@@ -146,6 +146,24 @@ def test_profile_folds_a_known_workload_on_cpu():
     assert p["top"] and all(t["kind"] in KINDS for t in p["top"])
 
 
+def test_op_dtypes_come_from_the_raw_events_on_a_torch_without_input_dtypes():
+    """GEMM kernels without a dtype in their name take the launching op's dtypes; where a torch's
+    FunctionEvent lacks ``input_dtypes`` they come from the profiler's raw event of the same id."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlpad.bench.kernels import _dtypes_of
+
+    x = torch.randn(4, 4, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        x @ x
+    mm = next(e for e in prof.events() if e.name == "aten::mm")
+    bare = type("Bare", (), {"id": mm.id})()  # an event without input_dtypes
+    dtypes = _dtypes_of(prof)
+    assert list(dtypes(mm)) == list(dtypes(bare)) == ["c10::BFloat16", "c10::BFloat16"]
+    assert kernel_kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", dtypes(bare)) == "bf16 GEMM"
+    assert dtypes(None) == ()
+
+
 def test_launches_per_decoder_layer_on_cpu():
     """The per-layer count against an independent one: a 4-layer model's packed forward makes
     2 x (launches per layer) more launches than the same model with 2 layers, and each layer's

@@ -102,16 +102,37 @@ def _in_layer(event) -> bool:
     return False
 
 
-def _dtypes(op) -> Sequence[str]:
-    return (getattr(op, "input_dtypes", None) or ()) if op is not None else ()  # recorded with record_shapes
+def _ops(events) -> list:
+    """The host-side events of the ops and ranges (not the CUDA runtime calls, whose ids are CUPTI's:
+    a kernel's ``linked_correlation_id`` is the id of the op that launched it)."""
+    return [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)]
+
+
+def _dtypes_of(prof) -> Callable[[Any], Sequence[str]]:
+    """``op -> its input dtypes`` (recorded with ``record_shapes``): the event's ``input_dtypes`` where
+    this torch's FunctionEvent has them, else the profiler's raw (kineto) event of the same id."""
+    raw: dict[int, Sequence[str]] | None = None
+
+    def dtypes(op) -> Sequence[str]:
+        nonlocal raw
+        if op is None:
+            return ()
+        if hasattr(op, "input_dtypes"):
+            return op.input_dtypes or ()
+        if raw is None:
+            results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+            raw = {e.correlation_id(): e.dtypes() for e in results.events()} if results is not None else {}
+        return raw.get(op.id, ())
+    return dtypes
 
 
 def _work_events(prof, device: torch.device) -> list[tuple[str, Sequence[str], float, bool]]:
     """``(name, launching op's input dtypes, microseconds, launched inside a decoder layer)`` of every
     unit of work of a profile."""
     events = prof.events()
+    _dtypes = _dtypes_of(prof)
     if device.type == "cuda":
-        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+        ops = {e.id: e for e in _ops(events)}
         out = []
         for e in events:
             if e.device_type == DeviceType.CUDA:
@@ -175,7 +196,7 @@ def profile_pass(fn: Callable[[], object], device: torch.device, *, layers: Sequ
         entry = by_name.setdefault(name, [kind, 0.0, 0])
         entry[1] += us / 1e3
         entry[2] += 1
-    host_us = sum(e.cpu_time_total for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None)
+    host_us = sum(e.cpu_time_total for e in _ops(prof.events()) if e.cpu_parent is None)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     out = {"wall_ms": wall * 1e3, "host_ms": host_us / 1e3, "device_ms": sum(k["ms"] for k in kinds.values()),
            "launches": len(work), "kinds": kinds,
