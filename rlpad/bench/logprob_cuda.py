@@ -87,6 +87,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     if "rmpad" not in columns or set(columns) - set(COLUMNS):
         raise ValueError(f"columns must include 'rmpad' and be among {COLUMNS}, got {list(columns)}")
     packed_impl = resolve_attn_implementation("auto", device)
+    if "packed_flex" in columns:  # transformers compiles flex_attention: each shape starts with dynamo's whole
+        torch._dynamo.reset()     # recompile budget (shapes x nnz x grad mode could reach its limit: then eager flex)
     model = bench_model(model_name, seed=seed, dtype=torch.bfloat16, device=device, attn_implementation="sdpa").train()
     data = rollout_batch(rows, prompt, response, vocab_size=model.config.vocab_size, seed=seed, edge_rows=False)
     data = {k: v.to(device) for k, v in data.items()}
