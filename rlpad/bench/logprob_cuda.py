@@ -175,10 +175,6 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
         result["profile"] = {"micro_rows": micro_rows, "valid_tokens": int(first["attention_mask"].sum()),
                              "fwd": profile_pass(fwd, device, layers=backbone_of(model).layers),
                              "fwdbwd": profile_pass(fwdbwd, device)}
-    del model, data, pieces, fns
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -248,5 +244,7 @@ def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None
         if micro_rows is not None:
             spec["micro_rows"] = micro_rows
         result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, **spec))
+        gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
+        torch.cuda.empty_cache()
     result["memory"] = [measure_cuda(v, device) for v in VARIANTS] if memory else []
     return result
