@@ -180,7 +180,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
 
 def _title(s: dict[str, Any]) -> str:
     peak = s["peak"]
-    return (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M, {s['layers']} layers), "
+    return (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M, "
+            f"{s['layers']} layers), "
             f"{s['rows']} rows, prompts <= {s['prompt']}, responses <= {s['response']}, micro-batches of "
             f"{s['micro_rows']}, {s['valid_fraction']:.0%} valid; rmpad attention: {s['packed_attention']}; bf16 peak: "
             + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak else "unknown device, no MFU"))
