@@ -22,7 +22,8 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 # the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
-TABLES = {"logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables"}
+TABLES = {"logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
+          "head": "rlpad.bench.head:tables"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 
@@ -193,7 +194,8 @@ def markdown(r: dict[str, Any]) -> str:
         for name, p in other.items():
             shown = ", ".join(f"{k}={fmt(v)}" for k, v in numeric_leaves(p) if k != "test")
             lines.append(f"- **{name}**: {shown}")
-    lines += ["", "## Benchmarks (bf16)", ""]
+    lines += ["", "## Benchmarks (bf16; logprob: qwen2.5-0.5b and 7b-layers; prefix: Qwen2.5-0.5B shape; head: "
+              "hidden 3584, vocab 152064)", ""]
     for name, b in r["bench"].items():
         step = b["step"] or {}
         lines.append(f"### rlpad bench {name} --device cuda: exit {step.get('rc', 'not run')}"

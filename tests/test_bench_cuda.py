@@ -106,6 +106,8 @@ KERNEL_NAMES = [
     ("void at::native::_scatter_gather_elementwise_kernel<128, 8, ...>", (), "copy/index"),
     ("void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel", (), "elementwise/reduce"),
     ("void at::native::radixSortKVInPlace<-2, -1, 16, 4, float, long, unsigned int>", (), "other"),
+    ("_stats_kernel", (), "LM head (Triton)"),  # rlpad's fused head (rlpad/core/lm_head_triton.py)
+    ("_dz_kernel", (), "LM head (Triton)"),
     # aten ops: what the CPU profile folds
     ("aten::mm", ("c10::BFloat16", "c10::BFloat16"), "bf16 GEMM"),
     ("aten::addmm", ("float", "float", "float", "Scalar", "Scalar"), "fp32 GEMM"),
@@ -121,6 +123,18 @@ def test_kernel_kinds_of_real_kernel_names():
     assert {kind for *_, kind in KERNEL_NAMES} == set(KINDS)
     with pytest.raises(TypeError, match="name must be a str, got int"):
         kernel_kind(3)
+
+
+def test_the_fused_head_kernels_are_the_ones_its_file_defines():
+    """HEAD_KERNELS names exactly the @triton.jit kernels of rlpad/core/lm_head_triton.py (read from
+    the source: its helpers inlined into them excluded), so a renamed kernel fails here."""
+    import re
+
+    from rlpad.bench.kernels import HEAD_KERNELS
+
+    text = (ROOT / "rlpad" / "core" / "lm_head_triton.py").read_text()
+    kernels = re.findall(r"^@triton\.jit[^\n]*\ndef (\w+)\(", text, flags=re.M)
+    assert sorted(k for k in kernels if k.endswith("_kernel")) == sorted(HEAD_KERNELS), kernels
 
 
 def test_profile_folds_a_known_workload_on_cpu():

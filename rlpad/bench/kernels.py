@@ -6,6 +6,7 @@ launched it, for GEMM kernels whose names carry none, e.g. cuBLAS's ``nvjet_*``)
 =====================  ==================================================================
 kind                   names (lower case, first rule that matches)
 =====================  ==================================================================
+LM head (Triton)       rlpad's fused LM head kernels (:data:`HEAD_KERNELS`)
 attention              flash, fmha, attention, attn, sdpa, flex
 bf16 GEMM / fp32 GEMM  gemm, gemv, nvjet, cublas, xmma, cutlass, and the aten matmul ops;
                        bf16/fp16 in the name -> bf16, else sgemm / f32 / simt -> fp32, else
@@ -32,11 +33,17 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
-__all__ = ["KINDS", "LAYER_RANGE", "kernel_kind", "kind_table", "profile_pass"]
+__all__ = ["HEAD_KERNELS", "KINDS", "LAYER_RANGE", "kernel_kind", "kind_table", "profile_pass"]
 
 BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN = "bf16 GEMM", "fp32 GEMM", "GEMM, dtype unknown"
 ATTENTION, ELEMENTWISE, COPY, OTHER = "attention", "elementwise/reduce", "copy/index", "other"
-KINDS = (BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN, ATTENTION, ELEMENTWISE, COPY, OTHER)
+HEAD = "LM head (Triton)"
+KINDS = (BF16_GEMM, FP32_GEMM, GEMM_UNKNOWN, HEAD, ATTENTION, ELEMENTWISE, COPY, OTHER)
+
+# rlpad's fused LM head (rlpad/core/lm_head_triton.py): its @triton.jit kernels, each bf16 tensor-core GEMM
+# tiles with the log-sum-exp / entropy statistics or the logits' gradient fused in (the profiler names a
+# Triton kernel by its function; tests/test_bench_cuda.py reads these names from that file)
+HEAD_KERNELS = ("_stats_kernel", "_dz_kernel")
 
 _ATTENTION = ("flash", "fmha", "attention", "attn", "sdpa", "flex")
 _GEMM = ("gemm", "gemv", "nvjet", "cublas", "xmma", "cutlass")
@@ -78,6 +85,8 @@ def kernel_kind(name: str, dtypes: Sequence[str] = ()) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     lowered = name.lower()
+    if name in HEAD_KERNELS:
+        return HEAD
     if any(m in lowered for m in _ATTENTION):
         return ATTENTION
     if lowered in _ATEN_GEMM or any(m in lowered for m in _GEMM):

@@ -6,7 +6,8 @@ responses right-padded, about half the tokens valid). On the same tokens, in mic
 columns of :data:`COLUMNS`:
 
 * ``rmpad``: rlpad's packed row (flash_attention_2 when flash-attn is installed, else
-  rlpad_varlen = torch's varlen kernel), the chunked LM head, as the workers run it;
+  rlpad_varlen = torch's varlen kernel), rlpad's LM head (the fused Triton kernel on a GPU,
+  :mod:`rlpad.core.lm_head`), as the workers run it;
 * ``padded``: rlpad's padded path, sdpa with the padding mask;
 * ``packed_sdpa`` / ``packed_flex``: transformers packed (:mod:`rlpad.bench.peers`) with sdpa /
   flex_attention: full logits, fp32 log_softmax.
@@ -44,6 +45,7 @@ from rlpad.bench.peers import PEER_ATTENTION, packed_peer_log_probs
 from rlpad.bench.table import Table
 from rlpad.core.attn_choice import resolve_attn_implementation
 from rlpad.core.forward import backbone_of, compute_log_probs
+from rlpad.core.lm_head import choose_head, triton_missing
 from rlpad.embedded.synthetic import rollout_batch
 
 __all__ = ["COLUMNS", "CUDA_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
@@ -142,6 +144,7 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     result: dict[str, Any] = {
         "device": name, "peak": {"label": peak[0], "bf16_tflops": peak[1], "source": PEAK_SOURCE} if peak else None,
         "torch": torch.__version__, "model": model_name, "packed_attention": packed_impl,
+        "lm_head": choose_head(device.type, torch.bfloat16, torch.bfloat16, valid_tokens, triton_missing() is None),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "layers": model.config.num_hidden_layers,
         "rows": rows, "micro_rows": micro_rows, "prompt": prompt, "response": response,
         "seq_len": prompt + response, "valid_tokens": valid_tokens,
@@ -183,7 +186,8 @@ def _title(s: dict[str, Any]) -> str:
     return (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M, "
             f"{s['layers']} layers), "
             f"{s['rows']} rows, prompts <= {s['prompt']}, responses <= {s['response']}, micro-batches of "
-            f"{s['micro_rows']}, {s['valid_fraction']:.0%} valid; rmpad attention: {s['packed_attention']}; bf16 peak: "
+            f"{s['micro_rows']}, {s['valid_fraction']:.0%} valid; rmpad attention: {s['packed_attention']}; rlpad's LM "
+            f"head: {s.get('lm_head', '?')}; bf16 peak: "
             + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak else "unknown device, no MFU"))
 
 
