@@ -50,12 +50,13 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             if args.what == "logprob":
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
-                result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+                result = run_cuda(reps=args.reps, memory=not args.no_memory, shapes=args.models,
+                                  micro_rows=args.micro_rows)
                 tables = cuda_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables
 
-                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows)
+                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows or 16)
                 tables = prefix_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
@@ -160,17 +161,20 @@ def main(argv: list[str] | None = None) -> int:
                            "--markdown PATH writes the table into a doc")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head"])
     bench.add_argument("--models", nargs="*", default=None,
-                       help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
+                       help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
+                            "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
                             "sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU; "
+                       help="logprob, prefix: cuda runs the bf16 GPU benchmarks (logprob: qwen2.5-0.5b and "
+                            "7b-layers beside transformers packing; prefix: qwen2.5-0.5b); "
                             "sp: one GPU per rank (nccl); head: the 7B head shape")
-    bench.add_argument("--micro-rows", type=int, default=16,
-                       help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
+    bench.add_argument("--micro-rows", type=int, default=None,
+                       help="logprob, prefix --device cuda: rows per micro-batch (logprob: default each shape's "
+                            "own; prefix: 16, whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=None,
