@@ -138,3 +138,5 @@ def test_sigint_then_resume_equals_the_uninterrupted_run(stack):
     assert sorted(got) == list(range(1, STEPS + 1))
     for t in range(1, STEPS + 1):
         assert numbers(got[t]) == numbers(reference[t]), t  # bitwise, across processes and a restart
+    sync, _ = stack.train("k0", 0)  # negative control: another schedule gives other numbers from step 3 on
+    assert got[3]["critic/vf_loss"] != sync[3]["critic/vf_loss"] and got[4]["actor/pg_loss"] != sync[4]["actor/pg_loss"]
