@@ -7,11 +7,19 @@ import math
 import os
 from typing import Any
 
-__all__ = ["MetricsLogger", "plot_reward_curve"]
+__all__ = ["MetricsLogger", "cpu_kernels", "plot_reward_curve"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # metric -> its name on the progress bar
 BAR_METRICS = {"reward/mean": "reward", "val/reward": "val_reward", "actor/pg_loss": "pg_loss"}
+
+
+def cpu_kernels() -> str:
+    """The vector unit torch's CPU kernels run on here (``AVX2``, ``AVX512``, ...). Float results, and so a
+    run's learning trajectory, depend on it: a figure measured on the CPU names it."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 class MetricsLogger:

@@ -30,13 +30,17 @@ from rlpad.core.models import load_tokenizer
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
+from rlpad.metrics import cpu_kernels
 from rlpad.rewards import load_reward_fn
 from rlpad.run_log import RunLog
+from rlpad.topology import resolve_device
 from rlpad.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
 
-__all__ = ["Prepared", "check_inputs", "fit", "main", "prepare", "resolve_embedded", "run"]
+__all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
+# Ray's job supervisor sets this (the job's runtime env) in the process `ray job submit` starts, and only there.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def _embedded_task(path: str, key: str) -> str | None:
@@ -96,9 +100,28 @@ def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     return out
 
 
+def check_output_dir(config: Config) -> None:
+    """Under ``ray job submit`` a relative ``trainer.default_local_dir`` is refused (ValueError).
+
+    The job runs in Ray's unpacked copy of ``--working-dir`` (or the supervisor's folder), which Ray
+    deletes, on the head node. It is not resolved against the folder the job was submitted from: the
+    job is never told that folder (its runtime env holds only the package's ``gcs://`` URI), and
+    ``ray job submit`` may run on another machine than the head, so any guess could write elsewhere.
+    """
+    out = config.trainer.default_local_dir
+    if RAY_JOB_ENV in os.environ and not os.path.isabs(out):
+        raise ValueError(
+            f"trainer.default_local_dir={out!r} is relative, and this is a `ray job submit` job: it would resolve "
+            f"inside Ray's temporary copy of the working dir ({os.getcwd()}), which Ray deletes, so metrics, "
+            f"checkpoints and run.log would be lost. Give an absolute path on the head node, e.g. "
+            f"trainer.default_local_dir=$PWD/{out} (your shell fills in $PWD where you submit)")
+
+
 def check_inputs(config: Config) -> None:
     """The paths a run reads exist: data files (FileNotFoundError) and model folders (ValueError),
-    each named by its key. Cheap: runs before anything is built or started."""
+    each named by its key; the output folder survives the run (:func:`check_output_dir`). Cheap:
+    runs before anything is built or started."""
+    check_output_dir(config)
     data = config.data
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for name in files:
@@ -215,6 +238,8 @@ def _print_summary(summary: dict[str, float], config: Config) -> None:
     if "val_reward_initial" in summary:
         gain = summary["val_reward_final"] - summary["val_reward_initial"]
         print(f"  validation reward   {summary['val_reward_initial']:.3f} -> {summary['val_reward_final']:.3f}  ({gain:+.3f})")
+        if resolve_device(config) == "cpu":  # the trajectory is the vector unit's
+            print(f"  CPU kernels         {cpu_kernels()} (another vector unit learns along another path)")
     for key, value in summary.items():
         if key.startswith("tokens_per_s/"):
             print(f"  tokens/s {key.split('/', 1)[1]:<12} {value:10.0f}")

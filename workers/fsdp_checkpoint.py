@@ -3,6 +3,11 @@
 A mixin of :class:`workers.fsdp.FSDPWorker` (it uses ``root``, ``optimizer``, ``scheduler``,
 ``update_steps``, ``rank``, ``world_size``). Weights reshard on load, so a run saved on N ranks
 resumes on M.
+
+Before the first update the optimizer has no state. torch's ``get_state_dict`` would create it by
+running ``optimizer.step()`` on zero gradients, and AdamW counts that step (every later bias
+correction shifts by one). So an optimizer without state is neither asked for a state dict nor
+saved (``extra["optimizer_state"] = False``); loading such a checkpoint leaves the optimizer fresh.
 """
 
 from __future__ import annotations
@@ -22,18 +27,24 @@ __all__ = ["CheckpointMixin"]
 class CheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` for an FSDP2 worker (torch.distributed.checkpoint)."""
 
-    def _state_dicts(self) -> tuple[dict, dict]:
-        optims = [self.optimizer] if self.optimizer is not None else []
-        return get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
+    def _has_optimizer_state(self) -> bool:
+        return self.optimizer is not None and bool(self.optimizer.state)
+
+    def _state(self, with_optimizer: bool) -> tuple[dict, list]:
+        """``{"model": ..., "optim": ...}`` (sharded) and the optimizers it covers (none: model only)."""
+        optims = [self.optimizer] if with_optimizer else []
+        model_sd, optim_sd = get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
+        return ({"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}), optims
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of weights, optimizer, LR schedule, step and RNG."""
         self._require_model()
-        model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
+        with_optimizer = self._has_optimizer_state()
+        state, _ = self._state(with_optimizer)
         os.makedirs(path, exist_ok=True)
         dcp.save(state, checkpoint_id=path)
         extra = {
+            "optimizer_state": with_optimizer,
             "update_steps": self.update_steps,
             "world_size": self.world_size,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -51,16 +62,20 @@ class CheckpointMixin:
         self._require_model()
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise ValueError(f"{self.role}: {path!r} is not a checkpoint directory (no .metadata)")
-        model_sd, optim_sd = self._state_dicts()
-        state = {"model": model_sd, "optim": optim_sd} if self.optimizer is not None else {"model": model_sd}
-        dcp.load(state, checkpoint_id=path)
-        optims = [self.optimizer] if self.optimizer is not None else []
-        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
         own = os.path.join(path, f"extra_rank{self.rank}.pt")
         extra = torch.load(own if os.path.exists(own) else os.path.join(path, "extra_rank0.pt"), weights_only=False)
+        with_optimizer = self.optimizer is not None and extra.get("optimizer_state", True)
+        if self.optimizer is not None and not with_optimizer:
+            self.optimizer.state.clear()  # saved before the first update: a fresh optimizer
+        state, optims = self._state(with_optimizer)
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
         self.update_steps = int(extra["update_steps"])
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
+            if not with_optimizer:  # the LR lives in the optimizer's param groups, which were not saved
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                    group["lr"] = lr
         if os.path.exists(own) and extra["world_size"] == self.world_size:
             rng = extra["rng"]
             torch.set_rng_state(rng["torch"])

@@ -82,14 +82,17 @@ def format_markdown(tables: Sequence[Table]) -> str:
 
 
 def machine() -> str:
-    """``2 cores (AMD EPYC 7B13)``: the CPU count and model name."""
+    """``2 cores (AMD EPYC 7B13, AVX2 kernels)``: the CPU count, model name and the vector unit torch's
+    kernels use (:func:`rlpad.metrics.cpu_kernels`)."""
+    from rlpad.metrics import cpu_kernels
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} cores ({cpu})"
+    return f"{os.cpu_count()} cores ({cpu}, {cpu_kernels()} kernels)"
 
 
 def begin_marker(name: str) -> str:
