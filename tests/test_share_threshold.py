@@ -48,7 +48,8 @@ class SharedRuns:
 def scores(model, b, share, **kw):
     with torch.no_grad():
         return compute_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE,
-                                 use_remove_padding=True, share_prompts=share, calculate_entropy=True, **kw)  # fmt: skip
+                                 use_remove_padding=True, share_prompts=share, calculate_entropy=True,
+                                 **kw)  # fmt: skip
 
 
 def test_saved_fraction_counts_every_prompt_copy_but_one():

@@ -51,23 +51,26 @@ _FALLBACK_LOGGED: set[float] = set()  # the thresholds whose first fallback was 
 
 def check_share_min_saved(share_min_saved: float) -> None:
     """ValueError unless ``share_min_saved`` is a fraction in [0, 1]."""
-    if isinstance(share_min_saved, bool) or not isinstance(share_min_saved, (int, float)) or not 0 <= share_min_saved <= 1:
+    number = isinstance(share_min_saved, (int, float)) and not isinstance(share_min_saved, bool)
+    if not number or not 0 <= share_min_saved <= 1:
         raise ValueError(f"share_min_saved must be a fraction in [0, 1] (of the valid tokens sharing removes), "
                          f"got {share_min_saved!r}")
 
 
-def _sharing_pays(host: HostBatch, response_length: int, groups: list[list[int]], share_min_saved: float) -> bool:
-    """True when sharing removes at least ``share_min_saved`` of the batch's valid tokens; else the
-    batch runs plain remove-padding, which the first such batch of a run logs (once per threshold)."""
+def _groups_to_share(host: HostBatch, response_length: int, share_min_saved: float) -> list[list[int]] | None:
+    """The prompt groups of the batch when sharing removes at least ``share_min_saved`` of its valid
+    tokens; else None (the batch runs plain remove-padding), which the first such batch of a run
+    logs (once per threshold)."""
+    groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)
     saved = saved_fraction(host.attention_mask, response_length, groups)
     if saved >= share_min_saved:
-        return True
+        return groups
     if share_min_saved not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(share_min_saved)
         logger.info("share_prompts: a micro-batch whose shared prompts save %.1f%% of its tokens, below "
                     "share_prompts_min_saved_fraction=%g, runs plain remove-padding (this and any other such "
                     "micro-batch of the run; logged once)", 100 * saved, share_min_saved)
-    return False
+    return None
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -159,8 +162,8 @@ def scoring_hidden_states(
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
     pad_to = sp.size if sp is not None else 1
-    groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length) if share_prompts else []
-    if share_prompts and _sharing_pays(host, response_length, groups, share_min_saved):
+    groups = _groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
                                   pad_to=pad_to, groups=groups).to(device)
         ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids[0], row.score_index, row.response_idx
