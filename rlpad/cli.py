@@ -8,7 +8,7 @@ import shlex
 import sys
 
 
-CUDA_BENCHES = ("logprob", "prefix", "sp")  # the benchmarks with a --device cuda variant
+CUDA_BENCHES = ("logprob", "prefix", "sp", "head")  # the benchmarks with a --device cuda variant
 
 
 def _bench(args: argparse.Namespace, command: str) -> int:
@@ -19,7 +19,18 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     def report(name: str, tables: list) -> None:
         show(name, tables, markdown=args.markdown, command=command, load=load)
 
-    if args.what == "sp":
+    if args.what == "head":
+        from rlpad.bench.head import run_head, tables
+
+        try:
+            result = run_head(args.device, tokens=tuple(args.tokens) if args.tokens else None, hidden=args.hidden,
+                              vocab=args.vocab, reps=args.reps)
+        except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        report(f"head{' cuda' if args.device == 'cuda' else ''}", tables(result))
+        write_json(result, args.out or f"results/bench_head{'_cuda' if args.device == 'cuda' else ''}.json")
+    elif args.what == "sp":
         from rlpad.bench.sp import run_sp_bench, tables
 
         try:
@@ -39,12 +50,13 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             if args.what == "logprob":
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
-                result = run_cuda(reps=args.reps, memory=not args.no_memory, micro_rows=args.micro_rows)
+                result = run_cuda(reps=args.reps, memory=not args.no_memory, shapes=args.models,
+                                  micro_rows=args.micro_rows)
                 tables = cuda_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables
 
-                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows)
+                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows or 16)
                 tables = prefix_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
@@ -147,19 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head"])
     bench.add_argument("--models", nargs="*", default=None,
-                       help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m); prefix, workers: one size; "
+                       help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
+                            "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
                             "sync: sizes (40m 160m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                       help="logprob, prefix: cuda runs the Qwen2.5-0.5B-shaped bf16 benchmark on the GPU; "
-                            "sp: one GPU per rank (nccl)")
-    bench.add_argument("--micro-rows", type=int, default=16,
-                       help="logprob, prefix --device cuda: rows per micro-batch (prefix: whole groups of 8)")
+                       help="logprob, prefix: cuda runs the bf16 GPU benchmarks (logprob: qwen2.5-0.5b and "
+                            "7b-layers beside transformers packing; prefix: qwen2.5-0.5b); "
+                            "sp: one GPU per rank (nccl); head: the 7B head shape")
+    bench.add_argument("--micro-rows", type=int, default=None,
+                       help="logprob, prefix --device cuda: rows per micro-batch (logprob: default each shape's "
+                            "own; prefix: 16, whole groups of 8)")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=None,
@@ -175,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                             "each on its own core: phase seconds, sync/async step ratio and its ideal")
     bench.add_argument("--curves", default=None, metavar="PNG",
                        help="e2e --max-off-policy-steps: train the whole recipe per k instead and plot the rewards")
+    bench.add_argument("--tokens", nargs="*", type=int, default=None,
+                       help="head: token counts (default cuda 4800 19000, cpu 128 512)")
+    bench.add_argument("--hidden", type=int, default=None, help="head: hidden size (default cuda 3584, cpu 128)")
+    bench.add_argument("--vocab", type=int, default=None, help="head: vocabulary (default cuda 152064, cpu 2048)")
     bench.add_argument("--markdown", metavar="PATH", default=None,
                        help="also write the table(s) into this Markdown file, between the markers "
                             "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")

@@ -3,7 +3,9 @@
 Folds together what the lane left in OUT: the device and versions (read here), the steps and their
 exit codes (steps.tsv), every test's outcome and one-line reason (junit.xml), the figures the tests
 recorded (parts/*.json) and the benchmarks' JSON (bench_*.json, read defensively: whatever keys
-they hold). Standard library + torch only. Exit status 1 when OUT holds no test results.
+they hold). Each benchmark's JSON is shown as the benchmark's own tables (its formatter in
+:data:`TABLES`, imported from rlpad) and, where that fails, as its numbers key by key. Standard
+library + torch (+ rlpad's formatters when they import). Exit status 1 when OUT holds no test results.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Any
 
+# the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
+TABLES = {"logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
+          "head": "rlpad.bench.head:tables"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 
@@ -116,6 +121,19 @@ def numeric_leaves(obj: Any, prefix: str = "", limit: int = 60) -> list[tuple[st
     return out
 
 
+def bench_tables(name: str, result: Any) -> list[str] | None:
+    """The Markdown lines of bench ``name``'s own tables of ``result``; None when they cannot be made."""
+    try:
+        import importlib
+
+        from rlpad.bench.table import format_markdown
+
+        module, function = TABLES[name].split(":")
+        return format_markdown(getattr(importlib.import_module(module), function)(result)).splitlines()
+    except Exception:  # noqa: BLE001 - an old or partial JSON: the key/value view below
+        return None
+
+
 def fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -126,7 +144,7 @@ def build(out: str, wall_s: float | None) -> dict[str, Any]:
     parts = {os.path.splitext(os.path.basename(p))[0]: read_json(p)
              for p in sorted(glob.glob(os.path.join(out, "parts", "*.json")))}  # fmt: skip
     bench = {}
-    for name in ("logprob", "prefix"):
+    for name in TABLES:  # the benchmarks the lane runs
         step = next((s for s in read_steps(out) if s["name"] == f"bench_{name}"), None)
         path = os.path.join(out, f"bench_{name}.json")
         bench[name] = {"step": step, "json": read_json(path) if os.path.isfile(path) else None,
@@ -176,12 +194,16 @@ def markdown(r: dict[str, Any]) -> str:
         for name, p in other.items():
             shown = ", ".join(f"{k}={fmt(v)}" for k, v in numeric_leaves(p) if k != "test")
             lines.append(f"- **{name}**: {shown}")
-    lines += ["", "## Benchmarks (Qwen2.5-0.5B shape, bf16)", ""]
+    lines += ["", "## Benchmarks (bf16; logprob: qwen2.5-0.5b and 7b-layers; prefix: Qwen2.5-0.5B shape; head: "
+              "hidden 3584, vocab 152064)", ""]
     for name, b in r["bench"].items():
         step = b["step"] or {}
         lines.append(f"### rlpad bench {name} --device cuda: exit {step.get('rc', 'not run')}"
                      f"{' (timed out)' if step.get('timed_out') else ''}, {step.get('seconds', '?')} s")
-        if isinstance(b["json"], (dict, list)):
+        shown = bench_tables(name, b["json"]) if isinstance(b["json"], dict) else None
+        if shown:
+            lines += ["", *shown]
+        elif isinstance(b["json"], (dict, list)):
             lines += ["", "| key | value |", "|---|---:|"]
             lines += [f"| {k} | {fmt(v)} |" for k, v in numeric_leaves(b["json"])]
         else:

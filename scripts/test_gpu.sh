@@ -5,7 +5,8 @@
 #   1. pytest tests/gpu: CUDA exactness forward and backward (4 architectures, packed / padded /
 #      shared prompts, bf16 vs the fp32 oracle, a boundary-leak control, the profiler), the fp32
 #      fallback, FSDP2 on nccl + offload, 20 steps of the default GRPO job;
-#   2. rlpad bench logprob --device cuda and rlpad bench prefix --device cuda;
+#   2. rlpad bench logprob --device cuda (qwen2.5-0.5b and 7b-layers, rlpad beside padded and transformers
+#      packing, a kernel profile), rlpad bench prefix --device cuda and rlpad bench head --device cuda;
 #   3. one report: results/gpu/report.md + report.json (scripts/gpu_report.py).
 # Exits non-zero if a test or a benchmark failed; without a CUDA device, at once with one line.
 set -uo pipefail
@@ -14,8 +15,15 @@ cd "$HERE"
 PY=${PY:-python3}
 OUT=${RLPAD_GPU_OUT:-results/gpu}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
-TEST_S=${RLPAD_GPU_TEST_S:-300}    # time limits (s) of the steps: 300 + 2 x 100 + set-up stays under 9 min
-BENCH_S=${RLPAD_GPU_BENCH_S:-100}
+# Time limits (s) of the steps, 170 + 200 + 80 + 60 + set-up (about 20) under 9 minutes. On the H100 of
+# 2026-11-24 the tests took 63 s (before the LM-head tests) and bench prefix 36 s; bench logprob (34 s then, one
+# shape and two columns) is estimated at about 2 minutes now: 4 timed rounds of 4 columns x fwd and fwd+bwd,
+# about 7.7 s a round at the 0.5B shape and 6.1 s at 7b-layers (the issue's per-column figures), plus the
+# agreement pass, the profile and flex_attention's compilation.
+TEST_S=${RLPAD_GPU_TEST_S:-170}
+LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-200}
+BENCH_S=${RLPAD_GPU_BENCH_S:-80}
+HEAD_S=${RLPAD_GPU_HEAD_S:-60}
 
 # shellcheck disable=SC2086
 why=$($PY -c 'import torch; print("" if torch.cuda.is_available() else f"torch {torch.__version__} sees none")' 2>/dev/null) \
@@ -49,14 +57,17 @@ step tests "$TEST_S" $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="
 tests_rc=$?
 tail -n 15 "$OUT/tests.log"
 # shellcheck disable=SC2086
-step bench_logprob "$BENCH_S" $PY -m rlpad.cli bench logprob --device cuda --out "$OUT/bench_logprob.json"
+step bench_logprob "$LOGPROB_S" $PY -m rlpad.cli bench logprob --device cuda --out "$OUT/bench_logprob.json"
 lp_rc=$?
 # shellcheck disable=SC2086
 step bench_prefix "$BENCH_S" $PY -m rlpad.cli bench prefix --device cuda --out "$OUT/bench_prefix.json"
 prefix_rc=$?
 # shellcheck disable=SC2086
+step bench_head "$HEAD_S" $PY -m rlpad.cli bench head --device cuda --out "$OUT/bench_head.json"
+head_rc=$?
+# shellcheck disable=SC2086
 $PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))"
 report_rc=$?
-for rc in $tests_rc $lp_rc $prefix_rc $report_rc; do
+for rc in $tests_rc $lp_rc $prefix_rc $head_rc $report_rc; do
     [ "$rc" -eq 0 ] || exit 1
 done

@@ -204,3 +204,52 @@ def test_the_sdpa_path_reads_the_bounds_once_per_forward(monkeypatch):
         compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE,
                           use_remove_padding=True)  # fmt: skip
     assert len(reads) == 1
+
+
+def test_the_packed_row_attention_writes_nothing_but_the_kernel_per_layer(cuda_like, monkeypatch):
+    """Per layer, rlpad_varlen around the varlen kernel only takes views of q/k/v (no copy, no index
+    built per layer): every op it dispatches outside the kernel returns storage of its inputs.
+    Control: torch 2.11's kernel has no GQA, so K and V are expanded, 2 writes per layer, which the
+    same count sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from rlpad.core import attention
+
+    kernel, calls = cuda_like
+    state = {"rlpad": False, "kernel": False}
+    writes: list[str] = []
+
+    def flagged(key, fn):
+        def inner(*args, **kwargs):
+            state[key] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state[key] = False
+        return inner
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.VARLEN_ATTENTION,
+                        flagged("rlpad", attention.varlen_attention_forward))
+    monkeypatch.setattr(attention, "varlen_attention", flagged("kernel", attention.varlen_attention))
+    monkeypatch.setattr(attn_dispatch, "expand_kv", flagged("expand", attn_dispatch.expand_kv))  # counted as rlpad's
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inner_kernel = state["kernel"] and not state.get("expand")
+            if state["rlpad"] and not inner_kernel:
+                inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}
+                outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if any(t.untyped_storage().data_ptr() not in inputs for t in outs):
+                    writes.append(str(func))
+            return out
+
+    model = tiny_model("qwen2", vocab_size=VOCAB, seed=1, dtype=torch.bfloat16, num_hidden_layers=3)
+    batch = make_batch()
+    with Writes(), torch.no_grad():
+        compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE,
+                          use_remove_padding=True)  # fmt: skip
+    assert len(calls) == 3  # the kernel ran once per layer
+    assert len(writes) == (2 * 3 if kernel == "torch_2_11" else 0), writes

@@ -6,8 +6,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from rlpad.bench.flops import (AttentionBlock, ForwardWork, forward_flops, packed_work, padded_and_packed_flops,
-                               padded_work, shared_prompt_work)
+from rlpad.bench.flops import (AttentionBlock, ForwardWork, forward_flops, packed_peer_work, packed_work,
+                               padded_and_packed_flops, padded_work, shared_prompt_work)
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
 from rlpad.core.shared_prompt import prompt_groups
@@ -41,6 +41,12 @@ def test_work_by_hand():
         shared = shared_prompt_work(MASK, R, GROUPS, causal_responses=causal)
         assert (shared.tokens, shared.head_tokens) == (3 + 2 + 3 + 2 + 1, 6)  # each prompt once
         assert shared.pairs == 6 + 3 + responses  # prompts causal: 3*4/2 + 2*3/2
+
+    # transformers packed: the 14 valid tokens in one row, full logits on all of them.
+    sdpa, flex = packed_peer_work(MASK, R, masked=True), packed_peer_work(MASK, R, masked=False)
+    assert (sdpa.tokens, sdpa.head_tokens) == (flex.tokens, flex.head_tokens) == (14, 14)
+    assert sdpa.pairs == 14 * 14  # one explicit (block-diagonal) mask: sdpa computes every pair
+    assert flex.pairs == packed.pairs == 15 + 21 + 6  # the block mask skips what is masked (causal per sequence)
 
 
 def test_flops_by_hand():

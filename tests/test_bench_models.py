@@ -21,6 +21,9 @@ def test_table_rows_and_parameter_counts():
     # The figures in docs/performance.md: 40m 45.6M; one 160m, 168.3M (the 40m shape doubled); Qwen2.5-0.5B 494M.
     assert round(counts["40m"] / 1e5) == 456 and round(counts["160m"] / 1e5) == 1683
     assert round(counts["qwen2.5-0.5b"] / 1e6) == 494
+    # 4 layers of Qwen2.5-7B (7.62B = 28 layers x 233.0M + 2 x 545.0M embeddings + norms): 2.022B.
+    layer = 3584 * (3584 + 2 * 512) + (3584 + 2 * 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+    assert counts["7b-layers"] == 4 * layer + 2 * 152064 * 3584 + 3584
     assert counts["tiny"] < 1e6 and counts["tiny-llama"] < 1e6
     with pytest.raises(ValueError, match="unknown benchmark model 'nope'; choose one of"):
         model_shape("nope")

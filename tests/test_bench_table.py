@@ -68,6 +68,7 @@ def _rates(**extra):
 def test_every_bench_formats_a_small_fake_result():
     """Each benchmark's table function on a fake result of its shape: the same Table serves print and Markdown."""
     from rlpad.bench import e2e, logprob, logprob_cuda, prefix, report, rollout
+    from rlpad.bench.kernels import KINDS
     from workers import bench, bench_sync
 
     speed = {"model": "tiny", "params_m": 0.6, "flop_ideal_speedup": 1.9, "fwd": _rates(), "fwdbwd": _rates()}
@@ -83,15 +84,24 @@ def test_every_bench_formats_a_small_fake_result():
             "sync_s": 0.0063, "mismatch": {"float32": mismatch},
             "replicas": {"batch_size": 16, "n": 4, "cpus": 2, "speedup": {"1": 1.0, "2": 1.4},
                          "runs": [{"replicas": 1, "tokens_per_s": 1000.0}, {"replicas": 2, "tokens_per_s": 1400.0}]}}
+    col = {"s": 1.326, "tok_s": 25000.0, "tflops": 220.0, "mfu": 0.22, "peak_gib": 24.0}
+    peer = {"s": 0.826, "tok_s": 40000.0, "tflops": 300.0, "mfu": 0.3, "peak_gib": 45.0, "rmpad_speedup": 0.62,
+            "flop_ideal_speedup": 1.2, "of_ideal": 0.52}
+    kinds = {k: {"ms": 10.0, "count": 3} for k in KINDS}
+    prof = {"wall_ms": 400.0, "host_ms": 50.0, "device_ms": 70.0, "launches": 21, "kinds": kinds,
+            "top": [{"name": "cutlass_80_simt_sgemm", "kind": "fp32 GEMM", "ms": 70.0, "count": 2}]}
+    cuda_shape = {"device": "NVIDIA H100", "torch": "2.11", "model": "7b-layers", "params_m": 2022.0, "layers": 4,
+                  "rows": 32, "prompt": 512, "response": 1536, "micro_rows": 8, "valid_fraction": 0.5,
+                  "packed_attention": "rlpad_varlen", "peak": {"bf16_tflops": 989.0, "label": "H100 SXM"}, "skipped": {},
+                  "agreement": {"rmpad": {"lp_max_diff": 0.0}, "packed_flex": {"lp_max_diff": 0.0021}},
+                  "fwd": {"rmpad": col, "packed_flex": peer}, "fwdbwd": {"rmpad": col, "packed_flex": peer},
+                  "profile": {"micro_rows": 8, "valid_tokens": 10000, "fwd": {**prof, "launches_per_layer": 4.0},
+                              "fwdbwd": prof}}
     mode = {"padding_ratio": 0.5, "overhead_s": 0.1, "step_s": 4.2, "overhead_pct": 2.4, "driver/reward": 0.05}
     cases = {
         "logprob": (logprob.tables({"speed": [speed], "memory": memory}), "| tiny | fwd | 0.500 | 0.250 | 200 |"),
-        "logprob cuda": (logprob_cuda.cuda_tables({"speed": {
-            **speed, "device": "NVIDIA H100", "torch": "2.11", "model": "qwen2.5-0.5b", "params_m": 494.0, "rows": 64,
-            "seq_len": 1536, "micro_rows": 16, "valid_fraction": 0.5, "packed_attention": "flash_attention_2",
-            "peak": {"bf16_tflops": 989.0, "label": "H100 SXM"},
-            "fwd": _rates(padded_mfu=0.1, rmpad_mfu=0.2), "fwdbwd": _rates(padded_mfu=0.1, rmpad_mfu=0.2)},
-            "memory": memory}), "| fwd | 0.500 | 0.250 | 200 | 2.00x | 1.90x | 1.05x | 1.0 | 1.1 | 10.0% | 20.0% |"),
+        "logprob cuda": (logprob_cuda.cuda_tables({"shapes": [cuda_shape], "memory": memory}),
+                         "| fwdbwd | packed_flex | 0.826 | 40000 | 300.0 | 30.0% | 45.0 | 0.62x | 1.20x | 0.52 | 0.0021 |"),
         "prefix": (prefix.tables({"model": "40m", "params_m": 45.6, "dtype": "torch.float32", "device": "cpu",
                                   "groups": 8, "peak": None, "shapes": [{"prompt": 512, "max_response": 256,
                                                                          "flop_ideal_speedup": 2.24, "fwd": _rates(),

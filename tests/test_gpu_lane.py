@@ -145,3 +145,25 @@ def test_report_folds_tests_figures_and_benchmarks(tmp_path):
                      "| speed.forward.mfu | 0.41 |", "| bench_prefix | 124 (timed out) | 100 |", "error: something broke",
                      "torch " + torch.__version__):  # fmt: skip
         assert expected in md, expected
+
+
+def test_report_shows_the_logprob_benchmark_as_its_tables(tmp_path):
+    """A real `rlpad bench logprob --device cuda` result (its code on CPU, tiny shape, two columns, no
+    profile) comes out of the report as the benchmark's own Markdown tables, not key by key."""
+    from rlpad.bench.logprob_cuda import cuda_tables, measure_shape
+    from rlpad.bench.table import format_markdown
+
+    shape = measure_shape(torch.device("cpu"), "tiny", rows=4, prompt=8, response=12, micro_rows=2, chunk=16, reps=1,
+                          columns=("rmpad", "padded"), profile=False)
+    result = {"date": "2026-11-25", "shapes": [shape], "memory": []}
+    out = tmp_path / "gpu"
+    out.mkdir()
+    (out / "junit.xml").write_text('<testsuites><testsuite name="pytest"><testcase classname="t" name="a" time="1"/>'
+                                   "</testsuite></testsuites>")
+    (out / "steps.tsv").write_text("bench_logprob\t0\t150\n")
+    (out / "bench_logprob.json").write_text(json.dumps(result))
+    done = run([sys.executable, "scripts/gpu_report.py", str(out)], env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    md = (out / "report.md").read_text()
+    assert format_markdown(cuda_tables(result)) in md
+    assert "| shapes[0]" not in md  # not the key/value fallback

@@ -12,7 +12,11 @@ code runs it, for a batch of B rows of S columns with N valid response tokens:
   on CUDA, per-sequence ``is_causal`` sdpa on CPU: both skip the upper triangle); LM head on N;
 * shared-prompt: each prompt once plus the responses, ``sum(P + sum L)`` tokens; per prompt P x P
   causal; per response L queries over P + L keys, bottom-right causal with the varlen kernels
-  (CUDA bf16/fp16), every pair with the masked sdpa of the CPU branch; LM head on N.
+  (CUDA bf16/fp16), every pair with the masked sdpa of the CPU branch; LM head on N;
+* transformers packed (:mod:`rlpad.bench.peers`): the nnz valid tokens; with sdpa one nnz x nnz
+  problem with an explicit block-diagonal mask, every pair computed; with flex_attention per
+  sequence causal (its block mask skips the rest, block granularity not counted); LM head on all
+  nnz tokens (full logits).
 
 The head runs on the N scored tokens on every path: the core gathers their hidden states first.
 FLOPs are matmul FLOPs, 2 per multiply-add: linear ``2 x tokens x (layer weights) x layers``,
@@ -34,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-__all__ = ["AttentionBlock", "ForwardWork", "forward_flops", "packed_work", "padded_and_packed_flops",
-           "padded_work", "shared_prompt_work"]
+__all__ = ["AttentionBlock", "ForwardWork", "forward_flops", "packed_peer_work", "packed_work",
+           "padded_and_packed_flops", "padded_work", "shared_prompt_work"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,14 @@ def packed_work(attention_mask: torch.Tensor, response_length: int) -> ForwardWo
     lengths = Counter(p + r for p, r in zip(prompts, responses))
     blocks = tuple(AttentionBlock(count, n, n, causal=True) for n, count in sorted(lengths.items()))
     return ForwardWork(sum(prompts) + sum(responses), blocks, sum(responses))
+
+
+def packed_peer_work(attention_mask: torch.Tensor, response_length: int, *, masked: bool) -> ForwardWork:
+    """transformers packed: the valid tokens in one row, the LM head on all of them. ``masked``
+    (sdpa): one nnz x nnz problem, every pair computed; else (flex_attention) causal per sequence."""
+    rmpad = packed_work(attention_mask, response_length)
+    attention = (AttentionBlock(1, rmpad.tokens, rmpad.tokens, causal=False),) if masked else rmpad.attention
+    return ForwardWork(rmpad.tokens, attention, rmpad.tokens)
 
 
 def shared_prompt_work(attention_mask: torch.Tensor, response_length: int, groups: Sequence[Sequence[int]], *,

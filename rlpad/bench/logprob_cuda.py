@@ -1,106 +1,230 @@
-"""``rlpad bench logprob --device cuda``: padded sdpa vs remove-padding on a Qwen2.5-0.5B-shaped model.
+"""``rlpad bench logprob --device cuda``: rlpad's remove-padding beside padded and transformers packing.
 
-Random weights in bf16, row ``qwen2.5-0.5b`` of :data:`rlpad.bench.models.MODEL_SHAPES`; a
-rollout-shaped batch of 64 rows, prompts <= 512 left-padded, responses <= 1024 right-padded, about
-half the tokens valid.
+Random weights in bf16, one batch shape per row of :data:`CUDA_SHAPES` (a model of
+:data:`rlpad.bench.models.MODEL_SHAPES` and a rollout-shaped batch: prompts left-padded,
+responses right-padded, about half the tokens valid). On the same tokens, in micro-batches, the
+columns of :data:`COLUMNS`:
 
-* speed: padded (sdpa with the padding mask) vs packed (flash_attention_2 when flash-attn is
-  installed, else rlpad_varlen = torch's varlen kernel), forward and forward+backward, in
-  micro-batches of ``micro_rows`` rows and with the LM head chunked, as the workers run them;
-  medians of interleaved repetitions (CUDA-synchronised wall time); tokens/s of valid tokens,
-  speedup next to the FLOP-ideal one (:mod:`rlpad.bench.flops`), and achieved TFLOP/s and MFU of
-  the FLOPs each path executes (fwd+bwd = 3x forward) against the device's dense bf16 peak
-  (:mod:`rlpad.bench.mfu`), all through :func:`rlpad.bench.measure.path_rates`;
-* memory: LM-head log-prob + entropy forward+backward on 4096 tokens, full logits vs chunked,
-  peak ``torch.cuda.max_memory_allocated`` above what the inputs hold (:mod:`rlpad.bench.head_memory`).
+* ``rmpad``: rlpad's packed row (flash_attention_2 when flash-attn is installed, else
+  rlpad_varlen = torch's varlen kernel), rlpad's LM head (the fused Triton kernel on a GPU,
+  :mod:`rlpad.core.lm_head`), as the workers run it;
+* ``padded``: rlpad's padded path, sdpa with the padding mask;
+* ``packed_sdpa`` / ``packed_flex``: transformers packed (:mod:`rlpad.bench.peers`) with sdpa /
+  flex_attention: full logits, fp32 log_softmax.
+
+Each column, forward and forward+backward (loss: mean log-prob + 0.01 x entropy over the
+response tokens): medians of interleaved repetitions (CUDA-synchronised wall time), tokens/s of
+valid tokens, achieved TFLOP/s and MFU of the FLOPs the column executes
+(:mod:`rlpad.bench.flops`, fwd+bwd = 3x; :mod:`rlpad.bench.mfu`), rmpad's speed-up over it with
+the FLOP-ideal one (:func:`rlpad.bench.measure.path_rates`), peak ``torch.cuda.max_memory_allocated``
+over the pass (weights included), and the max |log-prob| and |entropy| difference vs rmpad on the valid response
+tokens. Then one rmpad micro-batch under torch.profiler, forward and forward+backward: device time
+by kernel kind, launches, host vs device time (:mod:`rlpad.bench.kernels`). Memory: LM-head
+log-prob + entropy forward+backward on 4096 tokens, full logits vs chunked (:mod:`rlpad.bench.head_memory`).
+
+The same code runs on the CPU at a tiny shape (tests/test_bench_cuda.py); there FlexAttention has
+no backward, so ``packed_flex`` is forward only (the result says so under ``skipped``).
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from rlpad.bench.flops import padded_and_packed_flops
+from rlpad.bench.flops import forward_flops, packed_peer_work, packed_work, padded_work
 from rlpad.bench.head_memory import VARIANTS, measure_cuda
+from rlpad.bench.kernels import kind_table, profile_pass
 from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
 from rlpad.bench.mfu import PEAK_SOURCE
-from rlpad.bench.models import bench_model
+from rlpad.bench.models import bench_model, model_shape
+from rlpad.bench.peers import PEER_ATTENTION, packed_peer_log_probs
 from rlpad.bench.table import Table
 from rlpad.core.attn_choice import resolve_attn_implementation
-from rlpad.core.forward import compute_log_probs
+from rlpad.core.forward import backbone_of, compute_log_probs
+from rlpad.core.lm_head import choose_head, triton_missing
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["CUDA_MODEL", "cuda_tables", "measure_speed", "run_cuda"]
+__all__ = ["COLUMNS", "CUDA_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
 
-CUDA_MODEL = "qwen2.5-0.5b"  # the row of rlpad.bench.models.MODEL_SHAPES
+COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex")
+# name -> model row of rlpad.bench.models.MODEL_SHAPES and its batch; `make test-gpu` runs both (about 2 minutes
+# on an H100, estimated from the 2026-11-24 figures: see docs/development.md#the-gpu-lane).
+CUDA_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(model="qwen2.5-0.5b", rows=64, prompt=512, response=1024, micro_rows=16),
+    "7b-layers": dict(model="7b-layers", rows=32, prompt=512, response=1536, micro_rows=8),
+}
+NO_CPU_BACKWARD = {"packed_flex": "FlexAttention has no backward on the CPU"}
 
 
-def measure_speed(device: torch.device, model_name: str, *, rows: int, prompt: int, response: int,
-                  micro_rows: int, chunk: int, reps: int, seed: int = 0) -> dict[str, Any]:
-    """Padded sdpa vs packed, forward and forward+backward, for table row ``model_name`` in bf16 on
-    any ``device`` (MFU only on a GPU of the peak table)."""
+def _column(model, column: str, packed_impl: str, response: int, chunk: int) -> tuple[str, Callable]:
+    """``(attention implementation, fn(piece) -> (log_probs, entropy) (B, R))`` of ``column`` on one micro-batch."""
+    if column in PEER_ATTENTION:
+        return PEER_ATTENTION[column], lambda p: packed_peer_log_probs(
+            model, p["input_ids"], p["attention_mask"], p["position_ids"], response)
+    rmpad = column == "rmpad"
+    return packed_impl if rmpad else "sdpa", lambda p: compute_log_probs(
+        model, p["input_ids"], p["attention_mask"], p["position_ids"], response, use_remove_padding=rmpad,
+        calculate_entropy=True, logits_chunk_size=chunk)
+
+
+def _loss(lp: torch.Tensor, ent: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    mask = response_mask.float()
+    return ((lp + 0.01 * ent) * mask).sum().div(mask.sum().clamp(min=1))
+
+
+def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: int, response: int, micro_rows: int,
+                  chunk: int, reps: int, columns: Sequence[str] = COLUMNS, profile: bool = True,
+                  seed: int = 0) -> dict[str, Any]:
+    """Every column of ``columns`` on one batch of model row ``model_name`` in bf16 on ``device``
+    (MFU only on a GPU of the peak table); see the module docstring."""
+    model_shape(model_name)  # ValueError naming the rows
     if micro_rows < 1 or rows % micro_rows:
         raise ValueError(f"micro_rows={micro_rows} must be >= 1 and divide rows={rows}")
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
+    if "rmpad" not in columns or set(columns) - set(COLUMNS):
+        raise ValueError(f"columns must include 'rmpad' and be among {COLUMNS}, got {list(columns)}")
     packed_impl = resolve_attn_implementation("auto", device)
+    if "packed_flex" in columns:  # transformers compiles flex_attention: each shape starts with dynamo's whole
+        torch._dynamo.reset()     # recompile budget (shapes x nnz x grad mode could reach its limit: then eager flex)
     model = bench_model(model_name, seed=seed, dtype=torch.bfloat16, device=device, attn_implementation="sdpa").train()
     data = rollout_batch(rows, prompt, response, vocab_size=model.config.vocab_size, seed=seed, edge_rows=False)
     data = {k: v.to(device) for k, v in data.items()}
     pieces = [{k: v[i : i + micro_rows] for k, v in data.items()} for i in range(0, rows, micro_rows)]
     valid_tokens = int(data["attention_mask"].sum())
+    impls, fns = {}, {}
+    for c in columns:
+        impls[c], fns[c] = _column(model, c, packed_impl, response, chunk)
+    skipped = {f"fwdbwd.{c}": why for c, why in NO_CPU_BACKWARD.items() if c in columns and device.type == "cpu"}
 
-    def one_pass(rmpad: bool, backward: bool) -> None:
-        model.set_attn_implementation(packed_impl if rmpad else "sdpa")
+    # Agreement first, without gradients: each column's (B, R) numbers vs rmpad's on the valid response tokens.
+    got = {}
+    with torch.no_grad():
+        for c, fn in fns.items():
+            model.set_attn_implementation(impls[c])
+            got[c] = [fn(p) for p in pieces]
+    valid = data["response_mask"].bool()
+    diff = {}
+    for c in columns:
+        lp, ent = (torch.cat([g[i] for g in got[c]]) for i in (0, 1))
+        ref_lp, ref_ent = (torch.cat([g[i] for g in got["rmpad"]]) for i in (0, 1))
+        diff[c] = {"lp_max_diff": (lp - ref_lp)[valid].abs().max().item(),
+                   "ent_max_diff": (ent - ref_ent)[valid].abs().max().item()}
+    del got
+
+    peaks: dict[str, float] = {}
+
+    def one_pass(column: str, backward: bool) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model.set_attn_implementation(impls[column])
         for p in pieces:
             with torch.set_grad_enabled(backward):
-                lp, ent = compute_log_probs(model, p["input_ids"], p["attention_mask"], p["position_ids"], response,
-                                            use_remove_padding=rmpad, calculate_entropy=True, logits_chunk_size=chunk)
+                lp, ent = fns[column](p)
                 if backward:
-                    mask = p["response_mask"].float()
-                    ((lp + 0.01 * ent) * mask).sum().div(mask.sum().clamp(min=1)).backward()
+                    _loss(lp, ent, p["response_mask"]).backward()
         model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            key = f"{'fwdbwd' if backward else 'fwd'}.{column}"
+            peaks[key] = max(peaks.get(key, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
 
-    passes = {f"{mode}_{path}": (lambda rm=(path == "rmpad"), bwd=(mode == "fwdbwd"): one_pass(rm, bwd))
-              for mode in ("fwd", "fwdbwd") for path in ("padded", "rmpad")}
+    passes = {f"{mode}.{c}": (lambda c=c, bwd=(mode == "fwdbwd"): one_pass(c, bwd))
+              for mode in ("fwd", "fwdbwd") for c in columns if f"{mode}.{c}" not in skipped}
     seconds = interleaved_medians(passes, reps, device)
-    padded, packed = padded_and_packed_flops(model.config, data["attention_mask"].cpu(), response)  # = sum of pieces
-    flops = {"padded": padded["total"], "rmpad": packed["total"]}
+    mask = data["attention_mask"].cpu()
+    works = {"rmpad": packed_work(mask, response), "padded": padded_work(mask, response),
+             "packed_sdpa": packed_peer_work(mask, response, masked=True),
+             "packed_flex": packed_peer_work(mask, response, masked=False)}
+    flops = {c: forward_flops(model.config, works[c])["total"] for c in columns}
     name, peak = device_peak(device)
     result: dict[str, Any] = {
         "device": name, "peak": {"label": peak[0], "bf16_tflops": peak[1], "source": PEAK_SOURCE} if peak else None,
-        "torch": torch.__version__, "model": model_name, "packed_attention": packed_impl, "padded_attention": "sdpa",
-        "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "rows": rows, "micro_rows": micro_rows,
+        "torch": torch.__version__, "model": model_name, "packed_attention": packed_impl,
+        "lm_head": choose_head(device.type, torch.bfloat16, torch.bfloat16, valid_tokens, triton_missing() is None),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "layers": model.config.num_hidden_layers,
+        "rows": rows, "micro_rows": micro_rows, "prompt": prompt, "response": response,
         "seq_len": prompt + response, "valid_tokens": valid_tokens,
         "valid_fraction": valid_tokens / data["attention_mask"].numel(),
-        "flop_ideal_speedup": flops["padded"] / flops["rmpad"],
-        "padded_tflop": flops["padded"] / 1e12, "rmpad_tflop": flops["rmpad"] / 1e12,
+        "tflop": {c: f / 1e12 for c, f in flops.items()}, "skipped": skipped, "agreement": diff,
     }
     for mode, factor in (("fwd", 1), ("fwdbwd", 3)):
-        result[mode] = path_rates(valid_tokens, {p: seconds[f"{mode}_{p}"] for p in flops}, flops, base="padded",
-                                  other="rmpad", factor=factor, peak_tflops=peak[1] if peak else None)
+        result[mode] = {}
+        for c in columns:
+            if f"{mode}.{c}" not in seconds:
+                continue
+            s = {p: seconds[f"{mode}.{p}"] for p in {c, "rmpad"}}
+            r = path_rates(valid_tokens, s, flops, base=c, other="rmpad", factor=factor,
+                           peak_tflops=peak[1] if peak else None)
+            result[mode][c] = {k.removeprefix(f"{c}_"): v for k, v in r.items() if k.startswith(f"{c}_")}
+            result[mode][c].update(rmpad_speedup=r["speedup"], flop_ideal_speedup=r["flop_ideal_speedup"],
+                                   of_ideal=r["speedup_vs_ideal"], peak_gib=peaks.get(f"{mode}.{c}"))
+    if profile:
+        first = pieces[0]
+        rmpad = fns["rmpad"]
+        model.set_attn_implementation(impls["rmpad"])
+
+        def fwd() -> None:
+            with torch.no_grad():
+                rmpad(first)
+
+        def fwdbwd() -> None:
+            _loss(*rmpad(first), first["response_mask"]).backward()
+            model.zero_grad(set_to_none=True)
+
+        result["profile"] = {"micro_rows": micro_rows, "valid_tokens": int(first["attention_mask"].sum()),
+                             "fwd": profile_pass(fwd, device, layers=backbone_of(model).layers),
+                             "fwdbwd": profile_pass(fwdbwd, device)}
     return result
 
 
-def cuda_tables(result: dict[str, Any]) -> list[Table]:
-    """The speed table and the LM-head memory line of a :func:`run_cuda` result."""
-    s = result["speed"]
+def _title(s: dict[str, Any]) -> str:
     peak = s["peak"]
+    return (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M, "
+            f"{s['layers']} layers), "
+            f"{s['rows']} rows, prompts <= {s['prompt']}, responses <= {s['response']}, micro-batches of "
+            f"{s['micro_rows']}, {s['valid_fraction']:.0%} valid; rmpad attention: {s['packed_attention']}; rlpad's LM "
+            f"head: {s.get('lm_head', '?')}; bf16 peak: "
+            + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak else "unknown device, no MFU"))
+
+
+def shape_tables(s: dict[str, Any]) -> list[Table]:
+    """The column table and the profile table of one :func:`measure_shape` result."""
     rows = []
     for mode in ("fwd", "fwdbwd"):
-        m = s[mode]
-        mfus = [f"{m['padded_mfu']:.1%}", f"{m['rmpad_mfu']:.1%}"] if "rmpad_mfu" in m else ["-", "-"]
-        rows.append([mode, f"{m['padded_s']:.3f}", f"{m['rmpad_s']:.3f}", f"{m['rmpad_tok_s']:.0f}", f"{m['speedup']:.2f}x",
-                     f"{m['flop_ideal_speedup']:.2f}x", f"{m['speedup_vs_ideal']:.2f}x", f"{m['padded_tflops']:.1f}",
-                     f"{m['rmpad_tflops']:.1f}", *mfus])
-    title = (f"{s['device']} (torch {s['torch']}), {s['model']}-shaped bf16 ({s['params_m']:.0f}M), {s['rows']} rows "
-             f"x {s['seq_len']} (micro-batches of {s['micro_rows']}), {s['valid_fraction']:.0%} valid; packed attention: "
-             f"{s['packed_attention']}; bf16 peak: " + (f"{peak['bf16_tflops']:.0f} TFLOP/s ({peak['label']})" if peak
-                                                        else "unknown device, no MFU"))
-    out = [Table(["pass", "padded s", "rmpad s", "rmpad tok/s", "speedup", "ideal", "of ideal", "pad TF/s", "rm TF/s",
-                  "pad MFU", "rm MFU"], rows, title=title)]
+        for c, m in s[mode].items():
+            rows.append([mode, c, f"{m['s']:.3f}", f"{m['tok_s']:.0f}", f"{m['tflops']:.1f}",
+                         f"{m['mfu']:.1%}" if "mfu" in m else "-",
+                         f"{m['peak_gib']:.1f}" if m.get("peak_gib") is not None else "-",
+                         "" if c == "rmpad" else f"{m['rmpad_speedup']:.2f}x",
+                         "" if c == "rmpad" else f"{m['flop_ideal_speedup']:.2f}x",
+                         "" if c == "rmpad" else f"{m['of_ideal']:.2f}",
+                         f"{s['agreement'][c]['lp_max_diff']:.2g}" if c != "rmpad" else ""])
+    notes = [f"not run: {k} ({why})" for k, why in s["skipped"].items()]
+    notes.insert(0, "s: seconds of the whole batch (median); tok/s: valid tokens; TF/s and MFU: the FLOPs the column "
+                    "executes; peak GiB: torch.cuda.max_memory_allocated over the pass, weights included; rmpad "
+                    "speed-up: the column's seconds / rmpad's, next to its FLOPs / rmpad's (FLOP ratio) and their "
+                    "ratio (of ideal); lp max diff: max |log-prob - rmpad's| over the valid response tokens")
+    out = [Table(["pass", "column", "s", "tok/s", "TF/s", "MFU", "peak GiB", "rmpad speed-up", "FLOP ratio",
+                  "of ideal", "lp max diff"], rows, title=_title(s), align="ll" + "r" * 9, notes=notes)]
+    if "profile" in s:
+        p = s["profile"]
+        columns, rows = kind_table({"fwd": p["fwd"], "fwd+bwd": p["fwdbwd"]})
+        top = p["fwdbwd"]["top"][:4]
+        out.append(Table(columns, rows, title=(
+            f"{s['model']}: one rmpad micro-batch ({p['micro_rows']} rows, {p['valid_tokens']} tokens) under "
+            "torch.profiler: device time by kind, ms (units of work)"), notes=[
+            "fwd+bwd, the longest: " + "; ".join(f"{t['name'][:60]} ({t['kind']}) {t['ms']:.1f} ms x{t['count']}"
+                                                  for t in top)]))
+    return out
+
+
+def cuda_tables(result: dict[str, Any]) -> list[Table]:
+    """Each shape's tables, then the LM-head memory line, of a :func:`run_cuda` result."""
+    out = [t for s in result["shapes"] for t in shape_tables(s)]
     mem = {m["variant"]: m for m in result.get("memory", [])}
     if "full" in mem and "chunked" in mem:
         out.append(Table(notes=[
@@ -110,14 +234,22 @@ def cuda_tables(result: dict[str, Any]) -> list[Table]:
     return out
 
 
-def run_cuda(*, reps: int = 3, memory: bool = True, micro_rows: int = 16, rows: int = 64, prompt: int = 512,
-             response: int = 1024, chunk: int = 4096) -> dict[str, Any]:
-    """The whole CUDA benchmark; returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
+def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None = None, micro_rows: int | None = None,
+             chunk: int = 4096) -> dict[str, Any]:
+    """The whole CUDA benchmark over ``shapes`` (names of :data:`CUDA_SHAPES`, default all); ``micro_rows``
+    overrides each shape's own. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
+    names = list(shapes or CUDA_SHAPES)
+    unknown = [n for n in names if n not in CUDA_SHAPES]
+    if unknown:
+        raise ValueError(f"unknown CUDA benchmark shape(s) {unknown}; choose among {list(CUDA_SHAPES)}")
     device = require_cuda()
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "speed": measure_speed(device, CUDA_MODEL, rows=rows, prompt=prompt, response=response, micro_rows=micro_rows,
-                               chunk=chunk, reps=reps),
-        "memory": [measure_cuda(v, device) for v in VARIANTS] if memory else [],
-    }
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "shapes": []}
+    for n in names:
+        spec = dict(CUDA_SHAPES[n])
+        if micro_rows is not None:
+            spec["micro_rows"] = micro_rows
+        result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, **spec))
+        gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
+        torch.cuda.empty_cache()
+    result["memory"] = [measure_cuda(v, device) for v in VARIANTS] if memory else []
     return result

@@ -11,7 +11,10 @@ arguments of a random model of that shape.
   168.3M parameters (the one 160m shape: ``rlpad bench sync`` measured it; ``workers.init_bench``
   used to build a 162M variant with intermediate 2560);
 * ``qwen2.5-0.5b``: Qwen2.5-0.5B's shape (24 layers, 14 query / 2 key-value heads, vocab 151936,
-  tied), the GPU benchmarks' model.
+  tied), the GPU benchmarks' model;
+* ``7b-layers``: 4 decoder layers of Qwen2.5-7B's shape (hidden 3584, 28 query / 4 key-value heads of
+  128, intermediate 18944, vocab 152064, untied LM head), 2.0B parameters: a 7B model's per-token
+  kernels (its GEMM sizes, attention heads, LM head) on one GPU without its 28 layers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layers=24, head_dim=64,
                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
                          tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1_000_000.0),
+    "7b-layers": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=4, head_dim=128,
+                      num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                      tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1_000_000.0),
 }
 
 

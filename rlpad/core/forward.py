@@ -37,6 +37,7 @@ from rlpad.core.attention import BOUNDS_KWARG, VARLEN_ATTENTION, PackedBounds, p
 from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
 from rlpad.core.host_plan import HostBatch, packed_plan, response_positions, to_device
+from rlpad.core.lm_head import TORCH, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
@@ -195,11 +196,11 @@ def _head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk
     if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
         raise NotImplementedError("models with logit soft-capping or logit scaling are not supported yet")
     head = model.get_output_embeddings()
-    if chunk_size is None:
+    if chunk_size is None and head_path(hidden, head.weight) == TORCH:  # the CPU / fp32: full logits
         return log_probs_and_entropy(head(hidden), labels, temperature, calculate_entropy)
-    return chunked_log_probs_and_entropy(
+    return chunked_log_probs_and_entropy(  # CUDA bf16 / fp16 (None: every token at once) or chunked
         hidden, head.weight, labels, bias=head.bias, temperature=temperature,
-        chunk_size=chunk_size, calculate_entropy=calculate_entropy,
+        chunk_size=chunk_size or hidden.shape[0], calculate_entropy=calculate_entropy,
     )
 
 

@@ -2,14 +2,19 @@
 
 The chunked path runs the LM head on ``chunk_size`` tokens at a time and recomputes each chunk
 in backward (activation checkpointing with a closed-form gradient), so the (N, V) fp32 logits
-never exist whole.
+never exist whole. Which head runs is :func:`rlpad.core.lm_head.head_path`'s rule: this exact
+torch path on the CPU and in fp32 / fp64; on CUDA in bf16 / fp16 the fused Triton kernel
+(:mod:`rlpad.core.lm_head_triton`), or without Triton this path with fp32-output logits GEMMs and
+low-precision gradient GEMMs (``lowp=True``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["chunked_log_probs_and_entropy", "log_probs_and_entropy"]
+from rlpad.core.lm_head import HEAD_PATHS, TORCH, TORCH_CUDA, TRITON, head_path, mm_fp32
+
+__all__ = ["check_head_inputs", "chunked_log_probs_and_entropy", "log_probs_and_entropy"]
 
 
 def log_probs_and_entropy(
@@ -27,12 +32,18 @@ def log_probs_and_entropy(
     return log_probs, entropy
 
 
-def _chunk_stats(hidden, weight, bias, temperature, *, probs: bool = True):
+def _chunk_stats(hidden, weight, bias, temperature, *, probs: bool = True, lowp: bool = False):
     """fp32 scaled logits z (n, V), softmax p (None unless ``probs``), logsumexp and E_p[z] of one chunk.
 
-    One exp over the chunk: p and the logsumexp both come from exp(z - max z).
+    One exp over the chunk: p and the logsumexp both come from exp(z - max z). ``lowp``: bf16 / fp16
+    operands, logits from a GEMM with fp32 output (:func:`rlpad.core.lm_head.mm_fp32`), never rounded.
     """
-    z = torch.nn.functional.linear(hidden, weight, bias)
+    if lowp:
+        z = mm_fp32(hidden, weight.t())
+        if bias is not None:
+            z.add_(bias.float())
+    else:
+        z = torch.nn.functional.linear(hidden, weight, bias)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if temperature != 1.0:
         z.div_(temperature)
@@ -40,9 +51,19 @@ def _chunk_stats(hidden, weight, bias, temperature, *, probs: bool = True):
     e = torch.sub(z, z_max).exp_()
     total = e.sum(dim=-1)
     lse = total.log().add_(z_max.squeeze(-1))
-    mean_z = (e.unsqueeze(1) @ z.unsqueeze(-1)).view(-1).div_(total)  # E_p[z] without an (n, V) temporary
+    mean_z = _centred_mean(z, z_max, e, total)
     p = e.div_(total.unsqueeze(-1)) if probs else None
     return z, p, lse, mean_z
+
+
+def _centred_mean(z, z_max, e, total, rows: int = 256):
+    """E_p[z] (n,) as ``z_max + sum e (z - z_max) / total``, a pairwise sum over V of terms whose
+    size is the entropy's, not |z|'s (one GEMV over V accumulates |z|-sized rounding: ~1e-3 at
+    vocab 152064); ``rows`` rows at a time bound the temporary to rows x V."""
+    out = torch.empty_like(total)
+    for i in range(0, z.shape[0], rows):
+        out[i : i + rows] = torch.sub(z[i : i + rows], z_max[i : i + rows]).mul_(e[i : i + rows]).sum(dim=-1)
+    return out.div_(total).add_(z_max.squeeze(-1))
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -50,21 +71,23 @@ class _ChunkedHead(torch.autograd.Function):
 
     Nothing of size (N, V) is saved: backward recomputes each chunk's logits and forms the
     gradient in closed form, d logp/dz = onehot(y) - p and dH/dz = -p (z - E_p[z]), writing the
-    weight gradient into one buffer with addmm_.
+    weight gradient into one buffer with addmm_. ``lowp`` (the ``torch_cuda`` head: bf16 / fp16 on
+    CUDA without Triton): fp32-output logits, and both gradient GEMMs take the gradient rounded to
+    the weight's dtype (tensor cores, fp32 accumulation) instead of an fp32 GEMM.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy, lowp=False):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
         log_probs = hidden.new_empty(hidden.shape[0], dtype=acc)
         entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
         for s in range(0, hidden.shape[0], chunk_size):
             e = s + chunk_size
-            z, _, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, probs=False)
+            z, _, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, probs=False, lowp=lowp)
             log_probs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
             entropy[s:e] = lse - mean_z
         ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.lowp = temperature, chunk_size, lowp
         if not calculate_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
@@ -80,7 +103,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
-            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature)
+            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, lowp=ctx.lowp)
             g_lp = grad_log_probs[s:e, None] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
             # g = -p * (g_lp + g_H * (z - E_p[z])) + g_lp * onehot(y), built in z's buffer
             if grad_entropy is not None:
@@ -92,15 +115,19 @@ class _ChunkedHead(torch.autograd.Function):
             g.scatter_add_(-1, labels[s:e, None], g_lp)
             if temperature != 1.0:
                 g.div_(temperature)
-            if grad_h is not None:
-                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), hidden[s:e].to(acc))
             if grad_b is not None:
                 grad_b.add_(g.sum(dim=0))
+            if ctx.lowp:  # both GEMMs on tensor cores: g once in the weight's dtype
+                g = g.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None and ctx.lowp:
+                grad_w.add_(mm_fp32(g.t(), hidden[s:e]))
+            elif grad_w is not None:
+                grad_w.addmm_(g.t(), hidden[s:e].to(acc))
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def chunked_log_probs_and_entropy(
@@ -112,16 +139,48 @@ def chunked_log_probs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     calculate_entropy: bool = True,
+    head: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and entropy through the LM head ``weight (V, H)``, chunk by chunk.
 
     ``hidden`` is (N, H) final hidden states and ``labels`` (N,). Exact and differentiable with
     respect to ``hidden``, ``weight`` and ``bias``; the (N, V) logits never exist whole: peak
-    extra memory is a few ``chunk_size x V`` fp32 buffers plus one weight-sized gradient buffer.
+    extra memory is a few ``chunk_size x V`` fp32 buffers plus one weight-sized gradient buffer
+    (the Triton head: one ``chunk_size x V`` buffer in the weight's dtype, in backward only).
+    Log-probs and entropies are fp32 (fp64 for fp64 inputs); the head is
+    :func:`rlpad.core.lm_head.head_path`'s choice, or ``head`` (one of
+    :data:`rlpad.core.lm_head.HEAD_PATHS`) where a test or a benchmark names one.
     """
+    check_head_inputs(hidden, weight, labels, bias, temperature, chunk_size)
+    if head is not None and head not in HEAD_PATHS:
+        raise ValueError(f"unknown LM head {head!r}; use one of {HEAD_PATHS} or None (the dispatch's choice)")
+    path = head or head_path(hidden, weight)
+    if path != TORCH and hidden.dtype != weight.dtype:
+        raise TypeError(f"the {path} LM head needs hidden and weight in one dtype, got {hidden.dtype} and {weight.dtype}")
+    if path == TRITON:
+        from rlpad.core.lm_head_triton import triton_log_probs_and_entropy
+
+        log_probs, entropy = triton_log_probs_and_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
+                                                          chunk_size=chunk_size, calculate_entropy=calculate_entropy)
+    else:
+        log_probs, entropy = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size,
+                                                calculate_entropy, path == TORCH_CUDA)  # fmt: skip
+    return log_probs, entropy if calculate_entropy else None
+
+
+def check_head_inputs(hidden, weight, labels, bias, temperature, chunk_size) -> None:
+    """ValueError / TypeError naming the problem with a head call's shapes, dtypes or settings."""
     if chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, H) and labels (N,), got {tuple(hidden.shape)} and {tuple(labels.shape)}")
-    log_probs, entropy = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy)
-    return log_probs, entropy if calculate_entropy else None
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be (V, H) with H = hidden's {hidden.shape[1]}, got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels must be int64 token ids, got {labels.dtype}")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")

@@ -1,0 +1,77 @@
+"""Which LM head runs a log-prob + entropy call, and the fp32-output GEMMs of the CUDA heads.
+
+One rule (:func:`head_path`), read by :func:`rlpad.core.logprob.chunked_log_probs_and_entropy`
+and by ``rlpad.core.forward`` for ``logits_chunk_size=None``:
+
+* ``torch``: the CPU, fp32 / fp64, mixed dtypes or no tokens: the exact chunked torch path
+  (:class:`rlpad.core.logprob._ChunkedHead`), numbers as before;
+* ``triton``: CUDA bf16 / fp16 with Triton importable: the fused kernel of
+  :mod:`rlpad.core.lm_head_triton` (fp32 logits, never written whole);
+* ``torch_cuda``: CUDA bf16 / fp16 without Triton: the chunked torch path with its GEMMs on tensor
+  cores, the logits in fp32 (:func:`mm_fp32`) and the weight gradient from a bf16 GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["HEAD_PATHS", "TORCH", "TORCH_CUDA", "TRITON", "choose_head", "head_path", "mm_fp32", "triton_missing"]
+
+TORCH, TRITON, TORCH_CUDA = "torch", "triton", "torch_cuda"
+HEAD_PATHS = (TORCH, TRITON, TORCH_CUDA)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """None when Triton imports, else why not (the ``torch_cuda`` head runs then)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import means: no Triton head
+        return f"triton does not import: {e!r}"
+    return None
+
+
+def choose_head(device_type: str, hidden_dtype: torch.dtype, weight_dtype: torch.dtype, tokens: int,
+                triton: bool) -> str:
+    """The rule: one of :data:`HEAD_PATHS` for a call on ``device_type`` with these dtypes."""
+    if device_type != "cuda" or weight_dtype not in LOW_PRECISION or hidden_dtype != weight_dtype or tokens == 0:
+        return TORCH
+    return TRITON if triton else TORCH_CUDA
+
+
+def head_path(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """The LM head for ``hidden (N, H)`` and ``weight (V, H)`` here: :func:`choose_head`."""
+    if hidden.device.type != "cuda":
+        return TORCH  # no need to look for Triton
+    return choose_head(hidden.device.type, hidden.dtype, weight.dtype, hidden.shape[0], triton_missing() is None)
+
+
+@functools.cache
+def _mm_out_dtype_works(device: torch.device) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` (aten ``mm.dtype``, CUDA, torch >= 2.9)
+    runs bf16 operands on ``device``; probed once per device."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32 (m, n) from same-dtype operands (m, k) and (k, n), never rounded to bf16.
+
+    bf16 / fp16 on CUDA: one tensor-core GEMM with fp32 accumulation and fp32 output where torch has
+    aten ``mm.dtype``; elsewhere (the CPU, older torch) the operands are upcast first (exact too,
+    slower). fp32 / fp64 operands: a plain ``mm``, promoted to at least fp32.
+    """
+    if a.dtype in LOW_PRECISION and _mm_out_dtype_works(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    acc = torch.promote_types(a.dtype, torch.float32)
+    return torch.mm(a.to(acc), b.to(acc))
+

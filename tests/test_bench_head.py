@@ -1,0 +1,38 @@
+"""`rlpad bench head`: its whole code path on the CPU at a tiny shape (every variant, the floor
+ratios, the fp64 errors), and the one-line error of `--device cuda` without a GPU."""
+
+import json
+
+import pytest
+import torch
+
+from rlpad.bench.head import VARIANTS
+from rlpad.cli import main as cli
+from rlpad.embedded.head_exactness import HEAD_LP_BOUND
+
+
+def test_bench_head_on_the_cpu_at_a_tiny_shape(tmp_path, capsys):
+    out = tmp_path / "head.json"
+    md = tmp_path / "perf.md"
+    assert cli(["bench", "head", "--tokens", "9", "20", "--hidden", "32", "--vocab", "101", "--reps", "1",
+                "--out", str(out), "--markdown", str(md)]) == 0
+    r = json.loads(out.read_text())
+    assert r["head_path"] == "torch" and r["vocab"] == 101 and r["dtype"] == "bf16"
+    assert [(row["tokens"], row["variant"]) for row in r["rows"]] == [(n, v) for n in (9, 20) for v in VARIANTS]
+    for row in r["rows"]:
+        floor = next(f for f in r["rows"] if f["tokens"] == row["tokens"] and f["variant"] == "floor")
+        assert row["fwdbwd_vs_floor"] == pytest.approx(row["fwdbwd_s"] / floor["fwdbwd_s"])
+        assert row["peak_gib"] is None  # CUDA only
+        if row["variant"] == "torch_cuda":  # fp32-output logits: within the bound even in bf16
+            assert row["lp_err"] < HEAD_LP_BOUND and row["ent_err"] < HEAD_LP_BOUND, row
+        elif row["variant"] != "floor":  # bf16-rounded logits (the CPU's bf16 path): far outside
+            assert row["lp_err"] > HEAD_LP_BOUND, row
+    printed = capsys.readouterr().out
+    assert "head (torch)" in printed and "<!-- rlpad bench head: begin -->" in md.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_bench_head_cuda_without_cuda_is_one_line(capsys):
+    assert cli(["bench", "head", "--device", "cuda", "--reps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --device cuda needs a CUDA GPU"), err
