@@ -26,6 +26,7 @@ forward, at the first layer that asks.
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 
 import torch
@@ -227,18 +228,17 @@ def guard_padded_sdpa(model: torch.nn.Module) -> int:
     :func:`unmask_unattended_rows`, so no query row reaches sdpa fully masked there either (the
     mask is fixed once per distinct mask of a forward, not per layer). Hooks stay with the module
     (FSDP wrapping and activation checkpointing's recompute run them too). Returns the hook count."""
-    fixed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (mask, fixed mask), the last few seen
+    # id(mask) -> fixed mask, dropped when the mask is freed (nothing is kept past its forward)
+    fixed: dict[int, torch.Tensor] = {}
 
     def hook(module, args, kwargs):
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             return None
-        for seen, out in fixed:
-            if seen is mask:
-                break
-        else:
-            out = unmask_unattended_rows(mask)
-            fixed[:] = [(mask, out)] + fixed[:3]  # full and sliding-window masks alternate by layer
+        out = fixed.get(id(mask))
+        if out is None:
+            out = fixed[id(mask)] = unmask_unattended_rows(mask)
+            weakref.finalize(mask, fixed.pop, id(mask), None)
         return args, {**kwargs, "attention_mask": out}
 
     layers = getattr(getattr(model, model.base_model_prefix, model), "layers", [])
