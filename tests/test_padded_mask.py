@@ -74,3 +74,23 @@ def test_unmask_unattended_rows_changes_only_empty_rows():
     fixed = unmask_unattended_rows(mask)
     assert fixed[0, 0, 0].all() and torch.equal(fixed[0, 0, 1:], mask[0, 0, 1:])
     assert unmask_unattended_rows(None) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_the_sdpa_choice_is_guarded_too(arch):
+    """model.attn_implementation=sdpa (transformers' own sdpa and mask, loaded by rlpad): a
+    pre-hook on each decoder layer fixes its mask, so no fully masked row reaches sdpa, forward or
+    in the backward; the numbers equal rlpad_varlen's padded path (the unguarded sdpa model of the
+    test above is the control)."""
+    from rlpad.core.models import load_causal_lm
+
+    guarded = load_causal_lm(f"tiny:{arch}", attn_implementation="sdpa", use_remove_padding=False)
+    varlen = load_causal_lm(f"tiny:{arch}", attn_implementation="rlpad_varlen", use_remove_padding=False)
+    assert guarded.config._attn_implementation == "sdpa"
+    batch = rollout_batch(8, PROMPT, RESPONSE, vocab_size=guarded.config.vocab_size, seed=7)
+    guarded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lp, ent, masks = padded_run(guarded.train(), batch)
+    assert any(m is not None for m in masks) and fully_masked_rows(masks) == 0
+    lp_ref, ent_ref, _ = padded_run(varlen.train(), batch)
+    torch.testing.assert_close(lp, lp_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ent_ref, atol=1e-6, rtol=0)

@@ -57,6 +57,7 @@ def grpo_run(out_dir: str, share: bool) -> list:
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
         f"actor_rollout_ref.model.share_prompts={str(share).lower()}",
+        "actor_rollout_ref.model.share_prompts_min_saved_fraction=0",  # share every micro-batch (under test)
     ]))  # fmt: skip
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)

@@ -41,6 +41,7 @@ def shared_batch(seed: int, shuffle: bool = False) -> Batch:
 def config(share: bool, dynamic: bool = False) -> ActorRolloutRefConfig:
     cfg = ActorRolloutRefConfig()
     cfg.model.share_prompts, cfg.actor.use_dynamic_bsz = share, dynamic
+    cfg.model.share_prompts_min_saved_fraction = 0.0  # share every micro-batch: the shared path is under test
     a = cfg.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu = GROUPS, 4, 24
     a.entropy_coeff, a.optim.lr = 0.01, 1e-2

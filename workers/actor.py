@@ -82,7 +82,8 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
-            share_prompts=mcfg.share_prompts, temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
+            share_prompts=mcfg.share_prompts, share_min_saved=mcfg.share_prompts_min_saved_fraction,
+            temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (@batch_method)
             sp=self.sp,
         )  # fmt: skip

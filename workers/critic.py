@@ -56,7 +56,9 @@ class CriticWorker(FSDPWorker):
         return self.root(
             piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
             int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
-            share_prompts=self.config.model.share_prompts, check=False,  # checked where it entered (@batch_method)
+            share_prompts=self.config.model.share_prompts,
+            share_min_saved=self.config.model.share_prompts_min_saved_fraction,
+            check=False,  # checked where it entered (@batch_method)
             sp=self.sp,
         )  # fmt: skip
 

@@ -26,6 +26,7 @@ forward, at the first layer that asks.
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 
 import torch
@@ -43,8 +44,8 @@ VARLEN_ATTENTION = "rlpad_varlen"
 # The forward keyword carrying a packed row's :class:`PackedBounds` (read by the sdpa path only).
 BOUNDS_KWARG = "rlpad_packed_bounds"
 
-__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "packed_row_mask", "sequence_bounds",
-           "unmask_unattended_rows", "varlen_attention_forward"]
+__all__ = ["BOUNDS_KWARG", "VARLEN_ATTENTION", "PackedBounds", "guard_padded_sdpa", "packed_row_mask",
+           "sequence_bounds", "unmask_unattended_rows", "varlen_attention_forward"]
 
 
 def packed_row_mask(device: torch.device) -> torch.Tensor:
@@ -219,6 +220,31 @@ def unmask_unattended_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None or mask.dtype != torch.bool:
         return mask
     return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def guard_padded_sdpa(model: torch.nn.Module) -> int:
+    """For a model on transformers' own ``sdpa`` (the padded path): a forward pre-hook on each
+    decoder layer passes the layer's boolean ``attention_mask`` through
+    :func:`unmask_unattended_rows`, so no query row reaches sdpa fully masked there either (the
+    mask is fixed once per distinct mask of a forward, not per layer). Hooks stay with the module
+    (FSDP wrapping and activation checkpointing's recompute run them too). Returns the hook count."""
+    # id(mask) -> fixed mask, dropped when the mask is freed (nothing is kept past its forward)
+    fixed: dict[int, torch.Tensor] = {}
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            return None
+        out = fixed.get(id(mask))
+        if out is None:
+            out = fixed[id(mask)] = unmask_unattended_rows(mask)
+            weakref.finalize(mask, fixed.pop, id(mask), None)
+        return args, {**kwargs, "attention_mask": out}
+
+    layers = getattr(getattr(model, model.base_model_prefix, model), "layers", [])
+    for layer in layers:
+        layer.register_forward_pre_hook(hook, with_kwargs=True)
+    return len(layers)
 
 
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)

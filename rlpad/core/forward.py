@@ -28,6 +28,8 @@ the critic (:mod:`rlpad.core.value`) is core + value head + the same scatter.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -38,10 +40,38 @@ from rlpad.core.host_plan import HostBatch, packed_plan, response_positions, to_
 from rlpad.core.lm_head import TORCH, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
-from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts
+from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
            "scoring_hidden_states"]
+
+
+logger = logging.getLogger(__name__)
+_FALLBACK_LOGGED: set[float] = set()  # the thresholds whose first fallback was logged: once per run
+
+
+def check_share_min_saved(share_min_saved: float) -> None:
+    """ValueError unless ``share_min_saved`` is a fraction in [0, 1]."""
+    number = isinstance(share_min_saved, (int, float)) and not isinstance(share_min_saved, bool)
+    if not number or not 0 <= share_min_saved <= 1:
+        raise ValueError(f"share_min_saved must be a fraction in [0, 1] (of the valid tokens sharing removes), "
+                         f"got {share_min_saved!r}")
+
+
+def _groups_to_share(host: HostBatch, response_length: int, share_min_saved: float) -> list[list[int]] | None:
+    """The prompt groups of the batch when sharing removes at least ``share_min_saved`` of its valid
+    tokens; else None (the batch runs plain remove-padding), which the first such batch of a run
+    logs (once per threshold)."""
+    groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)
+    saved = saved_fraction(host.attention_mask, response_length, groups)
+    if saved >= share_min_saved:
+        return groups
+    if share_min_saved not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(share_min_saved)
+        logger.info("share_prompts: a micro-batch whose shared prompts save %.1f%% of its tokens, below "
+                    "share_prompts_min_saved_fraction=%g, runs plain remove-padding (this and any other such "
+                    "micro-batch of the run; logged once)", 100 * saved, share_min_saved)
+    return None
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -99,6 +129,7 @@ def scoring_hidden_states(
     share_prompts: bool = False,
     sp: SequenceParallel | None = None,
     host: HostBatch | None = None,
+    share_min_saved: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
@@ -110,9 +141,12 @@ def scoring_hidden_states(
     the packed row and returns the states and indices of the tokens scored from that slice only.
     Every index the forward needs is built on the host (:mod:`rlpad.core.host_plan`) from ``host``,
     the batch's host copy, when the caller has one, else from one read of the batch (none on the CPU),
-    and moved in one copy: nothing reads the device after that.
+    and moved in one copy: nothing reads the device after that. ``share_min_saved``: with
+    ``share_prompts``, a batch whose sharing removes less than this fraction of its valid tokens
+    runs plain remove-padding (0: always share).
     """
     check_share_prompts(use_remove_padding, share_prompts)
+    check_share_min_saved(share_min_saved)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
     device = input_ids.device
@@ -129,9 +163,10 @@ def scoring_hidden_states(
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
     pad_to = sp.size if sp is not None else 1
-    if share_prompts:
+    groups = _groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
-                                  pad_to=pad_to).to(device)
+                                  pad_to=pad_to, groups=groups).to(device)
         ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids[0], row.score_index, row.response_idx
         attention = {SEGMENTS_KWARG: row.segments}
     else:
@@ -184,13 +219,15 @@ def compute_log_probs(
     check: bool = True,
     sp: SequenceParallel | None = None,
     host: HostBatch | None = None,
+    share_min_saved: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
 
     Differentiable. ``use_remove_padding`` picks the packed (1, nnz) forward, which needs the model
     to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.core.attention`).
     ``share_prompts`` (with remove-padding) packs each distinct prompt once for all its responses
-    (:mod:`rlpad.core.shared_prompt`); equal per token, needs the ``rlpad_varlen`` attention.
+    (:mod:`rlpad.core.shared_prompt`); equal per token, needs the ``rlpad_varlen`` attention;
+    ``share_min_saved``: below this fraction of valid tokens saved a batch runs plain remove-padding.
     ``logits_chunk_size`` runs the LM head that many tokens at a time (see :mod:`rlpad.core.logprob`).
     ``check=False`` skips the input checks for a caller that ran :func:`check_model_inputs` once on
     the whole batch (the workers do, where a batch enters them). ``sp``: this rank's
@@ -203,6 +240,7 @@ def compute_log_probs(
     if logits_chunk_size is not None and logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1 or None, got {logits_chunk_size}")
     check_share_prompts(use_remove_padding, share_prompts)
+    check_share_min_saved(share_min_saved)
     sp = active(sp)
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
@@ -211,6 +249,7 @@ def compute_log_probs(
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
         use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp, host=host,
+        share_min_saved=share_min_saved,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlpad.config import DTYPES as DTYPE_NAMES
-from rlpad.core.attention import VARLEN_ATTENTION
+from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
 
 __all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
@@ -63,13 +63,22 @@ def load_causal_lm(
     if path.startswith("tiny:"):
         from rlpad.embedded.tiny import tiny_model
 
-        return tiny_model(path.split(":", 1)[1], dtype=torch_dtype, attn_implementation=attn).to(device)
+        return _guarded(tiny_model(path.split(":", 1)[1], dtype=torch_dtype, attn_implementation=attn).to(device))
     if not os.path.isdir(path):
         raise ValueError(f"model path {path!r} is not a local directory (models load from disk, not a hub)")
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
     )
-    return model.to(device)
+    return _guarded(model.to(device))
+
+
+def _guarded(model: PreTrainedModel) -> PreTrainedModel:
+    """``model``, its padded sdpa masks guarded against fully masked query rows where it runs
+    transformers' own ``sdpa`` (``rlpad_varlen``'s padded branch does it itself): never NaN in bf16
+    whichever kernel sdpa picks (:func:`rlpad.core.attention.guard_padded_sdpa`)."""
+    if model.config._attn_implementation == "sdpa":
+        guard_padded_sdpa(model)
+    return model
 
 
 def empty_causal_lm(
@@ -103,7 +112,7 @@ def empty_causal_lm(
             config, dtype=torch_dtype, attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
-    return model.eval()
+    return _guarded(model.eval())
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

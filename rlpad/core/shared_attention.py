@@ -8,9 +8,12 @@ the attention of the sequence prompt + response run alone.
 The kernel comes from the one dispatch (:mod:`rlpad.core.attn_dispatch`), as for the plain
 packed row:
 
-* varlen (CUDA in bf16/fp16, sm80+): two varlen calls, prompts as sequences, then responses as
-  queries over keys gathered as [prompt, own response]; the kernels align a causal mask
-  bottom-right when queries are fewer than keys. K/V keep their heads where the kernel does GQA.
+* varlen (CUDA in bf16/fp16, sm80+): one varlen call per layer, as for the plain packed row: the
+  row's queries in place (each prompt and each response is a contiguous sequence of it), keys and
+  values gathered once as [prompt, own tokens] per sequence; the kernels align a causal mask
+  bottom-right when queries are fewer than keys, so a prompt (queries = keys) is plain causal.
+  Per layer: two gathers (K, V) and the call; no index is built, no output scattered back. K/V
+  keep their heads where the kernel does GQA.
 * sdpa (CPU, fp32 on CUDA, an older GPU): batched sdpa, one call per prompt length and one per
   (prompt length, response length) shape; a (L, P + L) boolean mask per shape, made once per
   forward and reused by every layer. Exact. Its shapes are Python ints of the segments, so no
@@ -59,19 +62,15 @@ def _sdpa(query, key, value, seg: SharedSegments, scale, dropout, window) -> tor
 
 
 def _varlen(kernel, query, key, value, seg: SharedSegments, scale, dropout, window) -> torch.Tensor:
-    # Each call's gathered tensors hold exactly its cu_seqlens[-1] tokens (SharedSegments builds them so).
+    # ONE varlen call: the queries as the row holds them (every sequence is a contiguous run), the
+    # keys/values gathered per sequence as [its prompt, itself] (one gather each); the output is
+    # in row order. The gathered tensors hold exactly cu_k[-1] tokens (SharedSegments builds them so).
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D), (T, H_kv, D)
-    pq, pk, pv = (t.index_select(0, seg.prompt_index) for t in (q, k, v))
-    args = dict(scale=scale, window=window, dropout=dropout)
-    out_p = varlen_attention(kernel, pq, pk, pv, seg.prompt_cu, seg.prompt_cu, seg.prompt_max, seg.prompt_max, **args)
-    parts = [out_p]
-    if seg.resp_index.numel():  # shape metadata, no device read
-        rq = q.index_select(0, seg.resp_index)
-        rk, rv = (t.index_select(0, seg.resp_kv_index) for t in (k, v))
-        parts.append(varlen_attention(kernel, rq, rk, rv, seg.resp_cu_q, seg.resp_cu_k, seg.resp_max_q,
-                                      seg.resp_max_k, **args))  # fmt: skip
-    # Back to row order with one gather by the inverse permutation (made once per forward).
-    return torch.cat(parts).index_select(0, seg.varlen_inverse).unsqueeze(0)  # (1, T, H, D)
+    q = q.contiguous()  # as the plain packed row passes it (a view already dense after rotary: no copy)
+    k, v = (t.index_select(0, seg.kv_index) for t in (k, v))
+    out = varlen_attention(kernel, q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, scale=scale, window=window,
+                           dropout=dropout)  # fmt: skip
+    return out.unsqueeze(0)  # (1, T, H, D)
 
 
 def shared_prompt_attention(

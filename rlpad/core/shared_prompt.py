@@ -24,7 +24,8 @@ import torch
 
 from rlpad.core.host_plan import HostBatch, response_positions, to_device
 
-__all__ = ["SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "pack_shared_prompts", "prompt_groups"]
+__all__ = ["SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "pack_shared_prompts", "prompt_groups",
+           "saved_fraction"]
 
 # The forward keyword transformers passes on to the attention function.
 SEGMENTS_KWARG = "rlpad_shared_segments"
@@ -46,41 +47,94 @@ def prompt_groups(
     return list(groups.values())  # dicts keep insertion order: first appearance
 
 
+def saved_fraction(attention_mask: torch.Tensor, response_length: int, groups: list[list[int]]) -> float:
+    """The fraction of the batch's valid tokens that sharing removes from the packed row: every
+    prompt of a group but one, over all valid tokens (0.0 for an empty batch). ``attention_mask``
+    (B, S) on the host; ``groups``: :func:`prompt_groups`."""
+    prompt_lens = attention_mask[:, : attention_mask.shape[1] - response_length].sum(1).tolist()
+    valid = int(attention_mask.sum())
+    return sum((len(rows) - 1) * prompt_lens[rows[0]] for rows in groups) / valid if valid else 0.0
+
+
 @dataclass
 class SharedSegments:
     """The attention structure of a shared-prompt packed row of ``total`` tokens.
 
+    The row is a run of sequences, each contiguous: per group its prompt, then its responses.
+    ``prompts`` = [(start, length)] (a ``pad_to`` padding run counts as a prompt: it attends to
+    itself), ``responses`` = [(start, length, prompt id)].
+
+    CUDA (varlen kernels, ONE call per layer): the row's queries as they sit, sequence by sequence
+    (``cu_q``), each over keys gathered by ``kv_index`` (``cu_k``): a prompt over itself, a
+    response over [its prompt, itself], bottom-right causal. The output is in row order.
     CPU (batched sdpa): ``blocks`` = ``(count, prompt_len, length)``: ``count`` query sequences of
     ``length`` tokens over keys [``prompt_len`` prompt tokens, their own tokens]; a prompt itself
     is a block with ``prompt_len`` 0. ``q_order``/``kv_order`` gather every block's queries/keys
     from the row in block order (``q_sizes``/``kv_sizes`` tokens per block), so one gather serves
     all blocks; ``inverse`` puts the concatenated block outputs back in row order.
-    CUDA (varlen kernels): prompts as sequences ``prompt_cu``; responses as queries ``resp_cu_q``
-    over keys gathered by ``resp_kv_index`` with ``resp_cu_k`` (bottom-right causal).
+    Every index is made once per forward (on the host, :func:`pack_shared_prompts`); no layer builds one.
     """
 
     total: int
-    prompt_starts: list[int]
+    prompts: list[tuple[int, int]]
+    responses: list[tuple[int, int, int]]
+    cu_q: torch.Tensor  # (runs + 1,) int32, ends at total
+    cu_k: torch.Tensor  # (runs + 1,) int32, ends at kv_index.numel()
+    kv_index: torch.Tensor  # (sum of key lengths,) row slot of each gathered key
+    max_q: int
+    max_k: int
     blocks: list[tuple[int, int, int]]
     q_order: torch.Tensor
     kv_order: torch.Tensor
     q_sizes: list[int]
     kv_sizes: list[int]
     inverse: torch.Tensor
-    prompt_index: torch.Tensor
-    prompt_cu: torch.Tensor
-    prompt_max: int
-    resp_index: torch.Tensor
-    resp_kv_index: torch.Tensor
-    resp_cu_q: torch.Tensor
-    resp_cu_k: torch.Tensor
-    resp_max_q: int
-    resp_max_k: int
-    varlen_inverse: torch.Tensor  # row slot -> its place in cat(prompt outputs, response outputs)
     masks: dict = field(default_factory=dict)  # CPU masks by (prompt_len, length, window), shared by the layers
 
     def tensor_fields(self) -> list[str]:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    @property
+    def prompt_starts(self) -> list[int]:
+        return [s for s, _ in self.prompts]
+
+    # Each part as a varlen problem of its own (host tensors): the prompts as sequences; the
+    # responses as queries over [prompt, own] keys. What the one call above is made of.
+    @property
+    def prompt_index(self) -> torch.Tensor:
+        return _runs([(s, n) for s, n in self.prompts])
+
+    @property
+    def prompt_cu(self) -> torch.Tensor:
+        return _cu([n for _, n in self.prompts])
+
+    @property
+    def prompt_max(self) -> int:
+        return max(n for _, n in self.prompts)
+
+    @property
+    def resp_index(self) -> torch.Tensor:
+        return _runs([(s, n) for s, n, _ in self.responses])
+
+    @property
+    def resp_kv_index(self) -> torch.Tensor:
+        return _runs([r for s, n, p in self.responses for r in (self.prompts[p], (s, n))])
+
+    @property
+    def resp_cu_q(self) -> torch.Tensor:
+        return _cu([n for _, n, _ in self.responses])
+
+    @property
+    def resp_cu_k(self) -> torch.Tensor:
+        return _cu([self.prompts[p][1] + n for _, n, p in self.responses])
+
+    @property
+    def resp_max_q(self) -> int:
+        return max((n for _, n, _ in self.responses), default=0)
+
+    @property
+    def resp_max_k(self) -> int:
+        return max((self.prompts[p][1] + n for _, n, p in self.responses), default=0)
 
 
 @dataclass
@@ -108,10 +162,24 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
+def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``cat(start + arange(length) for start, length in runs)`` (int64, on the host)."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.long)
+    starts, lengths = torch.tensor(runs, dtype=torch.long).unbind(1)
+    offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+    return starts.repeat_interleave(lengths) + offsets
+
+
 def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], total: int) -> SharedSegments:
     """Segments (host tensors) from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
     ar = torch.arange
-    # Queries of equal shape (prompt length, own length) form one block; prompts are (0, length).
+    # The varlen call: every run in row order, keys [its prompt (none for a prompt), itself].
+    runs = sorted([(s, n, 0, 0) for s, n in prompts] + [(s, n, *prompts[p]) for s, n, p in responses])
+    if sum(n for _, n, _, _ in runs) != total or any(a[0] + a[1] != b[0] for a, b in zip(runs, runs[1:])):
+        raise AssertionError(f"segments do not tile the {total} packed tokens: {runs}")
+    kv_runs = [r for s, n, ps, pn in runs for r in ((ps, pn), (s, n)) if r[1]]
+    # The CPU branch: queries of equal shape (prompt length, own length) form one block; prompts are (0, length).
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for start, length in prompts:
         by_shape.setdefault((0, length), []).append((start, start))
@@ -125,37 +193,26 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
         q_parts.append(q_index.flatten())
         kv_parts.append(kv_index.flatten())
     q_order = torch.cat(q_parts)
-    if q_order.numel() != total:
-        raise AssertionError(f"segments cover {q_order.numel()} of {total} packed tokens")
     inverse = torch.empty_like(q_order)
     inverse[q_order] = ar(total)
-    prompt_index = torch.cat([s + ar(n) for s, n in prompts])
-    resp_index = torch.cat([s + ar(n) for s, n, _ in responses]) if responses else ar(0)
-    varlen_inverse = torch.empty(total, dtype=torch.long)
-    varlen_inverse[torch.cat([prompt_index, resp_index])] = ar(total)
-    kv = [torch.cat([prompts[p][0] + ar(prompts[p][1]), s + ar(n)]) for s, n, p in responses]
     return SharedSegments(
-        total=total, prompt_starts=[s for s, _ in prompts], blocks=blocks, q_order=q_order,
-        kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts], kv_sizes=[t.numel() for t in kv_parts],
-        inverse=inverse, prompt_index=prompt_index,
-        prompt_cu=_cu([n for _, n in prompts]), prompt_max=max(n for _, n in prompts),
-        resp_index=resp_index, resp_kv_index=torch.cat(kv) if kv else ar(0),
-        resp_cu_q=_cu([n for _, n, _ in responses]),
-        resp_cu_k=_cu([prompts[p][1] + n for _, n, p in responses]),
-        resp_max_q=max((n for _, n, _ in responses), default=0),
-        resp_max_k=max((prompts[p][1] + n for _, n, p in responses), default=0),
-        varlen_inverse=varlen_inverse,
+        total=total, prompts=prompts, responses=responses,
+        cu_q=_cu([n for _, n, _, _ in runs]), cu_k=_cu([pn + n for _, n, _, pn in runs]), kv_index=_runs(kv_runs),
+        max_q=max(n for _, n, _, _ in runs), max_k=max(pn + n for _, n, _, pn in runs),
+        blocks=blocks, q_order=q_order, kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts],
+        kv_sizes=[t.numel() for t in kv_parts], inverse=inverse,
     )  # fmt: skip
 
 
 def pack_shared_prompts(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int,
-    *, pad_to: int = 1,
+    *, pad_to: int = 1, groups: list[list[int]] | None = None,
 ) -> SharedPromptRow:
     """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
     each group's prompt once; see the module docstring. ``pad_to``: pad the row to a multiple of it
     (sequence parallelism) with token 0 at positions 0, 1, ..., a block of its own that attends
-    only to itself and is never scored.
+    only to itself and is never scored. ``groups``: :func:`prompt_groups` of the batch, where the
+    caller has them.
 
     Built on the host from one read of the batch (none when it is on the CPU): the row is on the
     CPU; :meth:`SharedPromptRow.to` moves it to the device in one copy."""
@@ -170,7 +227,9 @@ def pack_shared_prompts(
     first_slot = [0] * batch  # packed slot scoring response token 0 of each row
     resp_start = [0] * batch
     cursor = 0
-    for g, rows in enumerate(prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)):
+    if groups is None:
+        groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)
+    for g, rows in enumerate(groups):
         plen = int(prompt_lens[rows[0]])
         src.append(rows[0] * seqlen + torch.arange(prompt_cols - plen, prompt_cols))
         prompts.append((cursor, plen))

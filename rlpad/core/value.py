@@ -28,10 +28,12 @@ def compute_values(
     share_prompts: bool = False,
     check: bool = True,
     sp: SequenceParallel | None = None,
+    share_min_saved: float = 0.0,
 ) -> torch.Tensor:
     """Values ``(B, R)`` in fp32 of the response tokens; zero on padding. Differentiable.
 
-    ``share_prompts``: each distinct prompt once (see :func:`rlpad.core.forward.scoring_hidden_states`).
+    ``share_prompts``: each distinct prompt once, where it saves at least ``share_min_saved`` of the
+    valid tokens (see :func:`rlpad.core.forward.scoring_hidden_states`).
     ``check=False`` skips the input checks (the caller ran :func:`check_model_inputs` already).
     ``sp``: sequence parallelism; the value head runs on this rank's slice, every rank gets all values.
     """
@@ -41,7 +43,7 @@ def compute_values(
                            use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
-        share_prompts=share_prompts, sp=sp,
+        share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved,
     )
     values = value_head(hidden).float().squeeze(-1)  # (N,)
     return response_grid(values, response_idx, input_ids.shape[0], response_length, sp)
@@ -66,8 +68,10 @@ class ValueModel(nn.Module):
         self.value_head = head.to(dtype=ref.dtype, device=ref.device)
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
-                share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None):
+                share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None,
+                share_min_saved: float = 0.0):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
             use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check, sp=sp,
+            share_min_saved=share_min_saved,
         )
