@@ -22,7 +22,7 @@ The head runs on the N scored tokens on every path: the core gathers their hidde
 FLOPs are matmul FLOPs, 2 per multiply-add: linear ``2 x tokens x (layer weights) x layers``,
 attention ``2 x 2 x pairs x heads x head_dim x layers`` (QK^T and PV), head ``2 x N x hidden x
 vocab``. Not counted: norms, rotary tables, softmax, the embedding gather, log-softmax and
-entropy, the chunked head's ``E_p[z]`` (2 x N x vocab, 1/hidden of the head), sliding windows
+entropy (the chunked head's ``E_p[z]`` is an elementwise sum), sliding windows
 (the benchmark models have none), causal kernels' work on diagonal blocks beyond the exact
 triangle. A backward is 2x its forward (the benchmarks' fwd+bwd = 3x; the chunked head's
 recompute is not counted). tests/test_bench_flops.py checks these counts by hand and against
