@@ -31,7 +31,7 @@ from numbers import Real
 import numpy as np
 import torch
 
-from rlpad.config import KL_KINDS, LOSS_AGG_MODES
+from rlpad.config import KL_KINDS, LOSS_AGG_MODES, kl_kind
 
 __all__ = [
     "KL_KINDS",
@@ -383,7 +383,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     if log_prob.shape != ref_log_prob.shape:
         shapes = f"log_prob {tuple(log_prob.shape)} vs ref_log_prob {tuple(ref_log_prob.shape)}"
         raise ValueError(f"mismatched shapes: {shapes}")
-    base = kind[:-1] if kind.endswith("+") else kind
+    base, straight_through = kl_kind(kind)
     if base in ("kl", "k1"):
         out = log_prob - ref_log_prob
     elif base == "abs":
@@ -393,9 +393,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     elif base in ("low_var_kl", "k3"):
         d = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
         out = torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
-    else:
-        raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}, optionally with a trailing '+'")
-    if kind.endswith("+") and base not in ("mse", "k2"):
+    else:  # a kind in KL_KINDS without a branch here
+        raise NotImplementedError(f"kl kind {base!r}")
+    if straight_through and base not in ("mse", "k2"):
         k2 = 0.5 * (log_prob - ref_log_prob).square()
         out = k2 - k2.detach() + out.detach()
     return out

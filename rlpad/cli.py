@@ -104,20 +104,20 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                             out=args.out or "results/bench_prefix.json")
         report("prefix", tables(result))
     elif args.what == "workers":
-        from workers.bench import run_worker_bench, tables  # the Ray side
+        from rlpad.bench.worker_group import run_worker_bench, tables  # Ray through workers/
 
         result = run_worker_bench(model=(args.models or ["40m"])[0], reps=args.reps)
         report("workers", tables(result))
         write_json(result, args.out or "results/bench_workers.json")
     elif args.what == "sync":
-        from workers.bench_sync import SYNC_MODELS, run_sync_bench, tables  # the Ray side
+        from rlpad.bench.sync import SYNC_MODELS, run_sync_bench, tables  # Ray through workers/
 
         result = run_sync_bench(tuple(args.models or SYNC_MODELS), reps=args.reps)
         report("sync", tables(result))
         write_json(result, args.out or "results/bench_sync.json")
     else:
         from rlpad.bench.rollout import run_rollout_bench, tables
-        from workers.bench_replicas import run_replica_bench  # the Ray side
+        from rlpad.bench.replicas import run_replica_bench  # Ray through workers/
 
         result = run_rollout_bench(reps=args.reps)
         result["replicas"] = run_replica_bench(reps=args.reps)

@@ -13,7 +13,7 @@ __all__ = [
     "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
-    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
+    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -21,6 +21,18 @@ __all__ = [
 # actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.metrics.LOGGERS).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
+
+
+def kl_kind(kind: str) -> tuple[str, bool]:
+    """``(estimator, straight_through)`` of a KL kind: ``"k3+"`` -> ``("k3", True)`` (a trailing ``+``
+    keeps the estimator's value and takes k2's gradient). ValueError naming the choices otherwise."""
+    base = kind.removesuffix("+")
+    if base not in KL_KINDS:
+        raise ValueError(f"unknown kl kind {kind!r}; choose one of {', '.join(KL_KINDS)} (optionally with a "
+                         "trailing '+')")
+    return base, kind.endswith("+")
+
+
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
 # model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
 ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
@@ -108,6 +120,11 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    @property
+    def old_log_probs_split_as_update(self: ActorConfig) -> bool:
+        """The step's old log-probs are split over ranks and micro-batches as the update splits the batch."""
+        return self.old_log_prob_layout == "update"
 
 
 @dataclass

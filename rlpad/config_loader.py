@@ -29,8 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlpad.advantages import ESTIMATORS
 from rlpad.config import (
-    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, KL_KINDS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
-    REMOVED_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config,
+    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, REMOVED_KEYS,
+    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
@@ -291,9 +291,10 @@ def validate_config(config: Config) -> Config:
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
-        if kind.removesuffix("+") not in KL_KINDS:
-            problems.append(f"{key}={kind!r} is not valid; choose one of {', '.join(KL_KINDS)} "
-                            "(optionally with a trailing '+')")
+        try:
+            kl_kind(kind)
+        except ValueError as e:
+            problems.append(f"{key}={kind!r}: {e}")
     one_of("data.truncation", d.truncation, TRUNCATION_MODES)
     one_of("actor_rollout_ref.rollout.name", rollout.name, list(ROLLOUT_BACKENDS))
     for key, dt in (("actor_rollout_ref.model.dtype", arr.model.dtype), ("critic.model.dtype", critic.model.dtype),

@@ -2,7 +2,8 @@
 
 A role of ``world`` ranks with sequence-parallel size sp (``ulysses_sequence_parallel_size``) runs
 ``world / sp`` data-parallel groups of sp consecutive ranks: rank r is in group ``r // sp`` at
-index ``r % sp``. The batch is split over the groups; every rank of a group gets the same rows and
+index ``r % sp``. Ranks are numbered node by node, so sp must divide ``trainer.n_gpus_per_node``
+too: a group that crossed nodes would send each layer's two all-to-alls over the network. The batch is split over the groups; every rank of a group gets the same rows and
 runs 1/sp of each packed row (:mod:`rlpad.core.sequence_parallel`). The sizes, and the rules a
 config must meet for them, are written here once: the config checks (rlpad.config_loader) and the
 workers (workers/) read them.
@@ -14,7 +15,7 @@ import json
 import os
 from rlpad.advantages import ESTIMATORS
 from rlpad.config import ActorRolloutRefConfig, Config, CriticConfig
-from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_heads
+from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_arch, tiny_heads
 
 __all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "role_world", "sequence_parallel_problems",
            "sp_size"]
@@ -60,8 +61,8 @@ def attention_heads(path: str) -> tuple[int, int] | None:
     """(query heads, key/value heads) of the model at ``path`` without loading it: ``tiny:<arch>``
     and ``embedded:<task>`` from rlpad.embedded.shapes, a folder from its config.json; None when
     unknown here (the worker checks the loaded model)."""
-    if path.startswith("tiny:"):
-        arch = path.split(":", 1)[1]
+    arch = tiny_arch(path)
+    if arch is not None:
         return tiny_heads(arch) if arch in ARCHITECTURES else None
     if path.startswith("embedded:"):
         return WARM_START_DIMS["num_attention_heads"], WARM_START_DIMS["num_key_value_heads"]
@@ -90,10 +91,15 @@ def sequence_parallel_problems(config: Config) -> list[str]:
             continue
         if sp == 1:
             continue
+        per_node = config.trainer.n_gpus_per_node
         if world % sp:
             where = ("trainer.backend=local runs one rank" if config.trainer.backend == "local" else
                      f"the {role} group has {world} ranks (trainer.n_gpus_per_node x trainer.nnodes)")
             problems.append(f"{key}={sp} must divide the {role}'s ranks: {where}")
+        elif world > 1 and per_node % sp:  # ranks are numbered node by node
+            problems.append(f"{key}={sp} must divide trainer.n_gpus_per_node={per_node}: a group of {sp} ranks "
+                            f"would span nodes ({config.trainer.nnodes} nodes), and each layer's two all-to-alls "
+                            "would cross the network")
         if not model.use_remove_padding:
             problems.append(f"{key}={sp} needs {model_key}.use_remove_padding=true (the ranks share one packed row)")
         if model.attn_implementation not in ("auto", "rlpad_varlen"):

@@ -26,7 +26,8 @@ from typing import Any
 from rlpad.advantages import uses_critic
 from rlpad.config import Config, SFTConfig
 from rlpad.config_loader import load_config, save_config
-from rlpad.core.models import load_tokenizer
+from rlpad.core.models import load_tokenizer, model_source
+import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
@@ -133,7 +134,9 @@ def check_inputs(config: Config) -> None:
         paths += [("critic.model.path", config.critic.model.path), ("critic.model.tokenizer_path",
                                                                      config.critic.model.tokenizer_path)]
     for key, path in paths:
-        if path and not path.startswith(("tiny:", EMBEDDED_PREFIX)) and not os.path.isdir(path):
+        if not path or model_source(path) is not None or path.startswith(EMBEDDED_PREFIX):
+            continue  # unset, or built in code
+        if not os.path.isdir(path):
             what = "is a file, not" if os.path.isfile(path) else "is not"
             raise ValueError(f"{key}={path!r} {what} a directory (a local Hugging Face checkpoint folder; "
                              "nothing is downloaded)")

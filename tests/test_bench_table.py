@@ -68,8 +68,8 @@ def _rates(**extra):
 def test_every_bench_formats_a_small_fake_result():
     """Each benchmark's table function on a fake result of its shape: the same Table serves print and Markdown."""
     from rlpad.bench import e2e, logprob, logprob_cuda, prefix, report, rollout
+    from rlpad.bench import sync as bench_sync, worker_group as bench
     from rlpad.bench.kernels import KINDS
-    from workers import bench, bench_sync
 
     speed = {"model": "tiny", "params_m": 0.6, "flop_ideal_speedup": 1.9, "fwd": _rates(), "fwdbwd": _rates()}
     memory = [{"variant": v, "peak_gib": g, "seconds": 1.0, "tokens": 4096, "vocab": 151936}

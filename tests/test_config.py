@@ -415,6 +415,8 @@ SP = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 @pytest.mark.parametrize("overrides, wanted", [
     ([f"{SP}=2", "trainer.n_gpus_per_node=3"], f"{SP}=2 must divide the actor's ranks: the actor group has 3 ranks"),
     ([f"{SP}=2", "trainer.backend=local"], "trainer.backend=local runs one rank"),
+    ([f"{SP}=2", "trainer.n_gpus_per_node=1", "trainer.nnodes=2"],  # divides the world (2), not a node
+     f"{SP}=2 must divide trainer.n_gpus_per_node=1: a group of 2 ranks would span nodes (2 nodes)"),
     ([f"{SP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=false"],
      f"{SP}=2 needs actor_rollout_ref.model.use_remove_padding=true"),
     ([f"{SP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.attn_implementation=flash_attention_2"],
@@ -451,5 +453,6 @@ def test_sequence_parallel_sizes_per_role(tmp_path):
     assert attention_heads(str(folder)) == (6, 2) and attention_heads("embedded:toy") == (2, 1)
     with pytest.raises(ValueError, match=f"{SP}=4 must divide the query heads of actor_rollout_ref.model.path=.*: 6"):
         load_config(RECIPE, [f"{SP}=4", "trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={folder}"])
+    load_config(RECIPE, [f"{SP}=2", "trainer.n_gpus_per_node=2", "trainer.nnodes=2"])  # a group within each node
     (folder / "config.json").write_text('{"num_attention_heads": 8, "num_key_value_heads": 2}')
     load_config(RECIPE, [f"{SP}=4", "trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={folder}"])

@@ -62,13 +62,12 @@ def test_library_never_imports_ray():
     assert not bad, bad
 
 
-# The scoring core's layer: rlpad/core and the modules below it, the config schema and the
-# tiny-model factory (rlpad.core.models builds ``tiny:<arch>`` models with it) with its torch-free
-# shape table. Every other module
-# of rlpad/ and workers/ is ABOVE the core: the rollout backends, RL math, data, trainer, entry
-# points, benchmarks and the Ray workers all build on it, so none of them may be imported by it.
+# The scoring core's layer: rlpad/core and the one module below it, the config schema. Every other
+# module of rlpad/ and workers/ is ABOVE the core: the embedded demo (which registers its tiny:<arch>
+# model source with rlpad.core.models), the rollout backends, RL math, data, trainer, entry points,
+# benchmarks and the Ray workers all build on it, so none of them may be imported by it.
 CORE = "rlpad.core"
-BELOW_CORE = ("rlpad.config", "rlpad.embedded.tiny", "rlpad.embedded.shapes")
+BELOW_CORE = ("rlpad.config",)
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -89,7 +88,8 @@ def test_core_imports_nothing_above_it():
     """rlpad/core reaches (through every import, lazy ones too) only itself and BELOW_CORE."""
     mods = modules()
     above = {m for m in mods if not _in(m, (CORE, *BELOW_CORE))}
-    assert {"rlpad.rollout", "rlpad.rollout.layout", "rlpad.trainer", "rlpad.train", "workers.actor"} <= above
+    assert {"rlpad.rollout", "rlpad.rollout.layout", "rlpad.trainer", "rlpad.train", "workers.actor",
+            "rlpad.embedded.tiny", "rlpad.embedded.shapes"} <= above
     assert not any(_in(m, BELOW_CORE) for m in above)
     reached: dict[str, str] = {}  # module -> the core module it was reached from
     todo = [(m, m) for m in mods if _in(m, (CORE,))]
@@ -101,3 +101,30 @@ def test_core_imports_nothing_above_it():
                 todo.append((dep, origin))
     bad = sorted(f"{reached[m]} -> ... -> {m}" for m in reached if m in above)
     assert not bad, bad
+
+
+def test_core_never_imports_the_embedded_demo():
+    """No module of rlpad/core names rlpad/embedded in any import (lazy ones too): the embedded side
+    registers its model source (rlpad.core.models.register_model_source)."""
+    mods = modules()
+    bad = sorted(f"{m} imports {dep}" for m, p in mods.items() if _in(m, (CORE,))
+                 for dep in _deps(p, mods) if _in(dep, ("rlpad.embedded",)))
+    assert not bad, bad
+
+
+# Within rlpad/, the modules that may import workers/: the entry points and the benchmarks' room.
+IMPORTS_WORKERS = ("rlpad.train", "rlpad.cli", "rlpad.bench")
+
+
+def test_only_entry_points_and_benchmarks_import_workers():
+    mods = modules()
+    assert {"rlpad.bench.worker_group", "rlpad.bench.sync"} <= set(mods)  # the Ray-side benchmarks live there
+    bad = sorted(f"{m} imports {dep}" for m, p in mods.items() if _in(m, ("rlpad",)) and not _in(m, IMPORTS_WORKERS)
+                 for dep in _deps(p, mods) if _in(dep, ("workers",)))
+    assert not bad, bad
+
+
+def test_no_benchmark_in_the_worker_package():
+    names = sorted(p.stem for p in (ROOT / "workers").rglob("*.py"))
+    bad = [n for n in names if n.startswith("bench") or n.endswith("_bench")]
+    assert not bad, f"benchmarks belong in rlpad/bench: {bad}"

@@ -270,16 +270,23 @@ def test_micro_batches_by_rows_budget_and_agreed_count():
     lengths = batch["attention_mask"].sum(-1).tolist()
     assert micro_batches(batch, 3, None) == [[0, 1, 2], [3, 4, 5], [6]]
     # A rank that must run 5 micro-batches (another rank's count) gets empty ones at the end.
-    assert micro_batches(batch, 3, None, agree=lambda n: max(n, 5)) == [[0, 1, 2], [3, 4, 5], [6], [], []]
+    assert micro_batches(batch, 3, None, agree=lambda v: [max(v[0], 5), v[1]]) == [[0, 1, 2], [3, 4, 5], [6], [], []]
     parts = micro_batches(batch, None, 24)
     assert_permutation(parts, 7)
     assert_budget(parts, lengths, 24)
     assert parts == split_by_token_budget(lengths, 24)  # rows are their own units without shared prompts
     # Another rank needs more: the rows spread over that many, then empty micro-batches beyond 7 rows.
-    assert micro_batches(batch, None, 24, agree=lambda n: n + 1) == split_by_token_budget(lengths, 24, len(parts) + 1)
-    spread = micro_batches(batch, None, 24, agree=lambda n: 9)
+    assert micro_batches(batch, None, 24, agree=lambda v: [v[0] + 1, v[1]]) == split_by_token_budget(lengths, 24, len(parts) + 1)
+    spread = micro_batches(batch, None, 24, agree=lambda v: [9, v[1]])
     assert sorted(map(len, spread)) == [0, 0] + [1] * 7
     with pytest.raises(ValueError, match="micro-batch size must be >= 1"):
         micro_batches(batch, 0, None)
-    with pytest.raises(ValueError, match="more than the micro-batch budget"):
+    with pytest.raises(ValueError, match=f"has {max(lengths)} tokens, more than the micro-batch token budget 3"):
         micro_batches(batch, None, 3)
+    # A row over the budget on another rank: this rank learns it in the agreement and raises too.
+    with pytest.raises(ValueError, match="another rank holds a sequence of 99 tokens, more than .* budget 24"):
+        micro_batches(batch, None, 24, agree=lambda v: [v[0], 99])
+    seen = []  # the rank holding the long row still joins the agreement (once) before raising
+    with pytest.raises(ValueError, match="more than the micro-batch token budget 3"):
+        micro_batches(batch, None, 3, agree=lambda v: seen.append(v) or v)
+    assert seen == [[0, max(lengths)]]

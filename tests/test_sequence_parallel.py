@@ -7,7 +7,8 @@ one group of 4. Cases: the four tiny architectures (qwen2 / qwen3 / mistral: one
 fewer than sp, so K/V heads are repeated; llama: MHA; mistral: sliding window 8; qwen3: q/k-norm),
 with and without shared prompts; a GQA model with 4 query / 2 key-value heads at sp = 2 and one
 with 8 / 2 at sp = 4 (the query -> key/value head mapping across ranks). Gradients of the
-token-mean PPO loss, summed over the ranks, equal sp = 1. A negative control without the exchange
+token-mean PPO loss, summed over the ranks, equal sp = 1, and every rank of a group computes the
+same loss (the gradient rule's assumption). A negative control without the exchange
 (each rank attends within its own slice) must fail.
 """
 
@@ -75,6 +76,7 @@ def score(name: str, b: dict, share: bool, sp=None, *, grads: bool = False, glob
         old = (out["lp"] + b["old_noise"]).detach()
         loss, _ = compute_policy_loss(old, lp, b["advantages"], b["response_mask"], global_tokens=global_tokens)
         loss.backward()
+        out["loss"] = loss.detach()
         out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out
 
@@ -195,8 +197,13 @@ def _check_case(ranks: list[dict], key: tuple, sp: int, reference: dict, alone: 
     return worst
 
 
-def _check_grads(ranks: list[dict], key: tuple, reference: dict) -> None:
+def _check_grads(ranks: list[dict], key: tuple, sp: int, reference: dict) -> None:
+    """The ranks' summed gradients equal sp = 1's. That sum is the loss's gradient only while every
+    rank of a group computes the same loss from the gathered scores (rlpad.core.sequence_parallel's
+    _SumScored): checked bit for bit, so a rank-local term (an auxiliary loss) fails here."""
     for r, results in enumerate(ranks):
+        first = ranks[r - r % sp][key]["loss"]
+        assert torch.equal(results[key]["loss"], first), f"rank {r} {key}: loss {results[key]['loss']} vs {first}"
         for name, g in reference["grads"].items():
             rel = float((results[key]["grads"][name] - g).abs().max() / g.abs().max().clamp(min=1e-30))
             assert rel <= GRAD_TOL, f"rank {r} {key} {name}: relative gradient difference {rel:.2e}"
@@ -217,7 +224,7 @@ def test_sequence_parallel_equals_sp1_and_each_sequence_alone(ranks, references,
     """sp2: 2 ranks share every row; dp2xsp2: 2 data-parallel groups of 2 ranks."""
     _check_case(ranks, (name, share, layout), sp, references[(name, share)], alone[name])
     if name in ARCHS:
-        _check_grads(ranks, (name, share, layout), references[(name, share)])
+        _check_grads(ranks, (name, share, layout), sp, references[(name, share)])
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["packed", "shared"])

@@ -8,11 +8,17 @@ seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in 
 Log-probs / values, the full gradients of a mini-batch and the metrics of a whole update (two
 mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token, 1e-5 relative for
 gradients and metrics), and every rank must return the same metrics.
+
+A row over the token budget (``ppo_max_token_len_per_gpu x sp``) in one data-parallel group stops
+every rank with the ValueError at once (the check rides on the micro-batch count's agreement), in
+its own 4 processes whose collectives time out after 60 s: on a rank left waiting that is a
+RuntimeError, not the ValueError.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -98,6 +104,48 @@ def ranks(tmp_path_factory):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+# Rows of make_batch per data-parallel group (valid tokens 8, 11, 10, 13 | 20, 4, 5, 8) and a budget
+# of 8 per rank, 16 per sp = 2 row: group 1 holds a row of 20 tokens, group 0 none over 16.
+OVER_BUDGET_ROWS, OVER_BUDGET_PER_GPU, COLLECTIVE_TIMEOUT_S = ([1, 2, 3, 4], [0, 5, 6, 7]), 8, 60.0
+
+
+def _over_budget_main(rank: int, world: int, port: int) -> dict:
+    actor_cfg, _ = configs("budgets", sp=2)
+    actor_cfg.actor.ppo_max_token_len_per_gpu = OVER_BUDGET_PER_GPU
+    actor_cfg.actor.ppo_mini_batch_size = world // 2 * len(OVER_BUDGET_ROWS[0])  # one mini-batch
+    shard = make_batch().index(torch.tensor(OVER_BUDGET_ROWS[rank // 2]))
+    actor = ActorWorker(actor_cfg, role="actor", rank=rank, world_size=world, master_port=port, device="cpu",
+                        seed=3, timeout_s=COLLECTIVE_TIMEOUT_S)  # fmt: skip
+    actor.init_model()
+    calls = {"compute_log_prob": lambda: actor.compute_log_prob(shard, update_layout=True),
+             "update_actor": lambda: actor.update_actor(shard)}
+    out = {}
+    for call, run in calls.items():
+        try:
+            run()
+            out[call] = None
+        except Exception as e:  # noqa: BLE001 - the test reads which error each rank got
+            out[call] = (type(e).__name__, str(e))
+    dist.destroy_process_group()
+    return out
+
+
+def test_row_over_the_token_budget_stops_every_rank(tmp_path):
+    """dp2 x sp2: every rank, not only group 1's, raises the ValueError with the numbers, for the
+    old log-probs and the update (whose normalisers' all-reduce runs before the micro-batch plan)."""
+    ranks = spawn_ranks(_over_budget_main, 4, tmp_path, free_port(), timeout_s=3 * COLLECTIVE_TIMEOUT_S)
+    budget, row = OVER_BUDGET_PER_GPU * 2, 20
+    for rank, out in enumerate(ranks):
+        for call, error in out.items():
+            assert error is not None and error[0] == "ValueError", f"rank {rank} {call}: {error}"
+            if rank // 2 == 1:  # the group holding the row names it (its index in the shuffled mini-batch)
+                assert re.fullmatch(f"sequence \\d has {row} tokens, more than the micro-batch token budget {budget}",
+                                    error[1]), error[1]
+            else:
+                assert f"another rank holds a sequence of {row} tokens, more than the micro-batch token budget " \
+                       f"{budget}" in error[1], error[1]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -3,7 +3,7 @@ ends with weights (and buffers) equal to a full load bit for bit."""
 
 import pytest
 
-from workers.init_bench import run_init_bench
+from rlpad.bench.sharded_init import run_init_bench
 from workers.staging import NodePaths
 
 

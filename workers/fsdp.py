@@ -1,7 +1,7 @@
 """FSDP2 plumbing shared by the actor/reference and critic workers.
 
 One worker = one rank of a torch.distributed group. It works in a plain process (world 1, or
-launched by torchrun) and as a Ray actor (see :mod:`workers.group`); this module never imports Ray.
+launched by torchrun: its GPU is ``LOCAL_RANK``, :func:`cuda_device_index`) and as a Ray actor (see :mod:`workers.group`); this module never imports Ray.
 
 Loss scaling: a mini-batch's loss is normalised by counts of the WHOLE mini-batch (tokens or
 sequences, all-reduced over the ranks before the micro-batch loop), so every micro-batch on every
@@ -26,7 +26,7 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -42,13 +42,14 @@ from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
+import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import data_parallel_groups, dp_size, sp_size
 from rlpad.seqlen import restore_order
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
 
-__all__ = ["FSDPWorker", "free_port", "full_tensor",  # free_port: from workers.net
+__all__ = ["FSDPWorker", "cuda_device_index", "free_port", "full_tensor",  # free_port: from workers.net
            "reports_seconds"]
 
 
@@ -66,6 +67,22 @@ def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
         return worker_seconds(result, time.perf_counter() - start)
 
     return wrapper
+
+
+def cuda_device_index(env: Mapping[str, str], device_count: int, current: int) -> int:
+    """The CUDA device a rank runs on: ``LOCAL_RANK`` where the launcher gives it (torchrun: one
+    process per GPU of its node, all seeing every GPU), else ``current`` (a Ray actor sees only its
+    own GPU). ValueError for a LOCAL_RANK that is not an int or names no visible device."""
+    local = env.get("LOCAL_RANK", "")
+    if local == "":
+        return current
+    try:
+        index = int(local)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local!r} is not an int") from None
+    if not 0 <= index < device_count:
+        raise ValueError(f"LOCAL_RANK={index} names no device: this process sees {device_count} CUDA device(s)")
+    return index
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +124,11 @@ class FSDPWorker(CheckpointMixin):
         cuda = torch.cuda.is_available() if device in (None, "auto") else device == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"{self.role}: device=cuda but torch sees no CUDA device")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = torch.device("cpu")
+        if cuda:  # set before any CUDA work: NCCL and every allocation use the current device
+            index = cuda_device_index(os.environ, torch.cuda.device_count(), torch.cuda.current_device())
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         self.root: nn.Module | None = None  # the FSDP2 module (model + head) the worker runs
         self.model: nn.Module | None = None  # the HF model inside ``root``: batches are checked against it
         self.optimizer: torch.optim.Optimizer | None = None
@@ -236,11 +257,12 @@ class FSDPWorker(CheckpointMixin):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu()
 
-    def _all_max(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+    def _all_max(self, values: list[int]) -> list[int]:
+        """Element-wise max over the ranks (int64)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return t.tolist()
 
     def _agree(self, check: Callable[[], None]) -> None:
         """Run ``check`` here; if it raised ValueError on ANY rank, raise it on every rank.

@@ -23,10 +23,12 @@ each engine runs them in the schedule's order (:meth:`RayWorkers.submit_weight_s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -46,7 +48,7 @@ from workers.ray_logs import quiet_ray_logger, route_worker_output
 from workers.rollout import PendingRollout, RolloutReplicas
 from workers.staging import NodePaths, ship_dir
 
-__all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray", "launch_workers"]
+__all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray", "launch_workers", "local_ray"]
 
 RANK_INFO_FILE = "workers.json"  # written next to metrics.jsonl
 
@@ -168,7 +170,7 @@ class RayWorkers:
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
         """Old log-probs. ``for_update`` with ``actor.old_log_prob_layout=update``: split over the ranks
         and into micro-batches exactly as :meth:`update_actor` will split the same batch."""
-        if for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update":
+        if for_update and self.config.actor_rollout_ref.actor.old_log_probs_split_as_update:
             return self.actor.call_batch("compute_log_prob", batch, chunk_rows=self._mini_rows(), update_layout=True)
         return self.actor.call_batch("compute_log_prob", batch)
 
@@ -265,6 +267,20 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
     if ip != "127.0.0.1":
         warnings.warn(f"local Ray listens on {ip}, not 127.0.0.1 only: ray was imported before workers "
                       "(set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)", stacklevel=2)
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[None]:
+    """A local Ray (:func:`init_local_ray`) for the ``with`` block, unless one is running already;
+    shut down at the end only if started here (the benchmarks' way to reach Ray)."""
+    started = not ray.is_initialized()
+    if started:
+        init_local_ray(num_cpus, **kwargs)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:

@@ -81,7 +81,7 @@ class LocalWorkers:
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
         """Old log-probs; ``for_update`` with ``actor.old_log_prob_layout=update`` micro-batches them
         as :meth:`update_actor` will (see :meth:`workers.actor.ActorWorker.compute_log_prob`)."""
-        update_layout = for_update and self.config.actor_rollout_ref.actor.old_log_prob_layout == "update"
+        update_layout = for_update and self.config.actor_rollout_ref.actor.old_log_probs_split_as_update
         return self.actor.compute_log_prob(batch, update_layout=update_layout)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

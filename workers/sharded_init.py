@@ -9,7 +9,7 @@ more than its shards. Buffers (rotary tables and other non-persistent ones) are 
 Why not ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
 broadcast_from_rank0=True))``: it gives the same bits on gloo/CPU (torch 2.13) but broadcasts
 each FULL tensor, so every rank also holds the model's largest tensor: for the 160M benchmark
-model (``python -m workers.init_bench``) the non-reading rank grew by 0.77x the fp32 model
+model (``python -m rlpad.bench.sharded_init``) the non-reading rank grew by 0.77x the fp32 model
 instead of 0.52x.
 """
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import ray
 
+from rlpad.core.models import model_source
+
 __all__ = ["NodePaths", "ShippedDir", "dir_digest", "ship_dir"]
 
 DIGEST_FILE = ".rlpad-shipped-digest"
@@ -91,7 +93,7 @@ class NodePaths:
         self.cache_root = cache_root
 
     def __call__(self, path: str) -> str:
-        if path.startswith("tiny:"):  # built in memory from a seed
+        if model_source(path) is not None:  # built in code (tiny:<arch>), no folder
             return path
         if path in self.shipped:
             return self._materialize(self.shipped[path])

@@ -8,7 +8,7 @@ arguments of a random model of that shape.
 * ``tiny`` / ``tiny-llama``: 0.6M-parameter Qwen2 (GQA, tied embeddings), 0.8M Llama (MHA, untied);
 * ``40m``: 45.6M parameters, Qwen2 layout, untied LM head;
 * ``160m``: the ``40m`` shape with hidden size, layers, heads and intermediate size all doubled,
-  168.3M parameters (the one 160m shape: ``rlpad bench sync`` measured it; ``workers.init_bench``
+  168.3M parameters (the one 160m shape: ``rlpad bench sync`` measured it; ``rlpad.bench.sharded_init``
   used to build a 162M variant with intermediate 2560);
 * ``qwen2.5-0.5b``: Qwen2.5-0.5B's shape (24 layers, 14 query / 2 key-value heads, vocab 151936,
   tied), the GPU benchmarks' model;

@@ -115,7 +115,7 @@ def _shutdown(engine: Any) -> None:
 
 def tables(result: dict[str, Any]) -> list[Table]:
     """Generation speed, weight sync, log-prob mismatch and (when measured) the replica scaling of a
-    :func:`run_rollout_bench` result (``result["replicas"]``: workers.bench_replicas)."""
+    :func:`run_rollout_bench` result (``result["replicas"]``: rlpad.bench.replicas)."""
     out = [Table(title=f"rollout ({result['backend']}, {result['num_params'] / 1e6:.2f}M-param Qwen2, "
                        f"{result['batch_size']} prompts x n={result['n']})",
                  notes=[f"{result['gen_tokens_per_s']:.0f} generated tokens/s; weight sync into the live engine "

@@ -1,8 +1,15 @@
-"""Loading causal LMs (and their tokenizers) from a local path, with the right attention."""
+"""Loading causal LMs (and their tokenizers) from a local path, with the right attention.
+
+A path ``<prefix><name>`` whose prefix is registered (:func:`register_model_source`) is served by
+code instead of a folder: the embedded side registers ``tiny:<arch>`` (rlpad.embedded.tiny), so
+this module never names it. :func:`model_source` is the one test of such a path.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -11,9 +18,53 @@ from rlpad.config import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
 
-__all__ = ["DTYPES", "empty_causal_lm", "load_causal_lm", "load_tokenizer", "parse_dtype"]
+__all__ = ["DTYPES", "MODEL_SOURCES", "ModelSource", "empty_causal_lm", "load_causal_lm", "load_tokenizer",
+           "model_config", "model_source", "parse_dtype", "register_model_source"]
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}  # the config's names
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Models built by code for the paths ``<prefix><name>``; each callable takes the ``name``."""
+
+    config: Callable[[str], PretrainedConfig]  # name -> the model's config
+    model: Callable[[str, torch.dtype, str], PreTrainedModel]  # (name, dtype, attn implementation) -> model on CPU
+    tokenizer: Callable[[str], PreTrainedTokenizerBase]  # name -> its tokenizer (left padding)
+
+
+MODEL_SOURCES: dict[str, ModelSource] = {}  # path prefix (ending in ":") -> its source
+
+
+def register_model_source(prefix: str, source: ModelSource) -> None:
+    """Serve the paths ``<prefix><name>`` from ``source`` (``prefix`` ends in ``:``)."""
+    if not prefix.endswith(":") or len(prefix) < 2:
+        raise ValueError(f"a model source prefix ends in ':' after a name, got {prefix!r}")
+    MODEL_SOURCES[prefix] = source
+
+
+def model_source(path: str) -> tuple[ModelSource, str] | None:
+    """``(source, name)`` when a registered source serves ``path``, else None (a folder path)."""
+    for prefix, source in MODEL_SOURCES.items():
+        if path.startswith(prefix):
+            return source, path[len(prefix):]
+    return None
+
+
+def _not_a_folder(what: str, path: str) -> ValueError:
+    sources = ", ".join(f"{p}<name>" for p in MODEL_SOURCES) or "none registered"
+    return ValueError(f"{what} path {path!r} is not a local directory (models load from disk, not a hub; "
+                      f"sources built in code: {sources})")
+
+
+def model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The config of the model at ``path`` (a folder's config.json, or its registered source's)."""
+    found = model_source(path)
+    if found is not None:
+        return found[0].config(found[1])
+    if not os.path.isdir(path):
+        raise _not_a_folder("model", path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -48,7 +99,7 @@ def load_causal_lm(
     share_prompts: bool = False,
     sequence_parallel: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM from a local checkpoint ``path`` or ``tiny:<arch>`` (random, seed 0).
+    """A causal LM from a local checkpoint ``path`` or a registered source's path (``tiny:<arch>``).
 
     ``attn_device``: where the model will run, when it is loaded elsewhere first (default ``device``).
 
@@ -60,12 +111,11 @@ def load_causal_lm(
     """
     torch_dtype = parse_dtype(dtype)
     attn = _attn(attn_implementation, attn_device or device, use_remove_padding, share_prompts, sequence_parallel)
-    if path.startswith("tiny:"):
-        from rlpad.embedded.tiny import tiny_model
-
-        return _guarded(tiny_model(path.split(":", 1)[1], dtype=torch_dtype, attn_implementation=attn).to(device))
+    found = model_source(path)
+    if found is not None:
+        return _guarded(found[0].model(found[1], torch_dtype, attn).to(device))
     if not os.path.isdir(path):
-        raise ValueError(f"model path {path!r} is not a local directory (models load from disk, not a hub)")
+        raise _not_a_folder("model", path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
     )
@@ -99,14 +149,7 @@ def empty_causal_lm(
     """
     torch_dtype = parse_dtype(dtype)
     attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts, sequence_parallel)
-    if path.startswith("tiny:"):
-        from rlpad.embedded.tiny import tiny_config
-
-        config = tiny_config(path.split(":", 1)[1])
-    elif os.path.isdir(path):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    else:
-        raise ValueError(f"model path {path!r} is not a local directory (models load from disk, not a hub)")
+    config = model_config(path, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype, attn_implementation=attn,
@@ -116,13 +159,12 @@ def empty_causal_lm(
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer saved at ``path`` (or rlpad's character tokenizer for ``tiny:<arch>``), left-padding."""
-    if path.startswith("tiny:"):
-        from rlpad.embedded.tiny import build_tokenizer
-
-        return build_tokenizer()
+    """The tokenizer saved at ``path`` (or its registered source's), left-padding."""
+    found = model_source(path)
+    if found is not None:
+        return found[0].tokenizer(found[1])
     if not os.path.isdir(path):
-        raise ValueError(f"tokenizer path {path!r} is not a local directory")
+        raise _not_a_folder("tokenizer", path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

@@ -68,8 +68,14 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
 
 
 class _SumScored(torch.autograd.Function):
-    """Sum over the group in forward; backward returns the gradient to this rank's own input
-    (see the module docstring: every rank computes the same loss from the sum)."""
+    """Sum over the group in forward; backward returns the gradient to this rank's own input.
+
+    ASSUMPTION: every rank of the group computes the SAME loss from the summed tensor (the workers
+    do: their losses read only gathered (B, R) tensors and group-wide normalisers). Then each
+    token's gradient reaches the one rank that scored it and the ranks' gradients sum to the
+    loss's. A rank-local term (an auxiliary loss on this rank's hidden states, an MoE router loss)
+    breaks it silently: its gradient would not be the one of any loss. tests/test_sequence_parallel.py
+    checks the ranks' losses are bitwise equal; a new loss term must keep that or change this rule."""
 
     @staticmethod
     def forward(ctx, x, group):

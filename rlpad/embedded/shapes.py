@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "TINY_DEFAULTS", "WARM_START_DIMS", "tiny_heads"]
+__all__ = ["ARCHITECTURES", "TINY_DEFAULTS", "TINY_PREFIX", "WARM_START_DIMS", "tiny_arch", "tiny_heads"]
+
+# A model path ``tiny:<arch>``: a random tiny model built in code (rlpad.embedded.tiny registers it
+# with rlpad.core.models), never a folder.
+TINY_PREFIX = "tiny:"
 
 # Each architecture exercises a different attention detail. ``gqa``: key/value heads are half
 # the query heads (grouped-query attention); otherwise one key/value head per query head.
@@ -33,6 +37,11 @@ TINY_DEFAULTS: dict[str, int] = dict(vocab_size=128, hidden_size=64, num_hidden_
 # accepts head sizes 32, 64, 80, 96, ...: keep hidden = heads * head_dim.
 WARM_START_DIMS: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        num_key_value_heads=1, head_dim=32, intermediate_size=256)
+
+
+def tiny_arch(path: str) -> str | None:
+    """The architecture named by a ``tiny:<arch>`` model path; None for any other path."""
+    return path[len(TINY_PREFIX):] if path.startswith(TINY_PREFIX) else None
 
 
 def tiny_heads(arch: str, hidden_size: int = TINY_DEFAULTS["hidden_size"],

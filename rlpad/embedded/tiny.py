@@ -1,6 +1,7 @@
 """Small random causal LMs and a character-level tokenizer, built locally (no model hub).
 
-Used by the tests, ``rlpad check``, the benchmarks and the embedded default recipe.
+Used by the tests, ``rlpad check``, the benchmarks and the embedded default recipe. Importing this
+module registers the ``tiny:<arch>`` model paths with :mod:`rlpad.core.models` (random, seed 0).
 Head sizes are multiples of 32 so the same models run in vLLM's CPU attention.
 """
 
@@ -12,7 +13,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, tiny_heads
+from rlpad.core.models import ModelSource, register_model_source
+from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, tiny_heads
 
 __all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
 
@@ -111,3 +113,10 @@ def build_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedToke
     if save_dir is not None:
         tokenizer.save_pretrained(str(save_dir))
     return tokenizer
+
+
+register_model_source(TINY_PREFIX, ModelSource(
+    config=tiny_config,
+    model=lambda arch, dtype, attn: tiny_model(arch, dtype=dtype, attn_implementation=attn),
+    tokenizer=lambda arch: build_tokenizer(),
+))

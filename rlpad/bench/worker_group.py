@@ -1,5 +1,5 @@
 """``rlpad bench workers``: tokens/s of the worker group's compute_log_prob and update_actor,
-remove-padding on vs off on the same batch, and their ratio. Ray is imported lazily.
+remove-padding on vs off on the same batch, and their ratio. Ray is reached through workers/ (imported lazily).
 """
 
 from __future__ import annotations
@@ -25,16 +25,6 @@ def _timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _vocab_size(path: str) -> int:
-    if path.startswith("tiny:"):
-        from rlpad.embedded.tiny import tiny_config
-
-        return int(tiny_config(path.split(":", 1)[1]).vocab_size)
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(path).vocab_size)
-
-
 def run_worker_bench(
     *,
     model: str = "tiny",
@@ -52,28 +42,22 @@ def run_worker_bench(
     Returns ``{"config", "rmpad": {...}, "padded": {...}, "speedup": {"compute_log_prob", "update_actor"}}``.
     Starts a local Ray (127.0.0.1) if none is running and shuts it down afterwards.
     """
-    import ray
-
     from rlpad.bench.models import MODEL_SHAPES, bench_model
     from rlpad.config import ActorRolloutRefConfig
+    from rlpad.core.models import model_config
     from rlpad.embedded.tiny import build_tokenizer
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
-    from workers.launcher import init_local_ray
+    from workers.launcher import local_ray
 
-    started = not ray.is_initialized()
-    if started:
-        init_local_ray(max(world_size, os.cpu_count() or 1), log_to_driver=False)
-    tmp = tempfile.TemporaryDirectory(prefix="rlpad-bench-")
-    group = None
-    try:
+    with local_ray(max(world_size, os.cpu_count() or 1), log_to_driver=False), \
+            tempfile.TemporaryDirectory(prefix="rlpad-bench-") as tmp:
         path = model
         if model in MODEL_SHAPES:
-            path = os.path.join(tmp.name, model)
+            path = os.path.join(tmp, model)
             bench_model(model, seed=seed).save_pretrained(path)
             build_tokenizer(path)
-        vocab = _vocab_size(path)
-        batch = ppo_batch(rows, prompt_length, response_length, vocab_size=vocab, seed=seed)
+        batch = ppo_batch(rows, prompt_length, response_length, vocab_size=int(model_config(path).vocab_size), seed=seed)
         tokens = int(batch["attention_mask"].sum())
         setup = dict(model=model, world_size=world_size, rows=rows, prompt_length=prompt_length,
                      response_length=response_length, valid_tokens=tokens,
@@ -86,22 +70,17 @@ def run_worker_bench(
             cfg.rollout.log_prob_micro_batch_size_per_gpu, cfg.rollout.n = rows // world_size, 1
             cfg.actor.optim.lr = 0.0  # timing only: keep the weights fixed
             group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=world_size, seed=seed)
-            group.call_batch("compute_log_prob", batch)  # warm-up
-            t_lp = _timed(lambda: group.call_batch("compute_log_prob", batch), reps)
-            t_up = _timed(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
+            try:
+                group.call_batch("compute_log_prob", batch)  # warm-up
+                t_lp = _timed(lambda: group.call_batch("compute_log_prob", batch), reps)
+                t_up = _timed(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
+            finally:
+                group.shutdown()
             result[name] = {"compute_log_prob_s": t_lp, "update_actor_s": t_up,
                             "compute_log_prob_tok_s": tokens / t_lp, "update_actor_tok_s": tokens / t_up}
-            group.shutdown()
-            group = None
-        result["speedup"] = {k: result["rmpad"][f"{k}_tok_s"] / result["padded"][f"{k}_tok_s"]
-                             for k in ("compute_log_prob", "update_actor")}  # fmt: skip
-        return result
-    finally:
-        if group is not None:
-            group.shutdown()
-        tmp.cleanup()
-        if started:
-            ray.shutdown()
+    result["speedup"] = {k: result["rmpad"][f"{k}_tok_s"] / result["padded"][f"{k}_tok_s"]
+                         for k in ("compute_log_prob", "update_actor")}  # fmt: skip
+    return result
 
 
 def tables(result: dict[str, Any]) -> list[Table]:

@@ -1,6 +1,6 @@
 """Sharded initialisation, measured: peak memory of each rank and bit-equality with a full load.
 
-``python -m workers.init_bench --model 160m --world 2`` saves a random checkpoint, starts
+``python -m rlpad.bench.sharded_init --model 160m --world 2`` saves a random checkpoint, starts
 ``world`` plain processes (gloo, one rank each, no Ray) that run :meth:`ActorWorker.init_model`
 (rank 0 reads the checkpoint; the others build on the meta device and receive their shards),
 and prints per rank: peak RSS (VmHWM), its growth over the RSS just before ``init_model``, both
@@ -87,7 +87,7 @@ def run_init_bench(model: str = "160m", world: int = 2, compare_to: str | None =
         port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [
-            subprocess.Popen([sys.executable, "-m", "workers.init_bench", "--rank", str(r), "--world", str(world),
+            subprocess.Popen([sys.executable, "-m", "rlpad.bench.sharded_init", "--rank", str(r), "--world", str(world),
                               "--port", str(port), "--path", path, "--result", os.path.join(tmp, f"rank{r}.json")]
                              + (["--compare-to", other] if other else []), env=env)
             for r in range(world)
@@ -107,7 +107,7 @@ def run_init_bench(model: str = "160m", world: int = 2, compare_to: str | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.init_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlpad.bench.sharded_init", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="160m", choices=sorted(MODEL_SHAPES))
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON path for the results")

@@ -1,4 +1,4 @@
-"""``rlpad bench rollout`` (Ray part): generated tokens/s of 1 vs several data-parallel vLLM replicas.
+"""``rlpad bench rollout`` (Ray part, reached through workers/): generated tokens/s of 1 vs several data-parallel vLLM replicas.
 
 The same random tiny Qwen2 and prompt batch as :func:`rlpad.bench.rollout.run_rollout_bench`;
 for each replica count a :class:`workers.rollout.RolloutReplicas` (one CPU each) runs one warm-up
@@ -33,21 +33,16 @@ def run_replica_bench(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Median generated tokens/s per replica count; ``speedup`` is relative to the first count."""
-    import ray
-
+    from workers.launcher import local_ray
     from workers.rollout import RolloutReplicas
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=max(replicas), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)  # fmt: skip
     vocab = 128
     model = tiny_model("qwen2", hidden_size=128, head_dim=32, num_hidden_layers=2, vocab_size=vocab, seed=seed)
     rollout = RolloutConfig(n=n, temperature=1.0, seed=seed, cpu_kv_cache_gb=cpu_kv_cache_gb)
     data = DataConfig(max_prompt_length=prompt_length, max_response_length=response_length)
     prompts = random_prompts(batch_size, prompt_length, vocab, seed)
     runs = []
-    try:
+    with local_ray(max(replicas), log_to_driver=False):
         with tempfile.TemporaryDirectory(prefix="rlpad-bench-replicas-") as tmp:
             path = os.path.join(tmp, "model")
             model.save_pretrained(path)
@@ -67,9 +62,6 @@ def run_replica_bench(
                 rates = [t / s for t, s in zip(tokens, secs)]
                 runs.append({"replicas": count, "gen_s": statistics.median(secs),
                              "response_tokens": statistics.median(tokens), "tokens_per_s": statistics.median(rates)})
-    finally:
-        if started:
-            ray.shutdown()
     base = runs[0]["tokens_per_s"]
     return {
         "batch_size": batch_size, "n": n, "prompt_length": prompt_length, "response_length": response_length,

