@@ -17,7 +17,6 @@ moves GPU memory between the engine and the actor there).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ import torch
 
 from rlpad.advantages import get_estimator
 from rlpad.algos import kl_penalty, masked_mean
-from rlpad.async_schedule import INFLIGHT_FILE, RolloutAhead
+from rlpad.async_schedule import RolloutAhead, in_flight_steps
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
@@ -335,9 +334,11 @@ class Trainer:
         if path is None:
             return
         state = CheckpointDir.read_state(path)
-        if self.ahead is None and os.path.isfile(os.path.join(path, INFLIGHT_FILE)):
-            raise ValueError(f"checkpoint {path} holds the batches generated ahead by an asynchronous run; resume "
-                             f"it with trainer.max_off_policy_steps={state.get('max_off_policy_steps')}")
+        ahead = in_flight_steps(path) if self.ahead is None else []
+        if ahead:
+            raise ValueError(f"checkpoint {path} holds the batches of steps {ahead} generated ahead by an "
+                             "asynchronous run; resume it with "
+                             f"trainer.max_off_policy_steps={state.get('max_off_policy_steps')}")
         self.workers.load_checkpoint(path)
         self.train_loader.load_state_dict(state["loader"])
         self.step, self.history = int(state["step"]), list(state["history"])
