@@ -262,14 +262,16 @@ class Trainer:
 
     def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """The actor's batch with ``algorithm.rollout_correction`` applied (``rollout_is_weights`` for
-        token_tis, a response mask without the dropped sequences for seq_mask), and its metrics."""
+        token_tis, a response mask without the dropped sequences for seq_mask, and with k >= 1 also
+        the weights on the kept ones), and its metrics."""
         rc = self.config.algorithm.rollout_correction
         if rc.mode == "none":
             return batch, {}
         if "rollout_log_probs" not in batch:
             raise ValueError(f"algorithm.rollout_correction.mode={rc.mode} needs rollout_log_probs from the rollout")
         weights, loss_mask, metrics = apply_rollout_correction(
-            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc.mode, rc.threshold)
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc.mode, rc.threshold,
+            off_policy=self.ahead is not None)
         out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
         out["response_mask"] = loss_mask
         if weights is not None:
