@@ -143,11 +143,14 @@ class RolloutAhead:
         """``what`` (a validation rollout) was generated with the newest weights submitted."""
         _check_versions(batch, self.version, f"the {what}")
 
-    def sync(self, version: int) -> None:
-        """After update ``version``: the new weights go to the engines behind the queued generations."""
+    def sync(self, version: int, load: bool = True) -> None:
+        """After update ``version``: the new weights go to the engines behind the queued generations
+        (``load=False``: nothing will generate with them, the run's last step without validation: only
+        the bookkeeping moves on, and a checkpoint of it restores them as usual)."""
         if version != self.version + 1:
             raise RuntimeError(f"async schedule: weight sync of version {version} after version {self.version}")
-        self.workers.submit_weight_sync(version)
+        if load:
+            self.workers.submit_weight_sync(version)
         self.version = version
 
     # ---- checkpoints --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
+from rlpad.errors import WorkerFailed
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
@@ -57,7 +58,7 @@ class Workers(Protocol):
     """What the trainer needs from the worker side (see workers/launcher.py)."""
 
     def generate(self, batch: Batch, seed: int) -> Batch: ...
-    def generate_validation(self, batch: Batch) -> Batch: ...
+    def generate_validation(self, batch: Batch, seed: int) -> Batch: ...
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch: ...
     def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
     def compute_values(self, batch: Batch) -> Batch: ...
@@ -123,6 +124,11 @@ class Trainer:
         """The rollout's sampling seed of ``step``: a resumed run samples what an uninterrupted one did."""
         return self.config.actor_rollout_ref.rollout.seed + step
 
+    def _val_seed(self, index: int) -> int:
+        """The validation rollout's seed at this step, for validation batch ``index`` (used when
+        ``rollout.val_kwargs.do_sample``): apart from every training step's while steps < 10**6."""
+        return self._seed(self.step) + (index + 1) * 1_000_000
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, Any]]:
@@ -134,9 +140,9 @@ class Trainer:
             logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
                                    project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
             self._loop(logger)
-        except RuntimeError as e:  # a worker died: name it and where to resume from
+        except WorkerFailed as e:  # a worker died or holds weights it failed to load: where to resume from
             where = self.last_checkpoint or "none yet (set trainer.save_freq)"
-            raise RuntimeError(f"{e}\ntraining stopped at step {self.step}; last checkpoint to resume from: {where}") from e
+            raise WorkerFailed(f"{e}\ntraining stopped at step {self.step}; last checkpoint to resume from: {where}") from e
         finally:
             if logger is not None:
                 logger.close()
@@ -229,7 +235,10 @@ class Trainer:
             if key in metrics:
                 _check_finite(key, metrics[key], self.step)
         with _timed(timing, "sync"):
-            sync_s = self.workers.sync_weights() if self.ahead is None else self.ahead.sync(self.step)
+            if self.ahead is None:
+                sync_s = self.workers.sync_weights()
+            else:  # the last step's weights reach the engines only for the final validation
+                sync_s = self.ahead.sync(self.step, load=self.step < self.total_steps or self.val_dataset is not None)
         if isinstance(sync_s, int | float):
             worker_s["sync"] = float(sync_s)
         metrics.update(self._batch_metrics(batch, seq_scores, timing))
@@ -301,9 +310,9 @@ class Trainer:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         scores, parts = [], []
-        for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
+        for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
-                batch = self.workers.generate_validation(prompts)
+                batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])

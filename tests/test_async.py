@@ -271,3 +271,39 @@ def test_a_replica_dying_mid_flight_names_it_and_the_checkpoint_and_leaves_no_pr
     while new_worker_processes(KillReplica.before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert new_worker_processes(KillReplica.before) == []
+
+
+class BadBucket:
+    """The workers, passed through; the weights of policy version ``AT`` reach the replica with one more
+    bucket: an embedding of the wrong shape, which the real engine's weight loader refuses."""
+
+    AT = 2
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def submit_weight_sync(self, version):
+        import ray
+        import torch
+
+        if version != self.AT:
+            return self.workers.submit_weight_sync(version)
+        w = self.workers  # workers.launcher.RayWorkers.submit_weight_sync, with the bad bucket added
+        bucket_bytes = int(w.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
+        num_buckets = w.actor.call("export_weights", bucket_bytes, w.stash, version)[0]
+        ray.get(w.stash.put.remote(version, num_buckets, [("model.embed_tokens.weight", torch.zeros(3, 3))]))
+        return w.rollout.submit_weights(w.stash, version, num_buckets + 1)
+
+
+def test_a_failed_weight_load_fails_the_validation_that_depends_on_it(tmp_path):
+    """Version 2's load fails while test_freq=2 validates step 2: the validation (and no later step) runs on
+    the half-loaded weights; the error names the replica and the version."""
+    out = str(tmp_path / "bad_load")
+    config = load_config(GRPO, overrides(out, 1, "trainer.save_freq=1"))
+    with pytest.raises(RuntimeError, match=r"(?s)rollout replica 0 of 1 refuses to generate the validation rollout: "
+                                           r"the weight load of policy version 2 failed \(.*step 2.*global_step_1"):
+        fit(config, wrap_workers=BadBucket)
+    assert sorted(records(out)) == [1]  # step 2's metrics (and val/*) never logged

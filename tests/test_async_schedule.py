@@ -271,3 +271,13 @@ def test_trainer_refuses_workers_that_cannot_submit_ahead():
 
     with pytest.raises(ValueError, match="needs workers that submit generations ahead.*object does not"):
         Trainer(cfg("trainer.total_training_steps=2"), object(), None, Loader(), None)
+
+
+def test_weights_no_engine_will_use_are_not_loaded():
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 1, 2, prompts, seed=lambda t: t)
+    drive(engine, 1, steps=1, ahead=ahead)
+    ahead.submit_ahead(2)
+    ahead.take(2)
+    ahead.sync(2, load=False)  # the run's last step, no validation after it
+    assert ahead.version == 2 and ("load", 2) not in engine.queue + [(kind, arg) for kind, arg, _ in engine.log]

@@ -1,0 +1,80 @@
+"""Peak Ray object-store bytes of an asynchronous run: ``python -m workers.bench_object_store [k] [steps] [overrides]``.
+
+Runs the tiny GRPO recipe (recipes/grpo_tiny.yaml) with ``trainer.max_off_policy_steps=k`` while a thread
+polls the raylet's store stats (``object_store_bytes_used``) every 10 ms, and prints the peak, the median
+and the model's weight bytes (the size of one exported version). The numbers of docs/rollout_correction.md
+(asynchronous training, memory) come from it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: loopback only
+
+import ray  # noqa: E402
+
+from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.train import fit  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def store_bytes_used() -> int:
+    """Bytes in the object store of this Ray's nodes (the raylets' own stats)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return int(get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+               .store_stats.object_store_bytes_used)
+
+
+class Poller(threading.Thread):
+    """Samples :func:`store_bytes_used` every ``period_s`` until stopped."""
+
+    def __init__(self, period_s: float = 0.01):
+        super().__init__(daemon=True)
+        self.period_s, self.samples, self.stopped = period_s, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.samples.append(store_bytes_used())
+            time.sleep(self.period_s)
+
+
+def weight_bytes(workers) -> int:
+    return sum(t.numel() * t.element_size() for t in workers.actor.call("full_state_dict")[0].values())
+
+
+def main(argv: list[str]) -> None:
+    k = int(argv[0]) if argv else 2
+    steps = int(argv[1]) if len(argv) > 1 else 6
+    init_local_ray(8, runtime_env={"env_vars": QUIET_ENV})
+    out = tempfile.mkdtemp(prefix="rlpad-store-")
+    config = load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), [
+        f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "algorithm.rollout_correction.mode=token_tis",
+        f"trainer.max_off_policy_steps={k}", *argv[2:]])
+    poller, size = Poller(), {}
+
+    def wrap(workers):
+        size["weights"] = weight_bytes(workers)
+        poller.start()
+        return workers
+
+    fit(config, wrap_workers=wrap)
+    poller.stopped.set()
+    poller.join()
+    s = poller.samples
+    print(f"k={k} steps={steps}: object store peak {max(s)} B, median {statistics.median(s):.0f} B, "
+          f"{len(s)} samples; one version of the weights {size['weights']} B; peak / weights "
+          f"{max(s) / size['weights']:.2f}; load average {os.getloadavg()[0]:.2f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
