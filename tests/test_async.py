@@ -156,6 +156,35 @@ def test_staleness_is_exactly_as_scheduled_and_overlap_changes_no_number(stack, 
     assert overlapped[3]["mismatch/abs_diff_mean"] > 10 * sync[3]["mismatch/abs_diff_mean"]
 
 
+def run_from(stack: Stack, name: str, k: int, resume: str, *extra: str) -> tuple[dict[int, dict], list]:
+    """A run on the module's workers resumed from checkpoint ``resume``: its records and per-step versions."""
+    out = os.path.join(stack.root, name)
+    config = resolve_embedded(load_config(GRPO, overrides(out, k, f"trainer.resume_mode={resume}", *extra)))
+    loader, val = build_datasets(config.data, stack.tokenizer)
+    recorder = Recorder(stack.workers)
+    Trainer(config, recorder, stack.tokenizer, loader, val, stack.reward_fn).fit()
+    return records(out), recorder.versions
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_resume_with_more_steps_from_the_last_and_from_a_mid_run_checkpoint(stack, k):
+    """6 steps saved every 2; resumed from step 2 it is the same run (bitwise); resumed from step 6 (the end)
+    with 8 steps it generates steps 7 and 8 with version 6 (today: "step 7 must be generated with version 5")."""
+    full, full_versions = run_from(stack, f"six_k{k}", k, stack.init, "trainer.total_training_steps=6",
+                                   "trainer.save_freq=2")
+    saved = os.path.join(stack.root, f"six_k{k}", "checkpoints")
+    mid, mid_versions = run_from(stack, f"mid_k{k}", k, f"{saved}/global_step_2", "trainer.total_training_steps=6")
+    assert sorted(mid) == [3, 4, 5, 6] and mid_versions == full_versions[2:]
+    for t in mid:
+        assert numbers(mid[t]) == numbers(full[t]), t
+    longer, versions = run_from(stack, f"end_k{k}", k, f"{saved}/global_step_6", "trainer.total_training_steps=8")
+    assert sorted(longer) == [7, 8] and versions == [[6] * 256, [6] * 256]
+    assert [longer[t]["async/staleness_max"] for t in (7, 8)] == [0, 1]
+    if k == 1:  # nothing in flight at the end: a synchronous run resumes it too
+        sync, sync_versions = run_from(stack, "end_k0", 0, f"{saved}/global_step_6", "trainer.total_training_steps=7")
+        assert sorted(sync) == [7] and len(sync_versions) == 1
+
+
 def left_behind(marker: str, wait_s: float = 30.0) -> list[str]:
     """Command lines of the live processes whose environment carries ``marker`` (the driver and everything
     Ray started from it), after giving them ``wait_s`` to exit."""

@@ -1,8 +1,9 @@
 """Peak Ray object-store bytes of an asynchronous run: ``python -m workers.bench_object_store [k] [steps] [overrides]``.
 
-Runs the tiny GRPO recipe (recipes/grpo_tiny.yaml) with ``trainer.max_off_policy_steps=k`` while a thread
-polls the raylet's store stats (``object_store_bytes_used``) every 10 ms, and prints the peak, the median
-and the model's weight bytes (the size of one exported version). The numbers of docs/rollout_correction.md
+Runs the tiny GRPO recipe (recipes/grpo_tiny.yaml) with ``trainer.max_off_policy_steps=k``; from the first
+weight sync on (start-up's objects left out) a thread polls the raylet's store stats
+(``object_store_bytes_used``) every 10 ms. Prints the peak, the median and the model's weight bytes (the
+size of one exported version). The numbers of docs/rollout_correction.md
 (asynchronous training, memory) come from it.
 """
 
@@ -61,12 +62,22 @@ def main(argv: list[str]) -> None:
         f"trainer.max_off_policy_steps={k}", *argv[2:]])
     poller, size = Poller(), {}
 
-    def wrap(workers):
-        size["weights"] = weight_bytes(workers)
-        poller.start()
-        return workers
+    class StartAtFirstSync:
+        """The workers, passed through; polling starts at the first weight sync (after start-up and step 1)."""
 
-    fit(config, wrap_workers=wrap)
+        def __init__(self, workers):
+            self.workers = workers
+            size["weights"] = weight_bytes(workers)
+
+        def __getattr__(self, name):
+            return getattr(self.workers, name)
+
+        def submit_weight_sync(self, version):
+            if not poller.is_alive():
+                poller.start()
+            return self.workers.submit_weight_sync(version)
+
+    fit(config, wrap_workers=StartAtFirstSync)
     poller.stopped.set()
     poller.join()
     s = poller.samples
