@@ -142,7 +142,8 @@ class Trainer:
             self._loop(logger)
         except WorkerFailed as e:  # a worker died or holds weights it failed to load: where to resume from
             where = self.last_checkpoint or "none yet (set trainer.save_freq)"
-            raise WorkerFailed(f"{e}\ntraining stopped at step {self.step}; last checkpoint to resume from: {where}") from e
+            raise WorkerFailed(f"{e}\ntraining stopped at step {self.step}; "
+                               f"last checkpoint to resume from: {where}") from e
         finally:
             if logger is not None:
                 logger.close()

@@ -39,8 +39,8 @@ class Loader:
 
 def trainer(mode: str, k: int) -> Trainer:
     config = load_config(None, ["actor_rollout_ref.rollout.n=2", f"trainer.max_off_policy_steps={k}",
-                                f"algorithm.rollout_correction.mode={mode}", "algorithm.rollout_correction.threshold=2.0",
-                                "trainer.total_training_steps=1"])
+                                f"algorithm.rollout_correction.mode={mode}",
+                                "algorithm.rollout_correction.threshold=2.0", "trainer.total_training_steps=1"])
     return Trainer(config, Submits(), None, Loader(), None)
 
 
@@ -57,9 +57,9 @@ def expected_gradient(mode: str, behaviour: torch.Tensor, k: int = 1) -> torch.T
     corrected, _ = trainer(mode, k)._corrected(batch)
     log_prob = torch.log_softmax(logits, 0).unsqueeze(1)  # equals old: the first mini-batch, ratio 1
     advantages = (n * behaviour * REWARD).unsqueeze(1)
+    weights = corrected["rollout_is_weights"] if "rollout_is_weights" in corrected else None
     loss, _ = compute_policy_loss(old, log_prob, advantages, corrected["response_mask"], global_tokens=float(n),
-                                  rollout_is_weights=corrected["rollout_is_weights"] if "rollout_is_weights" in corrected
-                                  else None)
+                                  rollout_is_weights=weights)
     (grad,) = torch.autograd.grad(-loss, logits)  # ascent direction
     return grad
 
