@@ -3,8 +3,8 @@
 Runs the tiny GRPO recipe (recipes/grpo_tiny.yaml) with ``trainer.max_off_policy_steps=k``; from the first
 weight sync on (start-up's objects left out) a thread polls the raylet's store stats
 (``object_store_bytes_used``) every 10 ms. Prints the peak, the median and the model's weight bytes (the
-size of one exported version). The numbers of docs/rollout_correction.md
-(asynchronous training, memory) come from it.
+size of one exported version). The poll is coarse (one raylet round trip per sample) and counts every
+object (batches included), not only the weights.
 """
 
 from __future__ import annotations
