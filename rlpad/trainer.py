@@ -17,7 +17,6 @@ moves GPU memory between the engine and the actor there).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,11 +27,12 @@ import torch
 
 from rlpad.advantages import get_estimator
 from rlpad.algos import kl_penalty, masked_mean
-from rlpad.async_schedule import INFLIGHT_FILE, RolloutAhead
+from rlpad.async_schedule import RolloutAhead, in_flight_steps
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
+from rlpad.errors import WorkerFailed
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
@@ -58,7 +58,7 @@ class Workers(Protocol):
     """What the trainer needs from the worker side (see workers/launcher.py)."""
 
     def generate(self, batch: Batch, seed: int) -> Batch: ...
-    def generate_validation(self, batch: Batch) -> Batch: ...
+    def generate_validation(self, batch: Batch, seed: int) -> Batch: ...
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch: ...
     def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
     def compute_values(self, batch: Batch) -> Batch: ...
@@ -124,6 +124,11 @@ class Trainer:
         """The rollout's sampling seed of ``step``: a resumed run samples what an uninterrupted one did."""
         return self.config.actor_rollout_ref.rollout.seed + step
 
+    def _val_seed(self, index: int) -> int:
+        """The validation rollout's seed at this step, for validation batch ``index`` (used when
+        ``rollout.val_kwargs.do_sample``): apart from every training step's while steps < 10**6."""
+        return self._seed(self.step) + (index + 1) * 1_000_000
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, Any]]:
@@ -135,9 +140,10 @@ class Trainer:
             logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
                                    project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
             self._loop(logger)
-        except RuntimeError as e:  # a worker died: name it and where to resume from
+        except WorkerFailed as e:  # a worker died or holds weights it failed to load: where to resume from
             where = self.last_checkpoint or "none yet (set trainer.save_freq)"
-            raise RuntimeError(f"{e}\ntraining stopped at step {self.step}; last checkpoint to resume from: {where}") from e
+            raise WorkerFailed(f"{e}\ntraining stopped at step {self.step}; "
+                               f"last checkpoint to resume from: {where}") from e
         finally:
             if logger is not None:
                 logger.close()
@@ -230,7 +236,10 @@ class Trainer:
             if key in metrics:
                 _check_finite(key, metrics[key], self.step)
         with _timed(timing, "sync"):
-            sync_s = self.workers.sync_weights() if self.ahead is None else self.ahead.sync(self.step)
+            if self.ahead is None:
+                sync_s = self.workers.sync_weights()
+            else:  # the last step's weights reach the engines only for the final validation
+                sync_s = self.ahead.sync(self.step, load=self.step < self.total_steps or self.val_dataset is not None)
         if isinstance(sync_s, int | float):
             worker_s["sync"] = float(sync_s)
         metrics.update(self._batch_metrics(batch, seq_scores, timing))
@@ -263,14 +272,16 @@ class Trainer:
 
     def _corrected(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """The actor's batch with ``algorithm.rollout_correction`` applied (``rollout_is_weights`` for
-        token_tis, a response mask without the dropped sequences for seq_mask), and its metrics."""
+        token_tis, a response mask without the dropped sequences for seq_mask, and with k >= 1 also
+        the weights on the kept ones), and its metrics."""
         rc = self.config.algorithm.rollout_correction
         if rc.mode == "none":
             return batch, {}
         if "rollout_log_probs" not in batch:
             raise ValueError(f"algorithm.rollout_correction.mode={rc.mode} needs rollout_log_probs from the rollout")
         weights, loss_mask, metrics = apply_rollout_correction(
-            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc.mode, rc.threshold)
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rc.mode, rc.threshold,
+            off_policy=self.ahead is not None)
         out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
         out["response_mask"] = loss_mask
         if weights is not None:
@@ -300,9 +311,9 @@ class Trainer:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         scores, parts = [], []
-        for prompts in val_batches(self.val_dataset, self.config.data.val_batch_size):
+        for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
-                batch = self.workers.generate_validation(prompts)
+                batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
@@ -335,9 +346,11 @@ class Trainer:
         if path is None:
             return
         state = CheckpointDir.read_state(path)
-        if self.ahead is None and os.path.isfile(os.path.join(path, INFLIGHT_FILE)):
-            raise ValueError(f"checkpoint {path} holds the batches generated ahead by an asynchronous run; resume "
-                             f"it with trainer.max_off_policy_steps={state.get('max_off_policy_steps')}")
+        ahead = in_flight_steps(path) if self.ahead is None else []
+        if ahead:
+            raise ValueError(f"checkpoint {path} holds the batches of steps {ahead} generated ahead by an "
+                             "asynchronous run; resume it with "
+                             f"trainer.max_off_policy_steps={state.get('max_off_policy_steps')}")
         self.workers.load_checkpoint(path)
         self.train_loader.load_state_dict(state["loader"])
         self.step, self.history = int(state["step"]), list(state["history"])

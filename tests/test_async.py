@@ -156,6 +156,35 @@ def test_staleness_is_exactly_as_scheduled_and_overlap_changes_no_number(stack, 
     assert overlapped[3]["mismatch/abs_diff_mean"] > 10 * sync[3]["mismatch/abs_diff_mean"]
 
 
+def run_from(stack: Stack, name: str, k: int, resume: str, *extra: str) -> tuple[dict[int, dict], list]:
+    """A run on the module's workers resumed from checkpoint ``resume``: its records and per-step versions."""
+    out = os.path.join(stack.root, name)
+    config = resolve_embedded(load_config(GRPO, overrides(out, k, f"trainer.resume_mode={resume}", *extra)))
+    loader, val = build_datasets(config.data, stack.tokenizer)
+    recorder = Recorder(stack.workers)
+    Trainer(config, recorder, stack.tokenizer, loader, val, stack.reward_fn).fit()
+    return records(out), recorder.versions
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_resume_with_more_steps_from_the_last_and_from_a_mid_run_checkpoint(stack, k):
+    """6 steps saved every 2; resumed from step 2 it is the same run (bitwise); resumed from step 6 (the end)
+    with 8 steps it generates steps 7 and 8 with version 6 (today: "step 7 must be generated with version 5")."""
+    full, full_versions = run_from(stack, f"six_k{k}", k, stack.init, "trainer.total_training_steps=6",
+                                   "trainer.save_freq=2")
+    saved = os.path.join(stack.root, f"six_k{k}", "checkpoints")
+    mid, mid_versions = run_from(stack, f"mid_k{k}", k, f"{saved}/global_step_2", "trainer.total_training_steps=6")
+    assert sorted(mid) == [3, 4, 5, 6] and mid_versions == full_versions[2:]
+    for t in mid:
+        assert numbers(mid[t]) == numbers(full[t]), t
+    longer, versions = run_from(stack, f"end_k{k}", k, f"{saved}/global_step_6", "trainer.total_training_steps=8")
+    assert sorted(longer) == [7, 8] and versions == [[6] * 256, [6] * 256]
+    assert [longer[t]["async/staleness_max"] for t in (7, 8)] == [0, 1]
+    if k == 1:  # nothing in flight at the end: a synchronous run resumes it too
+        sync, sync_versions = run_from(stack, "end_k0", 0, f"{saved}/global_step_6", "trainer.total_training_steps=7")
+        assert sorted(sync) == [7] and len(sync_versions) == 1
+
+
 def left_behind(marker: str, wait_s: float = 30.0) -> list[str]:
     """Command lines of the live processes whose environment carries ``marker`` (the driver and everything
     Ray started from it), after giving them ``wait_s`` to exit."""
@@ -271,3 +300,39 @@ def test_a_replica_dying_mid_flight_names_it_and_the_checkpoint_and_leaves_no_pr
     while new_worker_processes(KillReplica.before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert new_worker_processes(KillReplica.before) == []
+
+
+class BadBucket:
+    """The workers, passed through; the weights of policy version ``AT`` reach the replica with one more
+    bucket: an embedding of the wrong shape, which the real engine's weight loader refuses."""
+
+    AT = 2
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def submit_weight_sync(self, version):
+        import ray
+        import torch
+
+        if version != self.AT:
+            return self.workers.submit_weight_sync(version)
+        w = self.workers  # workers.launcher.RayWorkers.submit_weight_sync, with the bad bucket added
+        bucket_bytes = int(w.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
+        num_buckets = w.actor.call("export_weights", bucket_bytes, w.stash, version)[0]
+        ray.get(w.stash.put.remote(version, num_buckets, [("model.embed_tokens.weight", torch.zeros(3, 3))]))
+        return w.rollout.submit_weights(w.stash, version, num_buckets + 1)
+
+
+def test_a_failed_weight_load_fails_the_validation_that_depends_on_it(tmp_path):
+    """Version 2's load fails while test_freq=2 validates step 2: the validation (and no later step) runs on
+    the half-loaded weights; the error names the replica and the version."""
+    out = str(tmp_path / "bad_load")
+    config = load_config(GRPO, overrides(out, 1, "trainer.save_freq=1"))
+    with pytest.raises(RuntimeError, match=r"(?s)rollout replica 0 of 1 refuses to generate the validation rollout: "
+                                           r"the weight load of policy version 2 failed \(.*step 2.*global_step_1"):
+        fit(config, wrap_workers=BadBucket)
+    assert sorted(records(out)) == [1]  # step 2's metrics (and val/*) never logged

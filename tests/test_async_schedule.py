@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpad.async_schedule import VERSION_KEY, Done, RolloutAhead, Sequential, generation_version
+from rlpad.async_schedule import VERSION_KEY, Done, RolloutAhead, Sequential, generation_version, in_flight_steps
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config_loader import load_config
 from rlpad.topology import colocated
@@ -133,6 +133,109 @@ def test_restore_without_batches_restarts_at_the_checkpoint_version(tmp_path):
     assert {t: v[0] for t, (v, _, _) in runs.items()} == {4: 3, 5: 3, 6: 4}
 
 
+def versions_and_seeds(runs):
+    return {t: (v, s) for t, (v, _, s) in runs.items()}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("saved_at", ["end", "mid"])
+def test_resume_with_more_steps_generates_the_next_batch_with_the_checkpoint_version(tmp_path, k, saved_at):
+    """A run of 4 steps saved at its end (or at step 2, mid-run), resumed with 8 steps: the generations
+    submitted after the restore at step s use version s; the batches the checkpoint holds are trained as saved."""
+    s = 4 if saved_at == "end" else 2
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, k, 4, prompts, seed=lambda t: 100 + t)
+    first = drive(engine, k, steps=s, ahead=ahead)
+    ahead.save(str(tmp_path))
+    resumed_engine = QueueEngine()
+    resumed = RolloutAhead(resumed_engine, k, 8, prompts, seed=lambda t: 100 + t)
+    resumed.restore(str(tmp_path), s)
+    rest = drive(resumed_engine, k, steps=8, start=s, ahead=resumed)  # today: "step 5 must be generated with version 3"
+    held = sorted(ahead.in_flight)  # the batches the checkpoint holds: steps s+1 .. min(s+k, 4)
+    assert held == list(range(s + 1, min(s + k, 4) + 1))
+    for t, (versions, metrics, seed) in rest.items():
+        want = generation_version(t, k) if t in held else max(s, t - 1 - k)
+        assert versions == [want] * 6 and seed == 100 + t, t
+        assert ("async/overlap" in metrics) == (t not in held)  # a restored batch's overlap is not known here
+    if saved_at == "mid":  # bitwise the uninterrupted run of 8 steps (4 of them run with a total of 4)
+        full = drive(QueueEngine(), k, steps=8)
+        assert versions_and_seeds({**first, **rest}) == versions_and_seeds(full)
+    else:  # the end: the same as resuming a checkpoint with nothing in flight (a fresh schedule at version 4)
+        fresh_engine = QueueEngine()
+        fresh = RolloutAhead(fresh_engine, k, 8, prompts, seed=lambda t: 100 + t, start_version=4)
+        fresh_engine.submit_weight_sync(4)
+        assert versions_and_seeds(rest) == versions_and_seeds(drive(fresh_engine, k, steps=8, start=4, ahead=fresh))
+
+
+def test_the_final_checkpoint_resumes_with_any_k_and_a_mid_run_one_only_with_its_own(tmp_path):
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 2, 4, prompts, seed=lambda t: t)
+    drive(engine, 2, steps=4, ahead=ahead)
+    ahead.save(str(tmp_path))  # nothing in flight at the end of the run
+    assert in_flight_steps(str(tmp_path)) == []
+    other = QueueEngine()
+    resumed = RolloutAhead(other, 1, 6, prompts, seed=lambda t: t)
+    resumed.restore(str(tmp_path), 4)
+    assert {t: v[0] for t, (v, _, _) in drive(other, 1, steps=6, start=4, ahead=resumed).items()} == {5: 4, 6: 4}
+    mid = tmp_path / "mid"
+    mid.mkdir()
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 2, 6, prompts, seed=lambda t: t)
+    drive(engine, 2, steps=2, ahead=ahead)
+    ahead.save(str(mid))
+    assert in_flight_steps(str(mid)) == [3, 4]
+    with pytest.raises(ValueError, match="max_off_policy_steps=2; resume with that value"):
+        RolloutAhead(QueueEngine(), 1, 6, prompts, seed=lambda t: t).restore(str(mid), 2)
+
+
+class ResumeOnly:
+    """Just what the trainer's resume calls (the synchronous loop's weight sync)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def load_checkpoint(self, path):
+        self.calls.append("load_checkpoint")
+
+    def sync_weights(self):
+        self.calls.append("sync_weights")
+        return 0.0
+
+
+class Loader:
+    def __len__(self):
+        return 4
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_synchronous_run_resumes_an_asynchronous_checkpoint_only_with_nothing_in_flight(tmp_path, held):
+    from rlpad.checkpoint import CheckpointDir
+    from rlpad.trainer import Trainer
+
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 1, 4, prompts, seed=lambda t: t)
+    step = 3 if held else 4
+    drive(engine, 1, steps=step, ahead=ahead)
+    checkpoints = CheckpointDir(str(tmp_path / "run"))
+    ahead.save(checkpoints.staging(step))
+    path = checkpoints.publish(step, {"step": step, "loader": {}, "history": [], "max_off_policy_steps": 1})
+    config = load_config(None, ["actor_rollout_ref.rollout.n=2", "trainer.total_training_steps=8",
+                                f"trainer.resume_mode={path}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    trainer = Trainer(config, ResumeOnly(), None, Loader(), None)
+    if held:
+        with pytest.raises(ValueError, match=r"holds the batches of steps \[4\].*max_off_policy_steps=1"):
+            trainer._maybe_resume()
+    else:  # today: refused although nothing is in flight
+        trainer._maybe_resume()
+        assert trainer.step == 4 and trainer.workers.calls == ["load_checkpoint", "sync_weights"]
+
+
 def cfg(*overrides):
     base = ["actor_rollout_ref.rollout.n=2", "trainer.max_off_policy_steps=1",
             "algorithm.rollout_correction.mode=token_tis"]
@@ -168,3 +271,13 @@ def test_trainer_refuses_workers_that_cannot_submit_ahead():
 
     with pytest.raises(ValueError, match="needs workers that submit generations ahead.*object does not"):
         Trainer(cfg("trainer.total_training_steps=2"), object(), None, Loader(), None)
+
+
+def test_weights_no_engine_will_use_are_not_loaded():
+    engine = QueueEngine()
+    ahead = RolloutAhead(engine, 1, 2, prompts, seed=lambda t: t)
+    drive(engine, 1, steps=1, ahead=ahead)
+    ahead.submit_ahead(2)
+    ahead.take(2)
+    ahead.sync(2, load=False)  # the run's last step, no validation after it
+    assert ahead.version == 2 and ("load", 2) not in engine.queue + [(kind, arg) for kind, arg, _ in engine.log]

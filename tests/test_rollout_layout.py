@@ -194,6 +194,23 @@ def test_hf_rollout_validation_is_greedy(hf_setup):
     assert max_log_prob_diff(model, first) <= 1e-4
 
 
+def test_sampled_validation_is_seeded(hf_setup, tmp_path):
+    """With ``val_kwargs.do_sample`` the validation rollout depends on the seed the trainer passes (so a
+    resumed run's val/* is the uninterrupted run's), not on how many calls the backend made before."""
+    from rlpad.config import ValidationSamplingConfig
+
+    model, _ = hf_setup
+    path = save_model(model, tmp_path)
+    sampled = ValidationSamplingConfig(do_sample=True, temperature=1.0)
+    backend = HFRollout(path, RolloutConfig(name="hf", n=3, temperature=0.9, seed=0, val_kwargs=sampled),
+                        DataConfig(max_prompt_length=P, max_response_length=R))
+    prompts = prompt_batch()
+    first = backend.generate_validation(prompts, seed=7)["responses"]
+    backend.generate(prompts)  # the backend's own call count moves on
+    assert torch.equal(backend.generate_validation(prompts, seed=7)["responses"], first)
+    assert not torch.equal(backend.generate_validation(prompts, seed=8)["responses"], first)  # the seed is used
+
+
 def test_hf_rollout_rejects_bad_prompts(hf_setup):
     _, backend = hf_setup
     prompts = prompt_batch(lengths=(10, 3))

@@ -16,7 +16,7 @@ fraction of its bundle) instead of reserving its own.
 order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. With
 sequence parallelism (sp ranks per group, rlpad.parallel) the rows are split over the ``world / sp``
 data-parallel groups of consecutive ranks, every rank of a group gets the group's rows, and the
-results come from each group's first rank. A rank whose actor died raises ``RuntimeError`` naming role and rank.
+results come from each group's first rank. A rank whose actor died raises ``rlpad.errors.WorkerFailed`` (a RuntimeError) naming role and rank.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlpad.batch import WORKER_SECONDS, Batch
+from rlpad.errors import WorkerFailed
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.parallel import data_parallel_groups, dp_size
 from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
@@ -154,8 +155,8 @@ class WorkerGroup:
                 raise
         return results
 
-    def _died(self, rank: int, error: Exception) -> RuntimeError:
-        return RuntimeError(f"{self.role} worker rank {rank} of {self.world_size} died or is unreachable: {error}")
+    def _died(self, rank: int, error: Exception) -> WorkerFailed:
+        return WorkerFailed(f"{self.role} worker rank {rank} of {self.world_size} died or is unreachable: {error}")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method(*args, **kwargs)`` on every rank (same arguments); results by rank."""

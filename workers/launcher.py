@@ -47,6 +47,7 @@ from workers.placement import check_cluster_room, plan_nodes, release, reserve
 from workers.ray_logs import quiet_ray_logger, route_worker_output
 from workers.rollout import PendingRollout, RolloutReplicas
 from workers.staging import NodePaths, ship_dir
+from workers.weight_stash import remote_stash
 
 __all__ = ["RANK_INFO_FILE", "RayWorkers", "driver_built_paths", "init_local_ray", "launch_workers", "local_ray"]
 
@@ -76,6 +77,7 @@ class RayWorkers:
 
     def __init__(self, config: Config, *, owns_ray: bool = False):
         self.config, self._owns_ray = config, owns_ray
+        self.stash: Any = None  # the weight stash of asynchronous training (made at its first weight sync)
         arr, t = config.actor_rollout_ref, config.trainer
         cuda = _cuda(config)
         gpus = 1 if cuda else 0
@@ -149,8 +151,8 @@ class RayWorkers:
     def generate(self, batch: Batch, seed: int) -> Batch:
         return self.rollout.generate(batch, seed=seed)
 
-    def generate_validation(self, batch: Batch) -> Batch:
-        return self.rollout.generate_validation(batch)
+    def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
+        return self.rollout.generate_validation(batch, seed=seed)
 
     def submit_generate(self, batch: Batch, seed: int) -> PendingRollout:
         """:meth:`generate` without waiting (rlpad.async_schedule.AsyncWorkers)."""
@@ -159,13 +161,16 @@ class RayWorkers:
     def submit_weight_sync(self, version: int) -> PendingRollout:
         """The actor's weights into every replica as policy ``version``, behind the calls already submitted.
 
-        The actor ranks gather the full tensors in buckets and rank 0 puts each in the object store
-        (waited for: the actor's own work); the driver then submits each replica's loads of those
-        objects and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through the driver.
+        The actor ranks gather the full tensors in buckets and rank 0 streams them into the weight stash
+        (workers.weight_stash; waited for: the actor's own work); the driver then submits each replica's
+        load from the stash and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through
+        the driver, and the object store holds only the buckets in flight.
         """
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
-        buckets = self.actor.call("export_weights", bucket_bytes)[0]
-        return self.rollout.submit_weights(buckets, version)
+        if self.stash is None:
+            self.stash = remote_stash(len(self.rollout))
+        num_buckets = self.actor.call("export_weights", bucket_bytes, self.stash, version)[0]
+        return self.rollout.submit_weights(self.stash, version, num_buckets)
 
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch:
         """Old log-probs. ``for_update`` with ``actor.old_log_prob_layout=update``: split over the ranks
@@ -251,6 +256,9 @@ class RayWorkers:
                 group.shutdown()
         if hasattr(self, "rollout"):
             self.rollout.shutdown()
+        if getattr(self, "stash", None) is not None:
+            ray.kill(self.stash)
+            self.stash = None
         release(self.pool)
         if self._owns_ray:
             ray.shutdown()
@@ -281,6 +289,14 @@ def local_ray(num_cpus: int, **kwargs: Any) -> Iterator[None]:
     finally:
         if started:
             ray.shutdown()
+
+
+def object_store_bytes_used() -> int:
+    """Bytes in the object store of this Ray's nodes (the raylets' own stats; the benchmarks)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return int(get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+               .store_stats.object_store_bytes_used)
 
 
 def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:

@@ -69,8 +69,8 @@ class LocalWorkers:
         out.meta[WORKER_SECONDS] = time.perf_counter() - start  # in process: the worker's time is the call's
         return out
 
-    def generate_validation(self, batch: Batch) -> Batch:
-        return self.rollout.generate_validation(batch)
+    def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
+        return self.rollout.generate_validation(batch, seed=seed)
 
     def sync_weights(self) -> float:
         """Actor full weights -> the rollout backend; returns the backend's load seconds."""

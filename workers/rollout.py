@@ -16,9 +16,10 @@ pins the process's torch threads, so it should not share a process with an FSDP 
 Asynchronous training (rlpad.async_schedule) drives the replicas from the driver alone:
 :meth:`RolloutReplicas.submit_generate` and :meth:`RolloutReplicas.submit_weights` return at once,
 and Ray runs one caller's calls on an actor in the order they were submitted, so a weight load
-lands between two generations, after those submitted before it. The bucket objects are put by
-actor rank 0 (:func:`put_weight_buckets`); only their refs pass through the driver. Every replica
-stamps its output rows with the policy version it has loaded (``policy_version``).
+lands between two generations, after those submitted before it. The weights wait in a
+:class:`workers.weight_stash.WeightStash` (streamed in by actor rank 0, pulled by each replica when
+its queue reaches the load, a few buckets at a time); no weight passes through the driver. Every
+replica stamps its output rows with the policy version it has loaded (``policy_version``).
 """
 
 from __future__ import annotations
@@ -37,28 +38,46 @@ import torch
 from rlpad.async_schedule import VERSION_KEY
 from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
 from rlpad.config import DataConfig, RolloutConfig
+from rlpad.errors import WorkerFailed
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "push_weight_buckets", "put_weight_buckets",
-           "split_prompts"]
+__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "push_weight_buckets", "split_prompts",
+           "stream_buckets"]
 
 
 class RolloutWorker:
-    """Owns one rollout backend (``rollout.name``, rlpad.rollout.BACKENDS); every method runs in the actor."""
+    """Owns one rollout backend (``rollout.name``, rlpad.rollout.BACKENDS); every method runs in the actor.
+
+    A weight load that fails leaves the engine with mixed weights: from then on the replica refuses
+    to finish that sync and to generate (training and validation alike), raising
+    :class:`rlpad.errors.WorkerFailed` that names the replica (``name``) and the version.
+    """
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig,
-                 resolve_path: Callable[[str], str] | None = None, **backend_kwargs: Any):
+                 resolve_path: Callable[[str], str] | None = None, name: str = "rollout replica",
+                 **backend_kwargs: Any):
         if resolve_path is not None:  # driver path -> a path readable on this node (workers.staging)
             model_path = resolve_path(model_path)
             if backend_kwargs.get("tokenizer_path"):
                 backend_kwargs["tokenizer_path"] = resolve_path(backend_kwargs["tokenizer_path"])
         self.backend = build_rollout(model_path, rollout, data, **backend_kwargs)
+        self.name = name
         self.policy_version = 0  # weight syncs finished (or the version the driver named); stamped on every row
+        self.load_error: str | None = None  # a weight load's failure (sticky: the weights are mixed from then on)
+        self.load_error_version: int | None = None  # the policy version that load was for
 
     def _stamp(self, out: Batch) -> Batch:
         out[VERSION_KEY] = torch.full((len(out),), self.policy_version, dtype=torch.long)
         return out
+
+    def _load_failure(self) -> str:
+        return (f"the weight load of policy version {self.load_error_version} failed ({self.load_error}); "
+                "its weights are mixed")
+
+    def _check_weights(self, what: str) -> None:
+        if self.load_error is not None:
+            raise WorkerFailed(f"{self.name} refuses to {what}: {self._load_failure()}")
 
     def ready(self) -> bool:
         return True
@@ -72,21 +91,55 @@ class RolloutWorker:
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B left-padded prompt rows -> B*n rollout rows (docs/design.md layout); see RolloutBackend.generate.
         ``meta["worker_s"]`` is the seconds spent here."""
+        self._check_weights("generate")
         start = time.perf_counter()
         out = self._stamp(self.backend.generate(batch, seed=seed, prompt_offset=prompt_offset))
         return worker_seconds(out, time.perf_counter() - start)
 
-    def generate_validation(self, batch: Batch) -> Batch:
-        """Validation rollout (greedy, or ``rollout.val_kwargs``)."""
-        return self._stamp(self.backend.generate_validation(batch))
+    def generate_validation(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
+        """Validation rollout (greedy, or ``rollout.val_kwargs``), seeded like :meth:`generate`."""
+        self._check_weights("generate the validation rollout")
+        return self._stamp(self.backend.generate_validation(batch, seed=seed, prompt_offset=prompt_offset))
+
+    def _load(self, load: Callable[[], float], version: int | None) -> float:
+        """Run a weight load of policy ``version`` (None: the next one); a failure is kept
+        (:attr:`load_error`) and raised as WorkerFailed naming this replica and the version."""
+        self._check_weights("load more weights")
+        try:
+            return load()
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            self.load_error_version = self.policy_version + 1 if version is None else int(version)
+            raise WorkerFailed(f"{self.name}: {self._load_failure()}") from e
 
     def update_weights(self, named_tensors: NamedTensors) -> float:
         """Load the actor's full weights into the live engine in one piece; returns the seconds."""
-        return self.backend.update_weights(named_tensors)
+        return self._load(lambda: self.backend.update_weights(named_tensors), None)
 
-    def update_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
-        """Load one bucket of full tensors (whole units; ``partial``: one of several); returns the seconds."""
-        return self.backend.load_weights_bucket(named_tensors, partial=partial)
+    def update_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False,
+                              version: int | None = None) -> float:
+        """Load one bucket of full tensors (whole units; ``partial``: one of several) of policy ``version``
+        (None: the next one; only named in errors); returns the seconds."""
+        return self._load(lambda: self.backend.load_weights_bucket(named_tensors, partial=partial), version)
+
+    def load_from_stash(self, stash: Any, version: int, num_buckets: int, max_in_flight: int = 2) -> float:
+        """Load policy ``version`` from a :class:`workers.weight_stash.WeightStash` (its ``num_buckets``
+        buckets, pulled at most ``max_in_flight`` ahead), finish the sync and release the version there;
+        returns the seconds. Runs when this replica's queue reaches it (asynchronous training)."""
+        start = time.perf_counter()
+        partial = num_buckets > 1
+        try:
+            pending = deque(stash.get.remote(version, i) for i in range(min(max_in_flight, num_buckets)))
+            for i in range(num_buckets):
+                bucket = ray.get(pending.popleft())
+                if i + max_in_flight < num_buckets:
+                    pending.append(stash.get.remote(version, i + max_in_flight))
+                self.update_weights_bucket(bucket, partial, version)
+                del bucket
+            self.finish_weight_sync(version)
+        finally:
+            stash.release.remote(version)
+        return time.perf_counter() - start
 
     def sleep(self) -> bool:
         """Free the engine's device memory until the next :meth:`wake_up` (colocated layout)."""
@@ -100,9 +153,11 @@ class RolloutWorker:
 
     def finish_weight_sync(self, version: int | None = None) -> bool:
         """After the last bucket: drop what the old weights computed (vLLM's prefix cache); the engine now
-        holds policy ``version`` (None: one more than before)."""
+        holds policy ``version`` (None: one more than before). Refused (WorkerFailed) after a failed load."""
+        version = self.policy_version + 1 if version is None else int(version)
+        self._check_weights(f"finish the weight sync of policy version {version}")
         self.backend.finish_weight_update()
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        self.policy_version = version
         return True
 
 
@@ -139,9 +194,9 @@ class RolloutReplicas:
             {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
             for pg, index in placements]
         self._loads: list[ray.ObjectRef] = []  # weight loads submitted and not checked yet
-        self.actors = [remote.options(num_cpus=num_cpus, num_gpus=num_gpus, **w).remote(model_path, rollout, data,
-                                                                                      **backend_kwargs)
-                       for w in where]
+        self.actors = [remote.options(num_cpus=num_cpus, num_gpus=num_gpus, **w).remote(
+            model_path, rollout, data, name=f"rollout replica {i} of {num_replicas}", **backend_kwargs)
+            for i, w in enumerate(where)]
         try:
             self._get([a.ready.remote() for a in self.actors], timeout=ready_timeout_s)
         except BaseException:
@@ -157,11 +212,11 @@ class RolloutReplicas:
         except RayActorError as e:
             raise self._died(e) from e
 
-    def _died(self, error: RayActorError) -> RuntimeError:
+    def _died(self, error: RayActorError) -> WorkerFailed:
         """The error naming the replica that died (by its index, from the actor id Ray reports)."""
         index = [i for i, a in enumerate(self.actors) if a._actor_id.hex() == getattr(error, "actor_id", None)]
         who = f"rollout replica {index[0]} of {len(self.actors)}" if index else "a rollout replica"
-        return RuntimeError(f"{who} died or is unreachable: {error}")
+        return WorkerFailed(f"{who} died or is unreachable: {error}")
 
     def generate(self, batch: Batch, seed: int | None = None) -> Batch:
         """B prompt rows -> B*n rollout rows, the prompts split in whole groups across the replicas."""
@@ -176,22 +231,19 @@ class RolloutReplicas:
         self._loads = []  # checked by this generation's result: they ran before it
         return pending
 
-    def submit_weights(self, buckets: list[ray.ObjectRef], version: int) -> PendingRollout:
-        """Every replica loads the bucket objects (HF names, whole units) and becomes policy ``version``,
-        after the calls submitted before; returns at once (the result waits for the loads)."""
-        if not buckets:
+    def submit_weights(self, stash: Any, version: int, num_buckets: int) -> PendingRollout:
+        """Every replica loads policy ``version`` from the weight stash (``num_buckets`` buckets; HF names, whole
+        units), after the calls submitted before; returns at once (the result waits for the loads)."""
+        if num_buckets < 1:
             raise ValueError("submit_weights: no weight buckets")
-        partial = len(buckets) > 1
-        refs = []
-        for actor in self.actors:
-            refs += [actor.update_weights_bucket.remote(ref, partial) for ref in buckets]
-            refs.append(actor.finish_weight_sync.remote(version))
+        refs = [actor.load_from_stash.remote(stash, version, num_buckets) for actor in self.actors]
         self._loads += refs
         return PendingRollout(self, refs, [])
 
-    def generate_validation(self, batch: Batch) -> Batch:
-        """Validation rollout, split like :meth:`generate`."""
-        refs = self._spread(batch, lambda actor, part, _: actor.generate_validation.remote(part))
+    def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
+        """Validation rollout, split (and seeded) like :meth:`generate`."""
+        refs = self._spread(batch, lambda actor, part, offset: actor.generate_validation.remote(
+            part, seed=seed, prompt_offset=offset))
         return self._merge(self._get(refs))
 
     def _spread(self, batch: Batch, call: Callable[[Any, Batch, int], ray.ObjectRef]) -> list[ray.ObjectRef]:
@@ -258,9 +310,33 @@ class PendingRollout:
         return sum(float(s) for s in out if not isinstance(s, bool))
 
 
-def put_weight_buckets(buckets: Iterable[list[tuple[str, Any]]]) -> list[ray.ObjectRef]:
-    """Put every bucket of full tensors in the Ray object store (this process owns them); returns the refs."""
-    return [ray.put(bucket) for bucket in buckets]
+def stream_buckets(buckets: Iterable[list[tuple[str, Any]]], send: Callable[[ray.ObjectRef], list[ray.ObjectRef]],
+                   max_in_flight: int = 2) -> tuple[int, int]:
+    """Put each bucket once in the object store and ``send`` its ref (the calls that take it); at most
+    ``max_in_flight`` buckets outstanding: before putting bucket k, the calls of bucket k - max_in_flight
+    are waited for (and its object is released). Returns ``(bytes, buckets)``."""
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    in_flight: deque[list[ray.ObjectRef]] = deque()
+    total, count = 0, 0
+
+    def wait_oldest() -> None:
+        try:
+            ray.get(in_flight.popleft())
+        except RayActorError as e:
+            raise WorkerFailed(f"weight sync: a receiver died or is unreachable: {e}") from e
+
+    for bucket in buckets:
+        while len(in_flight) >= max_in_flight:
+            wait_oldest()
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+        count += 1
+        ref = ray.put(bucket)
+        in_flight.append(send(ref))
+        del ref, bucket  # the receivers' pending calls keep the object alive until they ran
+    while in_flight:
+        wait_oldest()
+    return total, count
 
 
 def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequence[Any], *,
@@ -273,32 +349,13 @@ def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequ
     until every replica has loaded bucket k - max_in_flight (and its object is released).
     Returns ``{"seconds", "bytes", "buckets"}``.
     """
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if not replicas:
         raise ValueError("push_weight_buckets: no replicas")
     start = time.perf_counter()
-    in_flight: deque[list[ray.ObjectRef]] = deque()
-    total, count = 0, 0
-
-    def wait_oldest() -> None:
-        try:
-            ray.get(in_flight.popleft())
-        except RayActorError as e:
-            raise RuntimeError(f"weight sync: a rollout replica died or is unreachable: {e}") from e
-
-    for bucket in buckets:
-        while len(in_flight) >= max_in_flight:
-            wait_oldest()
-        total += sum(t.numel() * t.element_size() for _, t in bucket)
-        count += 1
-        ref = ray.put(bucket)
-        in_flight.append([r.update_weights_bucket.remote(ref, partial) for r in replicas])
-        del ref, bucket  # the replicas' pending calls keep the object alive until they ran
-    while in_flight:
-        wait_oldest()
+    total, count = stream_buckets(buckets, lambda ref: [r.update_weights_bucket.remote(ref, partial) for r in replicas],
+                                  max_in_flight)
     try:
         ray.get([r.finish_weight_sync.remote() for r in replicas])
     except RayActorError as e:
-        raise RuntimeError(f"weight sync: a rollout replica died or is unreachable: {e}") from e
+        raise WorkerFailed(f"weight sync: a rollout replica died or is unreachable: {e}") from e
     return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}

@@ -1,5 +1,5 @@
 """The actor's full weights out of its FSDP2 shards: HF names, buckets, the push into the engines (or into the
-object store, for asynchronous training), HF folders.
+weight stash, for asynchronous training), HF folders.
 
 A mixin of :class:`workers.actor.ActorWorker` (it uses ``root``, ``model``, ``config``, ``rank``,
 ``world_size`` and ``role``). Every method here is a collective: FSDP2 all-gathers each tensor,
@@ -108,12 +108,13 @@ class WeightExportMixin:
         partial = len(self._bucket_plan(bucket_bytes)) > 1
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
-    def export_weights(self, bucket_bytes: int) -> list[Any] | None:
-        """The full weights in the Ray object store, one object per bucket, put by rank 0; a collective.
+    def export_weights(self, bucket_bytes: int, stash: Any, version: int, max_in_flight: int = 2) -> int | None:
+        """The full weights into a :class:`workers.weight_stash.WeightStash` as policy ``version``, streamed by
+        rank 0 (each bucket put in the object store once, at most ``max_in_flight`` outstanding); a collective.
 
-        Rank 0 returns the object refs (it owns the objects; whoever holds a ref keeps them alive), the
-        other ranks None. For asynchronous training: the driver queues each replica's loads of these
-        objects behind the generations already submitted to it (workers.rollout.RolloutReplicas.submit_weights).
+        Rank 0 returns the number of buckets, the other ranks None. For asynchronous training: each
+        replica pulls them from the stash when its queue reaches the load
+        (workers.rollout.RolloutReplicas.submit_weights).
         """
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be an int > 0, got {bucket_bytes!r}")
@@ -122,9 +123,10 @@ class WeightExportMixin:
             for _ in buckets:
                 pass
             return None
-        from workers.rollout import put_weight_buckets  # imports ray: only in a Ray worker
+        from workers.rollout import stream_buckets  # imports ray: only in a Ray worker
 
-        return put_weight_buckets(buckets)
+        index = iter(range(1 << 62))
+        return stream_buckets(buckets, lambda ref: [stash.put.remote(version, next(index), ref)], max_in_flight)[1]
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU (``None`` off rank 0 if ``rank0_only``): the local

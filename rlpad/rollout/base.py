@@ -103,17 +103,23 @@ class RolloutBackend(ABC):
         step's batch, for a replica that generates one slice of it (only a backend with
         :attr:`seeds_per_prompt`; the others seed the whole call).
         """
+        self._check_offset(seed, prompt_offset)
+        return self._generate(batch, self.sampling, seed, prompt_offset)
+
+    def generate_validation(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
+        """Validation rollout: greedy, or ``rollout.val_kwargs`` sampling when ``do_sample`` (seeded like
+        :meth:`generate`: the trainer passes a seed per step and validation batch, so a resumed run
+        samples what an uninterrupted one did)."""
+        self._check_offset(seed, prompt_offset)
+        return self._generate(batch, self.val_sampling, seed, prompt_offset)
+
+    def _check_offset(self, seed: int | None, prompt_offset: int) -> None:
         if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int) or prompt_offset < 0:
             raise ValueError(f"prompt_offset must be an int >= 0, got {prompt_offset!r}")
         if prompt_offset and seed is not None and not self.seeds_per_prompt:
             raise ValueError(f"{type(self).__name__} seeds a whole generate call, not each prompt: it cannot generate "
                              "a slice of a step's batch (prompt_offset > 0); use one replica or a backend that "
                              "seeds each prompt")
-        return self._generate(batch, self.sampling, seed, prompt_offset)
-
-    def generate_validation(self, batch: Batch) -> Batch:
-        """Validation rollout: greedy, or ``rollout.val_kwargs`` sampling when ``do_sample``."""
-        return self._generate(batch, self.val_sampling)
 
     def _generate(self, batch: Batch, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         batch.require("input_ids", "attention_mask", who="rollout.generate")
