@@ -77,12 +77,16 @@ class Recorder:
 
 
 class Stack:
-    """One worker stack for the module, reset to the step-0 checkpoint before each run."""
+    """One worker stack for the module, reset to the step-0 checkpoint before each run: ``recipe``
+    with ``extra`` overrides on top of :func:`overrides` (tests/test_async_variants.py sets both)."""
+
+    recipe: str = GRPO
+    extra: tuple[str, ...] = ()
 
     def __init__(self, root: str):
         init_local_ray(8, runtime_env={"env_vars": QUIET_ENV})  # this stack, and the dead-replica test's
         self.root = root
-        self.config = resolve_embedded(load_config(GRPO, overrides(os.path.join(root, "init"), 0)))
+        self.config = resolve_embedded(load_config(self.recipe, overrides(os.path.join(root, "init"), 0, *self.extra)))
         model = self.config.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.tokenizer_path or model.path)
         self.reward_fn = load_reward_fn(self.config.reward.fn)
@@ -97,7 +101,8 @@ class Stack:
         """Records and per-step sample versions of a run (each run once per module)."""
         if name not in self.runs:
             out = os.path.join(self.root, name)
-            config = resolve_embedded(load_config(GRPO, overrides(out, k, f"trainer.resume_mode={self.init}")))
+            config = resolve_embedded(load_config(self.recipe, overrides(out, k, *self.extra,
+                                                                         f"trainer.resume_mode={self.init}")))
             loader, val = build_datasets(config.data, self.tokenizer)
             recorder = Recorder(wrap(self.workers))
             trainer_cls(config, recorder, self.tokenizer, loader, val, self.reward_fn).fit()

@@ -18,19 +18,11 @@ import time
 import uuid
 
 import pytest
-from test_async import (CACHE, GATED_REWARD, ROOT, STEPS, Recorder, ctrl_c_default, left_behind, numbers,
-                        overrides, records)
+import test_async
+from test_async import GATED_REWARD, ROOT, STEPS, ctrl_c_default, left_behind, numbers, overrides, records
 
 from gated_reward import HOLD_WHILE
-from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
 from rlpad.async_schedule import Sequential
-from rlpad.checkpoint import CheckpointDir
-from rlpad.config_loader import load_config
-from rlpad.core.models import load_tokenizer
-from rlpad.data import build_datasets
-from rlpad.rewards import load_reward_fn
-from rlpad.train import resolve_embedded
-from rlpad.trainer import Trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -44,32 +36,10 @@ def variant(out_dir: str, k: int, *extra: str) -> list[str]:
     return overrides(out_dir, k, *VARIANT, *extra)
 
 
-class Stack:
-    """One PPO worker stack (two replicas) for the module, reset to the step-0 checkpoint before each run."""
+class Stack(test_async.Stack):
+    """test_async's stack on the PPO recipe with two replicas."""
 
-    def __init__(self, root: str):
-        init_local_ray(8, runtime_env={"env_vars": QUIET_ENV})
-        self.root = root
-        self.config = resolve_embedded(load_config(PPO, variant(os.path.join(root, "init"), 0)))
-        model = self.config.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path)
-        self.reward_fn = load_reward_fn(self.config.reward.fn)
-        self.workers = launch_workers(self.config)
-        checkpoints = CheckpointDir(os.path.join(root, "init"))
-        self.workers.save_checkpoint(checkpoints.staging(0))
-        loader, _ = build_datasets(self.config.data, self.tokenizer)
-        self.init = checkpoints.publish(0, {"step": 0, "loader": loader.state_dict(), "history": []})
-        self.runs: dict[str, tuple[dict[int, dict], list]] = {}
-
-    def train(self, name: str, k: int, wrap=lambda w: w) -> tuple[dict[int, dict], list]:
-        if name not in self.runs:
-            out = os.path.join(self.root, name)
-            config = resolve_embedded(load_config(PPO, variant(out, k, f"trainer.resume_mode={self.init}")))
-            loader, val = build_datasets(config.data, self.tokenizer)
-            recorder = Recorder(wrap(self.workers))
-            Trainer(config, recorder, self.tokenizer, loader, val, self.reward_fn).fit()
-            self.runs[name] = records(out), recorder.versions
-        return self.runs[name]
+    recipe, extra = PPO, VARIANT
 
 
 @pytest.fixture(scope="module")
