@@ -28,8 +28,10 @@ def compute_values(
     share_prompts: bool = False,
     check: bool = True,
     sp: SequenceParallel | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Values ``(B, R)`` in fp32 of the response tokens; zero on padding. Differentiable.
+    """Values ``(B, R)`` in fp32 of the response tokens; zero on padding and, with ``response_mask``,
+    on the tokens it marks 0 (tool output). Differentiable.
 
     ``share_prompts``: each distinct prompt once (see :func:`rlpad.core.forward.scoring_hidden_states`).
     ``check=False`` skips the input checks (the caller ran :func:`check_model_inputs` already).
@@ -38,10 +40,11 @@ def compute_values(
     sp = active(sp)
     if check:
         check_model_inputs(backbone, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
+                           response_mask=response_mask)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
-        share_prompts=share_prompts, sp=sp,
+        share_prompts=share_prompts, sp=sp, response_mask=response_mask,
     )
     values = value_head(hidden).float().squeeze(-1)  # (N,)
     return response_grid(values, response_idx, input_ids.shape[0], response_length, sp)
@@ -66,8 +69,10 @@ class ValueModel(nn.Module):
         self.value_head = head.to(dtype=ref.dtype, device=ref.device)
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
-                share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None):
+                share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None,
+                response_mask: torch.Tensor | None = None):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
             use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check, sp=sp,
+            response_mask=response_mask,
         )
