@@ -140,6 +140,12 @@ def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     return toy_score(solution_str, ground_truth, extra_info)
 
 
+def _toy_tools(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    from rlpad.embedded.toy_tools import tools_score
+
+    return tools_score(solution_str, ground_truth, extra_info)
+
+
 def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     from rlpad.embedded.toy_long import run_score
 
@@ -155,6 +161,7 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "math": boxed_score,
     "rlpad/toy_add": _toy,
     "rlpad/toy_alphabet": _toy_long,
+    "rlpad/toy_tools": _toy_tools,
 }
 
 

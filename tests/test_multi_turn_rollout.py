@@ -180,3 +180,19 @@ def test_hf_backend_runs_the_loop_with_real_tool_calls(hf_backend, monkeypatch):
     after[:, : len(script)] = False  # the forced call has no sampled log-prob
     assert after.any()
     assert (lp - out["rollout_log_probs"])[after].abs().max() < 1e-4
+
+
+def test_hf_generate_unpadded_batch_attends_to_the_whole_cache():
+    """Regression (found by the multi-turn task): rlpad_varlen under ``generate`` with an unpadded
+    batch (no mask) decodes one query against the KV cache: causal from the bottom right, so the
+    greedy tokens equal those of sdpa (before the fix the query saw key 0 only)."""
+    from transformers import GenerationConfig
+
+    ids = torch.randint(3, 80, (2, 6), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for attn in ("rlpad_varlen", "sdpa"):
+        model = make_model()
+        model.set_attn_implementation(attn)
+        config = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+        outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config))
+    assert torch.equal(outs[0], outs[1])
