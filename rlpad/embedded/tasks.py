@@ -70,7 +70,7 @@ TASKS: dict[str, EmbeddedTask] = {
         dataset_tag=lambda cfg: f"toy_tools-{cfg.data_seed}-{cfg.n_val}",
         score=toy_tools.tools_score,
         max_answer_tokens=20,  # "[calc(99+99)]" + "198" + EOS, with spares
-        version="toy_tools-calc-1",
+        version="toy_tools-calc-2",
     ),
     "toy_long": EmbeddedTask(
         name="toy_long",

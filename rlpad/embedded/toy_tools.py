@@ -62,7 +62,7 @@ def trace(a: int, b: int, use_tool: bool) -> list[Segment]:
 
 
 def sft_examples(n: int, seed: int = 0, *, n_val: int = 100, max_operand: int = 99,
-                 tool_share: float = 0.5) -> list[tuple[str, list[Segment]]]:
+                 tool_share: float = 0.2) -> list[tuple[str, list[Segment]]]:
     """``n`` warm-start examples ``(prompt, answer segments)`` from the training pool; a ``tool_share``
     of them call the tool, the rest answer directly (with a wrong sum: what the model would guess)."""
     pool, _ = split_pairs(n_val, seed, max_operand)
