@@ -52,14 +52,16 @@ def turn_seed(seed: int, prompt: int, sample: int, turn: int) -> int:
     return (((seed * 1_000_003 + prompt) * 1_009 + sample) * 101 + turn) % (2**63 - 1)
 
 
-def _cut_turn(tokens: list[int], log_probs: list[float], eos: frozenset[int], end: str,
+def _cut_turn(tokens: list[int], eos: frozenset[int], end: str,
               decode: Callable[[list[int]], str]) -> tuple[int, bool, bool]:
     """``(kept, ended_by_eos, ended_by_call)``: the tokens of a turn up to its first EOS or the end of
-    its first tool call (decoded text), whichever comes first."""
+    its first tool call (decoded text), whichever comes first. Each check decodes a window of the
+    last ``2 * len(end)`` tokens (a token is at least one character), not the whole prefix."""
+    window = 2 * len(end)
     for i, t in enumerate(tokens):
         if t in eos:
             return i + 1, True, False
-        if end and decode(tokens[: i + 1]).endswith(end):
+        if end and decode(tokens[max(0, i + 1 - window): i + 1]).endswith(end):
             return i + 1, False, True
     return len(tokens), False, False
 
@@ -94,7 +96,7 @@ def run_agent_loop(
         for k, toks, lp in zip(active, outs, lps):
             t = trajs[k]
             toks, lp = list(toks)[: budget - len(t.tokens)], list(lp)
-            kept, by_eos, by_call = _cut_turn(toks, lp, eos, tools.format.end, decode)
+            kept, by_eos, by_call = _cut_turn(toks, eos, tools.format.end, decode)
             t.extend(toks[:kept], 1, lp[:kept])
             t.num_turns += 1
             if by_eos or not by_call or turn == max_turns - 1 or len(t.tokens) >= budget:
