@@ -36,7 +36,9 @@ def test_local_equals_ray_and_async_and_sp_run(tmp_path):
         keys = [k for k in local[step] if k != "step" and not k.startswith(VOLATILE)]
         assert sorted(keys) == sorted(k for k in ray_[step] if k != "step" and not k.startswith(VOLATILE))
         for key in keys:
-            assert local[step][key] == pytest.approx(ray_[step][key], rel=1e-5, abs=1e-8), (step, key)
+            # the engine-vs-actor mismatch is fp32 noise (~1e-6): the hf engine's threads differ per stack
+            tol = dict(abs=1e-5) if "mismatch/" in key else dict(rel=1e-5, abs=1e-8)
+            assert local[step][key] == pytest.approx(ray_[step][key], **tol), (step, key)
         assert local[step]["actor/first_mini_batch/log_ratio_abs_max"] == ray_[step]["actor/first_mini_batch/log_ratio_abs_max"] == 0.0
     assert local[2]["val/reward"] == ray_[2]["val/reward"]
 
