@@ -215,7 +215,8 @@ def test_vllm_agent_loop_is_split_invariant_and_scores_generated_tokens(setup):
     def steer(contexts, sampling, seeds):  # the first turn writes the call (a forced prefix)
         fresh = [len(c) <= P for c in contexts]
         ctx = [c + script if f else c for c, f in zip(contexts, fresh)]
-        toks, lps = backend._sample_each(ctx, replace(sampling, max_tokens=sampling.max_tokens - len(script)), seeds)
+        cut = len(script) if any(fresh) else 0
+        toks, lps = backend._sample_each(ctx, replace(sampling, max_tokens=sampling.max_tokens - cut), seeds)
         return ([script + t if f else t for t, f in zip(toks, fresh)],
                 [[0.0] * len(script) + lp if f else lp for lp, f in zip(lps, fresh)])
 
