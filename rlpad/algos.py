@@ -195,7 +195,8 @@ def compute_gae_advantages(
     """GAE over the response tokens: ``(whitened advantages, returns)``, both ``(B, R)``.
 
     Backwards over t: ``delta = r_t + gamma * V_next - V_t``, ``A_t = delta + gamma * lam *
-    A_next``; masked-out positions are skipped (they carry ``V_next`` and ``A_next`` through).
+    A_next``; masked-out positions (padding, tool output inside a multi-turn response) are skipped:
+    they carry ``V_next`` and ``A_next`` through and are 0 in both outputs.
     ``returns = A + values`` (raw A); the advantages are then whitened over the mask.
     """
     _check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
@@ -215,8 +216,9 @@ def compute_gae_advantages(
         last_adv = adv_t * m + (1 - m) * last_adv
         reversed_adv.append(last_adv)
     advantages = torch.stack(reversed_adv[::-1], dim=1)
-    returns = advantages + values
-    return masked_whiten(advantages, response_mask), returns
+    # Masked-out positions (padding, multi-turn tool output) are exactly 0 in both outputs.
+    returns = (advantages + values) * mask
+    return masked_whiten(advantages, response_mask) * mask, returns
 
 
 # ----------------------------------------------------------------------------- losses

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
-    "ModelConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
+    "ModelConfig", "MultiTurnConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
     "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
@@ -149,6 +149,18 @@ class ValidationSamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's ``rollout.multi_turn`` keys where they fit; docs/multi_turn.md)."""
+
+    enable: bool = False  # generate, call a tool, append its output, go on (tool output is context, never loss)
+    max_assistant_turns: int = 3  # generated turns per response at most (a tool call ends a turn)
+    max_tool_response_length: int = 256  # tokens of one tool message; longer: an error observation instead
+    format: str = "hermes"  # tool-call syntax: hermes (<tool_call>{json}</tool_call>) | bracket ([name(text)])
+    tools: list[str] = field(default_factory=list)  # rlpad: tool functions, 'pkg.module:function' (name = function)
+    tool_timeout: float = 10.0  # seconds a tool may run; past it the turn gets an error observation
+
+
+@dataclass
 class RolloutConfig:
     """Generation: the engine, its sampling and sizing, and the log-prob micro-batches of the old policy."""
 
@@ -174,6 +186,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False  # old log-prob micro-batches by a token budget (layout log_prob)
     log_prob_max_token_len_per_gpu: int = 16384  # the token budget with log_prob_use_dynamic_bsz
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

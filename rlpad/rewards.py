@@ -32,7 +32,7 @@ from rlpad.batch import Batch
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
-    "extract_gsm8k_answer", "gsm8k_score", "load_reward_fn", "normalize_answer", "place_scores",
+    "extract_gsm8k_answer", "gsm8k_score", "load_function", "load_reward_fn", "normalize_answer", "place_scores",
     "score_batch", "score_responses",
 ]
 
@@ -140,6 +140,12 @@ def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     return toy_score(solution_str, ground_truth, extra_info)
 
 
+def _toy_tools(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    from rlpad.embedded.toy_tools import tools_score
+
+    return tools_score(solution_str, ground_truth, extra_info)
+
+
 def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     from rlpad.embedded.toy_long import run_score
 
@@ -155,6 +161,7 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "math": boxed_score,
     "rlpad/toy_add": _toy,
     "rlpad/toy_alphabet": _toy_long,
+    "rlpad/toy_tools": _toy_tools,
 }
 
 
@@ -180,29 +187,35 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     """The function named by ``"pkg.module:function"`` or ``"path/to/file.py:function"`` (None: default)."""
     if spec is None or spec == "rlpad.rewards:compute_score":
         return compute_score
+    return load_function(spec, "reward.fn")
+
+
+def load_function(spec: str, key: str) -> Any:
+    """The function named by ``spec`` (``"pkg.module:function"`` or ``"path/to/file.py:function"``);
+    ValueError naming the config ``key`` when it cannot be found."""
     module_name, sep, func_name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not module_name or not func_name:
-        raise ValueError(f"reward.fn={spec!r} must name a function as 'package.module:function'")
+        raise ValueError(f"{key}={spec!r} must name a function as 'package.module:function'")
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
-                raise ValueError(f"reward.fn={spec!r}: file {module_name!r} does not exist")
-            file_spec = importlib.util.spec_from_file_location(f"rlpad_custom_reward_{abs(hash(module_name))}",
+                raise ValueError(f"{key}={spec!r}: file {module_name!r} does not exist")
+            file_spec = importlib.util.spec_from_file_location(f"rlpad_custom_{abs(hash(module_name))}",
                                                                module_name)
             module = importlib.util.module_from_spec(file_spec)
             file_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward.fn={spec!r}: cannot import module {module_name!r} ({e})") from None
+        raise ValueError(f"{key}={spec!r}: cannot import module {module_name!r} ({e})") from None
     fn = getattr(module, func_name, None)
     if fn is None:
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
         close = difflib.get_close_matches(func_name, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"reward.fn={spec!r}: module {module_name!r} has no function {func_name!r}{hint}")
+        raise ValueError(f"{key}={spec!r}: module {module_name!r} has no function {func_name!r}{hint}")
     if not callable(fn):
-        raise ValueError(f"reward.fn={spec!r}: {func_name!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{key}={spec!r}: {func_name!r} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -298,6 +298,11 @@ class Trainer:
             "response_length/mean": float(mask.sum(1).mean()), "response_length/max": float(mask.sum(1).max()),
             "padding_ratio": 1.0 - valid / attention.numel(),
         }
+        if "tool_calls" in batch:  # multi-turn rollouts (rlpad.rollout.agent)
+            out.update({"multi_turn/tool_calls": float(batch["tool_calls"].sum()),
+                        "multi_turn/tool_errors": float(batch["tool_errors"].sum()),
+                        "multi_turn/num_turns/mean": float(batch["num_turns"].float().mean()),
+                        "multi_turn/tool_tokens/mean": float((attention[:, -mask.shape[1]:] - mask).sum(1).mean())})
         out.update({f"timing_s/{k}": v for k, v in timing.items()})
         throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
                       "update_actor": valid * epochs, "update_critic": valid * epochs}

@@ -132,14 +132,15 @@ def test_gae_hand_example():
     rewards, values, mask = t([[0.0, 1.0, 0.0]]), t([[0.5, 0.2, 9.0]]), torch.tensor([[1, 1, 0]])
     adv, ret = compute_gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
     raw = [-0.32 + 0.72 * 0.8, 0.8, 0.0]
-    assert ret[0].tolist() == pytest.approx([raw[0] + 0.5, 1.0, 9.0], abs=1e-12)
+    assert ret[0].tolist() == pytest.approx([raw[0] + 0.5, 1.0, 0.0], abs=1e-12)  # 0 off the mask
     mean = (raw[0] + raw[1]) / 2
     var = ((raw[0] - mean) ** 2 + (raw[1] - mean) ** 2) / (2 - 1)
-    assert adv[0].tolist() == pytest.approx([(x - mean) / math.sqrt(var + 1e-8) for x in raw], abs=1e-9)
+    assert adv[0].tolist() == pytest.approx([(x - mean) / math.sqrt(var + 1e-8) for x in raw[:2]] + [0.0], abs=1e-9)
+    assert adv[0, 2].item() == 0.0 and ret[0, 2].item() == 0.0
 
 
 def gae_plain(rewards, values, mask, gamma, lam):
-    """Independent per-row loop: masked tokens are skipped (observation tokens)."""
+    """Independent per-row loop: masked tokens (padding, multi-turn tool output) are skipped and 0."""
     adv_rows, ret_rows = [], []
     for r, v, m in zip(rewards, values, mask):
         adv = [0.0] * len(r)
@@ -153,8 +154,8 @@ def gae_plain(rewards, values, mask, gamma, lam):
         ret_rows.append([a + x for a, x in zip(adv, v)])
     valid = [a for row, mr in zip(adv_rows, mask) for a, mm in zip(row, mr) if mm]
     mean, var = statistics.fmean(valid), statistics.variance(valid)
-    white = [[(a - mean) / math.sqrt(var + 1e-8) for a in row] for row in adv_rows]
-    return white, ret_rows
+    white = [[(a - mean) / math.sqrt(var + 1e-8) * mm for a, mm in zip(row, mr)] for row, mr in zip(adv_rows, mask)]
+    return white, [[x * mm for x, mm in zip(row, mr)] for row, mr in zip(ret_rows, mask)]
 
 
 # An int mask makes the whitening counts float32 (torch's default dtype), as in verl.

@@ -195,3 +195,56 @@ def test_rollout_vs_actor_mismatch_on_a_real_rollout(setup):
     assert 0 < drop["masked_seq_frac"] <= 1
     _, kept, none = apply_rollout_correction(actor_log_probs(model), rollout, mask, "seq_mask", 1.2)
     assert torch.equal(kept, mask) and none["masked_seq_frac"] == 0  # no mismatch, nothing dropped
+
+
+def test_vllm_agent_loop_is_split_invariant_and_scores_generated_tokens(setup):
+    """The multi-turn loop on the live engine (one request per sample and turn, seeded by (seed,
+    prompt, sample, turn)): two replicas' halves (prompt_offset) sample what one engine does; the
+    engine's log-probs of the generated tokens equal the actor's forward with response_mask."""
+    from rlpad.core.forward import compute_log_probs
+    from rlpad.embedded.tiny import build_tokenizer
+    from rlpad.rollout.agent import run_agent_loop
+    from rlpad.rollout.base import Sampling
+    from rlpad.rollout.layout import build_rollout_batch
+    from rlpad.rollout.tools import ToolSet
+
+    model, _, backend = setup
+    tok = build_tokenizer()
+    script = tok.encode("[calc(2+3)]", add_special_tokens=False)
+
+    def steer(contexts, sampling, seeds):  # the first turn writes the call (a forced prefix)
+        fresh = [len(c) <= P for c in contexts]
+        ctx = [c + script if f else c for c, f in zip(contexts, fresh)]
+        cut = len(script) if any(fresh) else 0
+        toks, lps = backend._sample_each(ctx, replace(sampling, max_tokens=sampling.max_tokens - cut), seeds)
+        return ([script + t if f else t for t, f in zip(toks, fresh)],
+                [[0.0] * len(script) + lp if f else lp for lp, f in zip(lps, fresh)])
+
+    tools = ToolSet({"calc": lambda text: str(sum(map(int, text.split("+"))))}, "bracket", 5.0, 8,
+                    lambda s: len(tok.encode(s, add_special_tokens=False)))
+    prompts = [list(range(3, 3 + n)) for n in (4, 7, 2, 9)]
+
+    def loop(ps, offset):
+        return run_agent_loop(steer, ps, Sampling(2, 0.9, 1.0, -1, R), tools=tools, max_turns=3,
+                              eos=backend.eos_token_ids, decode=tok.decode,
+                              render_tool=lambda s: tok.encode(s, add_special_tokens=False), seed=11,
+                              prompt_offset=offset)
+
+    whole = loop(prompts, 0)
+    halves = loop(prompts[:2], 0) + loop(prompts[2:], 2)
+    assert [t.tokens for t in whole] == [t.tokens for t in halves]
+    assert all(t.tool_calls == 1 and 0 in t.generated for t in whole)
+    from rlpad.batch import Batch
+    from rlpad.core.layout import left_pad
+
+    ids, mask = left_pad(prompts, P, 0)
+    out = build_rollout_batch(Batch({"input_ids": ids, "attention_mask": mask}), prompts,
+                              [t.tokens for t in whole], [t.log_probs for t in whole], n=2, prompt_width=P,
+                              response_length=R, pad_token_id=0, eos_token_ids=backend.eos_token_ids,
+                              generated=[t.generated for t in whole])
+    lp, _ = compute_log_probs(model, out["input_ids"], out["attention_mask"], out["position_ids"], R,
+                              use_remove_padding=True, temperature=0.9, response_mask=out["response_mask"])
+    sampled = out["response_mask"].bool().clone()
+    sampled[:, : len(script)] = False  # the forced call has no sampled log-prob
+    assert sampled.any() and (lp - out["rollout_log_probs"])[sampled].abs().max() <= 1e-4
+    assert (out["rollout_log_probs"][~out["response_mask"].bool()] == 0).all()

@@ -9,7 +9,8 @@ with and without shared prompts; a GQA model with 4 query / 2 key-value heads at
 with 8 / 2 at sp = 4 (the query -> key/value head mapping across ranks). Gradients of the
 token-mean PPO loss, summed over the ranks, equal sp = 1, and every rank of a group computes the
 same loss (the gradient rule's assumption). A negative control without the exchange
-(each rank attends within its own slice) must fail.
+(each rank attends within its own slice) must fail. The rows are multi-turn: tool spans inside the
+responses (attended, response_mask 0), so only generated tokens are scored and tool entries are 0.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
 from rlpad.core.sequence_parallel import RowShard, SequenceParallel
 from rlpad.core.value import ValueModel
-from rlpad.embedded.synthetic import grpo_batch
+from rlpad.embedded.synthetic import grpo_batch, with_tool_spans
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 from spawn_ranks import spawn_ranks
 
@@ -42,7 +43,7 @@ def make_batch() -> dict[str, torch.Tensor]:
     single = grpo_batch(2, 1, PROMPT, RESPONSE, vocab_size=VOCAB, seed=8, min_prompt=2)
     out = {k: torch.cat([b[k], single[k][1:]]) for k in ("input_ids", "attention_mask")}
     out["position_ids"] = position_ids_from_mask(out["attention_mask"])
-    mask = out["attention_mask"][:, PROMPT:].float()
+    mask = with_tool_spans(out["attention_mask"][:, PROMPT:], seed=4).float()  # multi-turn rows
     gen = torch.Generator().manual_seed(0)
     out["response_mask"] = mask
     out["advantages"] = torch.randn(mask.shape, generator=gen) * mask
@@ -66,13 +67,15 @@ def score(name: str, b: dict, share: bool, sp=None, *, grads: bool = False, glob
     model = model_of(name)
     args = (b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE)
     out = {}
+    scored = b["response_mask"]
     with torch.no_grad():
         out["lp"], out["ent"] = compute_log_probs(model, *args, use_remove_padding=True, share_prompts=share,
-                                                  calculate_entropy=True, sp=sp)  # fmt: skip
+                                                  calculate_entropy=True, sp=sp, response_mask=scored)  # fmt: skip
         critic = ValueModel(model_of(name), seed=5)
-        out["values"] = critic(*args, use_remove_padding=True, share_prompts=share, sp=sp)
+        out["values"] = critic(*args, use_remove_padding=True, share_prompts=share, sp=sp, response_mask=scored)
     if grads:
-        lp, _ = compute_log_probs(model, *args, use_remove_padding=True, share_prompts=share, sp=sp)
+        lp, _ = compute_log_probs(model, *args, use_remove_padding=True, share_prompts=share, sp=sp,
+                                  response_mask=scored)
         old = (out["lp"] + b["old_noise"]).detach()
         loss, _ = compute_policy_loss(old, lp, b["advantages"], b["response_mask"], global_tokens=global_tokens)
         loss.backward()
@@ -173,7 +176,7 @@ def alone(batch):
                 logp = model(seq, use_cache=False).logits[0].double().log_softmax(-1)
                 v = critic.value_head(critic.backbone(seq, use_cache=False).last_hidden_state[0]).squeeze(-1)
                 start = int(mask[row, :PROMPT].sum()) - 1  # the state scoring response token 0
-                for t in range(int(mask[row, PROMPT:].sum())):
+                for t in batch["response_mask"][row].nonzero().flatten().tolist():  # generated tokens only
                     lp[row, t] = logp[start + t, seq[0, start + t + 1]]
                     ent[row, t] = -(logp[start + t].exp() * logp[start + t]).sum()
                     values[row, t] = v[start + t]

@@ -24,7 +24,7 @@ from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
-from workers.contract import FORWARD, Contract, batch_method
+from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
 from workers.offload import StateOffloader
 from workers.weight_export import WeightExportMixin, hf_name
@@ -38,9 +38,8 @@ def update_contract(config: ActorRolloutRefConfig) -> Contract:
     """``update_actor``'s batch: FORWARD, the loss inputs (``ref_log_probs`` iff ``use_kl_loss``)
     and the optional rollout-correction weights."""
     kl = ("ref_log_probs",) if config.actor.use_kl_loss else ()
-    return Contract(required=(*FORWARD.required, "response_mask", "old_log_probs", "advantages", *kl),
-                    optional=(*FORWARD.optional, "rollout_is_weights"),
-                    finite=("old_log_probs", "advantages", *kl, "rollout_is_weights"))
+    return forward_plus(("response_mask", "old_log_probs", "advantages", *kl), ("rollout_is_weights",),
+                        finite=("old_log_probs", "advantages", *kl, "rollout_is_weights"))
 
 
 class ActorWorker(WeightExportMixin, FSDPWorker):
@@ -85,7 +84,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             share_prompts=mcfg.share_prompts, share_min_saved=mcfg.share_prompts_min_saved_fraction,
             temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (@batch_method)
-            sp=self.sp,
+            sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
         )  # fmt: skip
 
     def _temperature(self, batch: Batch) -> float:

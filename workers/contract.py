@@ -29,7 +29,7 @@ from rlpad.core.forward import check_model_inputs
 from rlpad.core.sequence_parallel import SequenceParallel
 
 __all__ = ["FORWARD", "INPUT_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch", "contract_of",
-           "finite_check"]
+           "finite_check", "forward_plus"]
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -63,8 +63,16 @@ class Contract:
         return [k for k in self.keys if k in batch]
 
 
-FORWARD = Contract(required=("input_ids", "attention_mask", "responses"), optional=("position_ids",))
-"""What the scoring core reads (rlpad.core.forward): every log-prob and value method's batch."""
+FORWARD = Contract(required=("input_ids", "attention_mask", "responses"), optional=("position_ids", "response_mask"))
+"""What the scoring core reads (rlpad.core.forward): every log-prob and value method's batch.
+``response_mask`` (when present) says which response tokens are scored: multi-turn tool output is not."""
+
+
+def forward_plus(required: tuple[str, ...], optional: tuple[str, ...] = (), finite: tuple[str, ...] = ()) -> Contract:
+    """:data:`FORWARD` and more keys (a key it reads when present may become required)."""
+    req = (*FORWARD.required, *required)
+    return Contract(required=req, optional=tuple(k for k in (*FORWARD.optional, *optional) if k not in req),
+                    finite=finite)
 
 
 class _Declared(dict):
@@ -138,7 +146,8 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
     try:
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
                            response_length, use_remove_padding=use_remove_padding,
-                           share_prompts=share_prompts, sp=sp)  # fmt: skip
+                           share_prompts=share_prompts, sp=sp,
+                           response_mask=batch.tensors.get("response_mask") if "response_mask" in keys else None)  # fmt: skip
     except TypeError as e:
         raise ValueError(f"{who}: {e}") from e
     return response_length

@@ -13,13 +13,12 @@ from rlpad.batch import Batch
 from rlpad.config import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
-from workers.contract import FORWARD, Contract, batch_method
+from workers.contract import FORWARD, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
 
 __all__ = ["CriticWorker"]
 
-UPDATE = Contract(required=(*FORWARD.required, "response_mask", "values", "returns"), optional=FORWARD.optional,
-                  finite=("values", "returns"))
+UPDATE = forward_plus(("response_mask", "values", "returns"), finite=("values", "returns"))
 
 
 class CriticWorker(FSDPWorker):
@@ -59,7 +58,7 @@ class CriticWorker(FSDPWorker):
             share_prompts=self.config.model.share_prompts,
             share_min_saved=self.config.model.share_prompts_min_saved_fraction,
             check=False,  # checked where it entered (@batch_method)
-            sp=self.sp,
+            sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
         )  # fmt: skip
 
     def _micro(self) -> tuple[int | None, int | None]:

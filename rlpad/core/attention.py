@@ -113,18 +113,21 @@ def sequence_bounds(
     return [*starts, total]
 
 
-def _causal_window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """Boolean (L, L) mask: causal, and key within ``window`` tokens of the query (transformers' rule)."""
-    i = torch.arange(length, device=device)
-    diff = i[:, None] - i[None, :]
-    return (diff >= 0) & (diff < window)
+def _causal_window_mask(length: int, window: int | None, device: torch.device, keys: int | None = None) -> torch.Tensor:
+    """Boolean (L, K) mask: causal, and key within ``window`` tokens of the query (transformers' rule).
+    ``keys`` K > L (decoding with a KV cache): the L queries are the last L of the K positions."""
+    keys = length if keys is None else keys
+    i = torch.arange(keys - length, keys, device=device)
+    diff = i[:, None] - torch.arange(keys, device=device)[None, :]
+    return (diff >= 0) & (diff < window) if window is not None else diff >= 0
 
 
 def _sdpa(q, k, v, *, scale, dropout, window):
-    """Causal sdpa on (B, H, L, D) tensors, with a sliding-window mask when it bites."""
-    length = q.shape[2]
-    if window is not None and length > window:
-        mask = _causal_window_mask(length, window, q.device)
+    """Causal sdpa on (B, H, L, D) tensors, with a sliding-window mask when it bites. With a KV cache
+    (more keys than queries, as in ``generate``) the queries are the last positions (bottom-right causal)."""
+    length, keys = q.shape[2], k.shape[2]
+    if keys != length or (window is not None and length > window):
+        mask = _causal_window_mask(length, window, q.device, keys)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
 

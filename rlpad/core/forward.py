@@ -89,15 +89,16 @@ def check_model_inputs(
     use_remove_padding: bool,
     share_prompts: bool = False,
     sp: SequenceParallel | None = None,
+    response_mask: torch.Tensor | None = None,
 ) -> None:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
-    ``model``) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
+    ``model``; ``response_mask`` inside the response's attention mask) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
     for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding)."""
     check_share_prompts(use_remove_padding, share_prompts)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
     check_rollout_tensors(model.get_input_embeddings().num_embeddings, input_ids, attention_mask, position_ids,
-                          response_length)  # fmt: skip
+                          response_length, response_mask)  # fmt: skip
     if use_remove_padding:
         require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
     if sp is not None:
@@ -130,9 +131,12 @@ def scoring_hidden_states(
     sp: SequenceParallel | None = None,
     host: HostBatch | None = None,
     share_min_saved: float = 0.0,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden (N, H), response_idx (N,))``: the states that score the N valid response tokens and
+    """``(hidden (N, H), response_idx (N,))``: the states that score the N scored response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
+    Scored: ``response_mask`` (B, R) == 1 (the tokens the policy generated) when given, else every
+    valid response token; tool output (attention 1, response_mask 0) is attended, never scored.
 
     Valid response token (b, t) is scored by the hidden state of token (b, P + t - 1), a valid
     token of the same sequence (P = S - R): in the packed row that is its slot in the gather; with
@@ -151,7 +155,10 @@ def scoring_hidden_states(
     check_sequence_parallel(use_remove_padding, sp)
     device = input_ids.device
     if host is None:
-        host = HostBatch.of(input_ids, attention_mask, position_ids)  # the one read of the batch
+        host = HostBatch.of(input_ids, attention_mask, position_ids, response_mask)  # the one read of the batch
+    elif response_mask is not None and host.response_mask is None:
+        raise ValueError("scoring_hidden_states: response_mask given but the host copy `host` has none; "
+                         "build it with HostBatch.of(..., response_mask)")
     seqlen = input_ids.shape[1]
     prompt_length = seqlen - response_length
     if not use_remove_padding:
@@ -166,7 +173,7 @@ def scoring_hidden_states(
     groups = _groups_to_share(host, response_length, share_min_saved) if share_prompts else None
     if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
-                                  pad_to=pad_to, groups=groups).to(device)
+                                  pad_to=pad_to, groups=groups, response_mask=host.response_mask).to(device)
         ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids[0], row.score_index, row.response_idx
         attention = {SEGMENTS_KWARG: row.segments}
     else:
@@ -220,8 +227,11 @@ def compute_log_probs(
     sp: SequenceParallel | None = None,
     host: HostBatch | None = None,
     share_min_saved: float = 0.0,
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding.
+    """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding and,
+    with ``response_mask`` (B, R), exactly zero on every response token it marks 0 (tool output:
+    attended as context, never scored, so no gradient reaches the LM head from it).
 
     Differentiable. ``use_remove_padding`` picks the packed (1, nnz) forward, which needs the model
     to use a varlen attention (``rlpad_varlen`` or flash_attention_2, see :mod:`rlpad.core.attention`).
@@ -244,12 +254,13 @@ def compute_log_probs(
     sp = active(sp)
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
+                           response_mask=response_mask)  # fmt: skip
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
         use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp, host=host,
-        share_min_saved=share_min_saved,
+        share_min_saved=share_min_saved, response_mask=response_mask,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)

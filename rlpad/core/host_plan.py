@@ -22,23 +22,34 @@ __all__ = ["HostBatch", "PackedPlan", "packed_plan", "response_positions", "to_d
 
 @dataclass(frozen=True)
 class HostBatch:
-    """``input_ids``, ``attention_mask`` (0/1) and ``position_ids`` of a rollout batch, (B, S) int64 on the CPU."""
+    """``input_ids``, ``attention_mask`` (0/1) and ``position_ids`` of a rollout batch, (B, S) int64 on the CPU,
+    and ``response_mask`` (B, R) (1 = a token the policy generated; None: every valid response token)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
+    response_mask: torch.Tensor | None = None
 
     @staticmethod
-    def of(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> HostBatch:
+    def of(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+           response_mask: torch.Tensor | None = None) -> HostBatch:
         """The host view of a batch: the tensors themselves on the CPU, else ONE device-to-host copy.
-        ``position_ids`` None: ``clamp(cumsum(mask) - 1, 0)`` (the rollout layout's rule)."""
+        ``position_ids`` None: ``clamp(cumsum(mask) - 1, 0)`` (the rollout layout's rule).
+        ``response_mask`` (B, R) travels in the same copy, left-padded with zeros to (B, S)."""
         parts = [input_ids, attention_mask] + ([] if position_ids is None else [position_ids])
+        if response_mask is not None:
+            parts.append(torch.nn.functional.pad(response_mask.long(), (input_ids.shape[1] - response_mask.shape[1], 0)))
         stacked = torch.stack([p.long() for p in parts])
         if stacked.device.type != "cpu":
             stacked = stacked.cpu()
         ids, mask = stacked[0], stacked[1]
         pos = stacked[2] if position_ids is not None else (mask.cumsum(1) - 1).clamp_(min=0)
-        return HostBatch(ids, mask, pos)
+        scored = stacked[-1, :, input_ids.shape[1] - response_mask.shape[1]:] if response_mask is not None else None
+        return HostBatch(ids, mask, pos, scored)
+
+    def scored_mask(self, response_length: int) -> torch.Tensor:
+        """(B, R) 0/1: the response tokens the core scores (``response_mask``, else the valid ones)."""
+        return self.attention_mask[:, -response_length:] if self.response_mask is None else self.response_mask
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -55,9 +66,10 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 
 def response_positions(host: HostBatch, response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(response_idx, rows, cols)`` of the valid response tokens: flat indices into (B, R),
-    row-major, and their rows and columns (host tensors)."""
-    response_idx = host.attention_mask[:, -response_length:].reshape(-1).nonzero().flatten()
+    """``(response_idx, rows, cols)`` of the scored response tokens (:meth:`HostBatch.scored_mask`:
+    the generated ones, never a tool token): flat indices into (B, R), row-major, and their rows
+    and columns (host tensors)."""
+    response_idx = host.scored_mask(response_length).reshape(-1).nonzero().flatten()
     return response_idx, response_idx // response_length, response_idx % response_length
 
 

@@ -206,17 +206,18 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
 
 def pack_shared_prompts(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int,
-    *, pad_to: int = 1, groups: list[list[int]] | None = None,
+    *, pad_to: int = 1, groups: list[list[int]] | None = None, response_mask: torch.Tensor | None = None,
 ) -> SharedPromptRow:
     """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
     each group's prompt once; see the module docstring. ``pad_to``: pad the row to a multiple of it
     (sequence parallelism) with token 0 at positions 0, 1, ..., a block of its own that attends
     only to itself and is never scored. ``groups``: :func:`prompt_groups` of the batch, where the
-    caller has them.
+    caller has them. ``response_mask`` (B, R): score only those response tokens (the generated
+    ones); every valid response token, tool output included, is still packed and attended.
 
     Built on the host from one read of the batch (none when it is on the CPU): the row is on the
     CPU; :meth:`SharedPromptRow.to` moves it to the device in one copy."""
-    host = HostBatch.of(input_ids, attention_mask, position_ids)
+    host = HostBatch.of(input_ids, attention_mask, position_ids, response_mask)
     batch, seqlen = host.input_ids.shape
     prompt_cols = seqlen - response_length
     prompt_lens = host.attention_mask[:, :prompt_cols].sum(1).tolist()
@@ -255,5 +256,8 @@ def pack_shared_prompts(
              for r, n in enumerate(resp_lens) if n]  # fmt: skip
     score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long)
     response_idx = response_positions(host, response_length)[0]
+    if host.response_mask is not None:  # drop the slots of tokens that are context only (tool output)
+        valid = host.attention_mask[:, prompt_cols:].reshape(-1).nonzero().flatten()
+        score_index = score_index[host.response_mask.reshape(-1)[valid].bool()]
     return SharedPromptRow(packed_ids, packed_pos, _segments(prompts, responses, cursor + pad), score_index,
                            response_idx)

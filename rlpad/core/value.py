@@ -29,8 +29,10 @@ def compute_values(
     check: bool = True,
     sp: SequenceParallel | None = None,
     share_min_saved: float = 0.0,
+    response_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Values ``(B, R)`` in fp32 of the response tokens; zero on padding. Differentiable.
+    """Values ``(B, R)`` in fp32 of the response tokens; zero on padding and, with ``response_mask``,
+    on the tokens it marks 0 (tool output). Differentiable.
 
     ``share_prompts``: each distinct prompt once, where it saves at least ``share_min_saved`` of the
     valid tokens (see :func:`rlpad.core.forward.scoring_hidden_states`).
@@ -40,10 +42,11 @@ def compute_values(
     sp = active(sp)
     if check:
         check_model_inputs(backbone, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp)  # fmt: skip
+                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
+                           response_mask=response_mask)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
-        share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved,
+        share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved, response_mask=response_mask,
     )
     values = value_head(hidden).float().squeeze(-1)  # (N,)
     return response_grid(values, response_idx, input_ids.shape[0], response_length, sp)
@@ -69,9 +72,9 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
                 share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None,
-                share_min_saved: float = 0.0):
+                share_min_saved: float = 0.0, response_mask: torch.Tensor | None = None):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
             use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check, sp=sp,
-            share_min_saved=share_min_saved,
+            share_min_saved=share_min_saved, response_mask=response_mask,
         )

@@ -60,29 +60,43 @@ MAX_ANSWER_TOKENS = 4  # the toy task's longest answer ("40") plus EOS, with one
 # ----------------------------------------------------------------------------- data
 
 
-def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
+def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """Rollout-layout tensors for ``(prompt, answer)`` pairs: chat-templated prompts LEFT-padded,
-    then answer + EOS RIGHT-padded; ``response_length`` is the width of the answer part."""
+    then answer + EOS RIGHT-padded; ``response_length`` is the width of the answer part. An answer
+    is a string, or segments ``[(text, in_the_loss), ...]`` (a tool trace: the tool's output is
+    context, outside the loss); ``loss_mask`` (B, R) marks the answer tokens the loss reads."""
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=False) for p, _ in examples]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    answer_ids = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in examples]
+    answers = [[(a, True)] if isinstance(a, str) else list(a) for _, a in examples]
+    answer_ids, trained = [], []
+    for segments in answers:
+        ids_, keep = [], []
+        for text, in_loss in segments:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids_ += piece
+            keep += [int(in_loss)] * len(piece)
+        answer_ids.append(ids_ + [tokenizer.eos_token_id])
+        trained.append(keep + [1])
     P, R = max(map(len, prompt_ids)), max(map(len, answer_ids))
     ids = torch.full((len(examples), P + R), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
+    loss_mask = torch.zeros((len(examples), R), dtype=torch.long)
     for i, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
         ids[i, P - len(p):P + len(a)] = torch.tensor(p + a)
         mask[i, P - len(p):P + len(a)] = 1
+        loss_mask[i, :len(a)] = torch.tensor(trained[i])
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-            "response_length": R}
+            "response_length": R, "loss_mask": loss_mask}
 
 
-def sft_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean negative log-likelihood of the answer and EOS tokens of an :func:`encode` batch."""
+def sft_loss(model: PreTrainedModel, batch: dict[str, Any]) -> torch.Tensor:
+    """Mean negative log-likelihood of the answer tokens in ``loss_mask`` (answer and EOS; never a
+    tool's output) of an :func:`encode` batch."""
     R = batch["response_length"]
+    mask = batch["loss_mask"]
     log_probs, _ = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], R,
-                                     use_remove_padding=False)
-    mask = batch["attention_mask"][:, -R:]
+                                     use_remove_padding=False, response_mask=mask)
     return -(log_probs * mask).sum() / mask.sum()
 
 

@@ -2,7 +2,7 @@
 
 Used by ``rlpad check``, the benchmarks and the tests: :func:`rollout_batch` (random lengths),
 :func:`grpo_batch` (groups of n rows sharing a prompt), :func:`ppo_batch` (a :class:`Batch` with
-every key the workers read).
+every key the workers read), :func:`with_tool_spans` (multi-turn: tool output inside the responses).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from rlpad.batch import Batch
 from rlpad.core.layout import position_ids_from_mask
 
-__all__ = ["grpo_batch", "ppo_batch", "rollout_batch"]
+__all__ = ["grpo_batch", "ppo_batch", "rollout_batch", "with_tool_spans"]
 
 
 def rollout_batch(
@@ -133,3 +133,19 @@ def _layout(input_ids: torch.Tensor, prompt_length: int, prompt_lens: torch.Tens
         position_ids=position_ids_from_mask(attention_mask),
         response_mask=attention_mask[:, prompt_length:],
     )
+
+
+def with_tool_spans(response_mask: torch.Tensor, *, seed: int = 0, spans: int = 2, max_span: int = 3) -> torch.Tensor:
+    """A multi-turn ``response_mask`` (B, R): up to ``spans`` random runs of at most ``max_span`` valid
+    response tokens set to 0 (tool output: attended, not generated), each strictly inside the valid
+    response so every row still starts and ends with a generated token. Rows too short keep theirs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = response_mask.clone()
+    for row, n in enumerate(response_mask.sum(1).tolist()):
+        for _ in range(spans):
+            if n < 3:
+                break
+            width = int(torch.randint(1, min(max_span, n - 2) + 1, (1,), generator=gen))
+            start = int(torch.randint(1, n - width, (1,), generator=gen))
+            out[row, start:start + width] = 0
+    return out

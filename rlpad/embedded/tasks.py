@@ -1,7 +1,8 @@
 """The embedded tasks by name: what the warm-start trains on and what ``<task>:train`` / ``<task>:val`` hold.
 
 ``toy`` is small-number addition (:mod:`rlpad.embedded.toy`, short sequences); ``toy_long`` is
-an alphabet run (:mod:`rlpad.embedded.toy_long`, responses of 2-53 tokens, a padding-heavy batch).
+an alphabet run (:mod:`rlpad.embedded.toy_long`, responses of 2-53 tokens, a padding-heavy batch);
+``toy_tools`` is two-digit addition with a calculator tool (:mod:`rlpad.embedded.toy_tools`, multi-turn).
 A recipe names a task through ``actor_rollout_ref.model.path: embedded:<task>`` and
 ``data.train_files: [<task>:train]``; the ``sft`` section's ``n_val`` and ``data_seed`` (and
 ``max_operand`` for ``toy``) pick the split, so the warm-start never sees a validation problem.
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rlpad.config import SFTConfig
-from rlpad.embedded import toy, toy_long
+from rlpad.embedded import toy, toy_long, toy_tools
 
 __all__ = ["TASKS", "EmbeddedTask", "get_task"]
 
-Example = tuple[str, str]  # (user message, answer)
+Example = tuple[str, Any]  # (user message, answer: a string or [(text, in the loss)] segments)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,18 @@ TASKS: dict[str, EmbeddedTask] = {
         score=toy.toy_score,
         max_answer_tokens=4,  # the longest answer ("40") plus EOS, with one spare
         version=None,
+    ),
+    "toy_tools": EmbeddedTask(
+        name="toy_tools",
+        sft_examples=lambda cfg, n: toy_tools.sft_examples(n, seed=cfg.data_seed, n_val=cfg.n_val),
+        # greedy without the tool (the warm start's own check): the call, then the model's guess
+        val_examples=lambda cfg: [(f"{a}+{b}=", str(a + b)) for a, b in toy_tools.split_pairs(cfg.n_val, cfg.data_seed)[1]],
+        probe_examples=lambda cfg: [(f"{a}+{b}=", str(a + b)) for a, b in toy_tools.split_pairs(cfg.n_val, cfg.data_seed)[0][:100]],
+        write_dataset=lambda out, cfg: toy_tools.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
+        dataset_tag=lambda cfg: f"toy_tools-{cfg.data_seed}-{cfg.n_val}",
+        score=toy_tools.tools_score,
+        max_answer_tokens=20,  # "[calc(99+99)]" + "198" + EOS, with spares
+        version="toy_tools-calc-2",
     ),
     "toy_long": EmbeddedTask(
         name="toy_long",

@@ -20,7 +20,9 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
+from rlpad.rollout.agent import run_agent_loop
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
+from rlpad.rollout.tools import ToolSet, load_tools
 
 __all__ = ["NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs"]
 
@@ -69,6 +71,8 @@ class RolloutBackend(ABC):
 
     pad_token_id: int
     eos_token_ids: frozenset[int]
+    tokenizer: object  # a Hugging Face tokenizer (multi-turn: decodes turns, renders tool messages)
+    tools: ToolSet | None = None  # multi-turn tools (rollout.multi_turn.enable), see :meth:`_setup_tools`
 
     def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
@@ -81,6 +85,13 @@ class RolloutBackend(ABC):
         check_sampling(**vars(self.val_sampling), who="actor_rollout_ref.rollout.val_kwargs")
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
+        mt = rollout.multi_turn
+        if mt.enable:
+            if mt.max_assistant_turns < 1:
+                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
+                                 f"got {mt.max_assistant_turns}")
+            self.tools = ToolSet(load_tools(mt.tools), mt.format, mt.tool_timeout, mt.max_tool_response_length,
+                                 lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
         if self.needs_local_dir and not (isinstance(model_path, str) and os.path.isdir(model_path)):
             raise ValueError(f"{type(self).__name__} (actor_rollout_ref.rollout.name={rollout.name}) needs a local "
                              f"checkpoint directory, got {model_path!r}")
@@ -126,12 +137,26 @@ class RolloutBackend(ABC):
         prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
         start = time.perf_counter()
-        responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
+        generated = counts = None
+        if self.tools is None:
+            responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
+        else:
+            trajs = run_agent_loop(
+                self._sample_each, prompts, sampling, tools=self.tools,
+                max_turns=self.rollout.multi_turn.max_assistant_turns, eos=self.eos_token_ids, decode=self._decode,
+                render_tool=self._render_tool, seed=seed, prompt_offset=prompt_offset,
+            )  # fmt: skip
+            responses, log_probs, generated = ([getattr(t, k) for t in trajs] for k in ("tokens", "log_probs", "generated"))
+            counts = {k: torch.tensor([getattr(t, k) for t in trajs]) for k in ("num_turns", "tool_calls", "tool_errors")}
         seconds = time.perf_counter() - start
         out = build_rollout_batch(
             batch, prompts, responses, log_probs, n=sampling.n, prompt_width=batch["input_ids"].shape[1],
             response_length=sampling.max_tokens, pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
+            generated=generated,
         )
+        if counts is not None:
+            for key, value in counts.items():
+                out[key] = value
         out.meta.update(temperature=sampling.logprob_temperature, rollout_gen_s=seconds,
                         rollout_response_tokens=int(out["response_mask"].sum()))
         return out
@@ -140,6 +165,22 @@ class RolloutBackend(ABC):
     def _sample(self, prompts: list[list[int]], sampling: Sampling, seed: int | None = None,
                 prompt_offset: int = 0) -> tuple[list[list[int]], list[list[float]]]:
         """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
+
+    def _sample_each(self, contexts: list[list[int]], sampling: Sampling,
+                     seeds: list[int] | None) -> tuple[list[list[int]], list[list[float]]]:
+        """One sample (``sampling.n`` is 1) per context, context ``i`` drawn with ``seeds[i]`` (None:
+        unseeded): a turn of the agent loop. Here through :meth:`_sample`, seeding the whole call with
+        ``seeds[0]`` (backends without :attr:`seeds_per_prompt`)."""
+        return self._sample(contexts, sampling, None if seeds is None else seeds[0])
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _render_tool(self, observation: str) -> list[int]:
+        """A tool's output as the chat template's tool message (with the next assistant prompt), in tokens."""
+        text = self.tokenizer.apply_chat_template([{"role": "tool", "content": observation}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     @abstractmethod
     def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:

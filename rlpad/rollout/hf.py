@@ -39,7 +39,7 @@ class HFRollout(RolloutBackend):
             self.model = load_causal_lm(model_path, dtype=rollout.dtype, device=device,
                                         trust_remote_code=trust_remote_code)
         self.model.eval()
-        tokenizer = load_tokenizer(tokenizer_path or model_path)
+        self.tokenizer = tokenizer = load_tokenizer(tokenizer_path or model_path)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, self.model.config.eos_token_id))
         self._calls = 0

@@ -9,6 +9,8 @@ docs/design.md:
 * ``input_ids = cat(prompts, responses)``, ``attention_mask``, ``response_mask``,
 * ``position_ids = clamp(cumsum(attention_mask) - 1, min=0)``,
 * ``rollout_log_probs (B*n, R)``, zero on padding,
+* multi-turn (``generated`` given): ``response_mask`` is 1 on the tokens the policy generated only
+  (tool output: attention 1, response_mask 0, rollout log-prob 0),
 * the input's other per-row fields repeated ``n`` times, interleaved (``a a b b``).
 
 A response ends at its first EOS, which counts as a response token.
@@ -122,12 +124,14 @@ def build_rollout_batch(
     response_length: int,
     pad_token_id: int,
     eos_token_ids: Iterable[int],
+    generated: Sequence[Sequence[int]] | None = None,
 ) -> Batch:
     """B*n rollout rows (see the module docstring) from the prompt batch and sampled tokens.
 
     ``prompts`` has one token list per prompt row (B), ``responses``/``log_probs`` one per
     sample (B*n, prompt-major: the n samples of prompt 0 first). Responses are cut after their
-    first EOS and at ``response_length``.
+    first EOS and at ``response_length``; with ``generated`` (multi-turn: 1 = a generated token, per
+    response token) at ``response_length`` only (the agent loop ended them; a tool's output may hold an EOS id).
     """
     batch, total = len(prompts), len(prompts) * n
     if len(responses) != total or len(log_probs) != total:
@@ -137,14 +141,20 @@ def build_rollout_batch(
     resp_ids = torch.full((total, response_length), pad_token_id, dtype=torch.long)
     resp_mask = torch.zeros((total, response_length), dtype=torch.long)
     resp_lp = torch.zeros((total, response_length), dtype=torch.float32)
+    if generated is not None and len(generated) != total:
+        raise ValueError(f"expected {total} generated-token masks, got {len(generated)}")
+    scored = torch.zeros((total, response_length), dtype=torch.long)
     for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
-        kept = truncate_at_eos(tokens, eos, response_length)
+        kept = truncate_at_eos(tokens, eos, response_length) if generated is None else list(tokens)[:response_length]
         if len(lps) < len(kept):
             raise ValueError(f"sample {i}: {len(kept)} response tokens but only {len(lps)} log-probs")
         if kept:
             resp_ids[i, : len(kept)] = torch.tensor(kept, dtype=torch.long)
             resp_mask[i, : len(kept)] = 1
-            resp_lp[i, : len(kept)] = torch.tensor(list(lps[: len(kept)]), dtype=torch.float32)
+            gen = torch.ones(len(kept), dtype=torch.long) if generated is None else \
+                torch.tensor(list(generated[i])[: len(kept)], dtype=torch.long)
+            scored[i, : len(kept)] = gen
+            resp_lp[i, : len(kept)] = torch.tensor(list(lps[: len(kept)]), dtype=torch.float32) * gen
     order = np.repeat(np.arange(batch), n)
     prompt_ids, prompt_mask = prompt_ids[order], prompt_mask[order]
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
@@ -154,7 +164,7 @@ def build_rollout_batch(
         "input_ids": torch.cat([prompt_ids, resp_ids], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_mask(attention_mask),
-        "response_mask": resp_mask,
+        "response_mask": scored,
         "rollout_log_probs": resp_lp,
     }
     repeated = prompt.index(order)

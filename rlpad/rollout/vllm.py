@@ -120,27 +120,23 @@ class VLLMRollout(RolloutBackend):
         self.llm = vllm.LLM(**engine)
         self.asleep: set[str] = set()  # tags put to sleep by sleep() and not woken up yet
         hf_config = self.llm.llm_engine.model_config.hf_config
-        tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = tokenizer = self.llm.get_tokenizer()
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)))
 
-    def _sample(self, prompts, sampling, seed=None, prompt_offset=0):
+    def _params(self, sampling, request_seed: int | None):
         from vllm import SamplingParams
 
-        def params(request_seed: int | None) -> SamplingParams:
-            return SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=sorted(self.eos_token_ids),
-                detokenize=False, seed=request_seed,
-            )
+        return SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=sorted(self.eos_token_ids),
+            detokenize=False, seed=request_seed,
+        )
 
-        # One seed per prompt from its index in the step's batch (distinct, so prompts do not share
-        # random draws; global, so a replica generating a slice samples what one engine would).
-        per_prompt = params(None) if seed is None else [
-            params(seed * 1_000_003 + prompt_offset + i) for i in range(len(prompts))
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+    def _run(self, contexts, params):
+        """``llm.generate`` on token lists; every sample's tokens and their log-probs, in order."""
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in contexts], params, use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda c: c.index):
@@ -148,6 +144,19 @@ class VLLMRollout(RolloutBackend):
                 responses.append(tokens)
                 log_probs.append([step[t].logprob for t, step in zip(tokens, sample.logprobs)])
         return responses, log_probs
+
+    def _sample(self, prompts, sampling, seed=None, prompt_offset=0):
+        # One seed per prompt from its index in the step's batch (distinct, so prompts do not share
+        # random draws; global, so a replica generating a slice samples what one engine would).
+        per_prompt = self._params(sampling, None) if seed is None else [
+            self._params(sampling, seed * 1_000_003 + prompt_offset + i) for i in range(len(prompts))
+        ]
+        return self._run(prompts, per_prompt)
+
+    def _sample_each(self, contexts, sampling, seeds):
+        """One request per context with its own seed (a turn of the agent loop, rlpad.rollout.agent)."""
+        return self._run(contexts, self._params(sampling, None) if seeds is None else
+                         [self._params(sampling, s) for s in seeds])
 
     def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
         """Load full tensors of whole units (rlpad.rollout.buckets) into the live engine; returns the seconds.

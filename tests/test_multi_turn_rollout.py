@@ -1,0 +1,198 @@
+"""The multi-turn agent loop (rlpad.rollout.agent) and its tools (rlpad.rollout.tools): masks, budget,
+turn limit, seeds, bad tools; and the loop on the real HF backend."""
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlpad.config import DataConfig, MultiTurnConfig, RolloutConfig
+from rlpad.core.forward import compute_log_probs
+from rlpad.embedded.tiny import build_tokenizer
+from rlpad.rollout.agent import run_agent_loop, turn_seed
+from rlpad.rollout.base import Sampling
+from rlpad.rollout.hf import HFRollout
+from rlpad.rollout.tools import ToolSet, load_tools
+from test_rollout_layout import P, make_model, prompt_batch
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def calc(text):
+    return str(eval(text, {"__builtins__": {}}))  # the toy calculator: digits and + - * only here
+
+
+def boom(text):
+    raise ZeroDivisionError("no")
+
+
+def hang(text):
+    time.sleep(3)
+    return "late"
+
+
+def huge(text):
+    return "9" * 500
+
+
+def number(text):
+    return 7
+
+
+def enc(text):
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def toolset(timeout=0.3):
+    tools = {f.__name__: f for f in (calc, boom, hang, huge, number)}
+    return ToolSet(tools, "bracket", timeout, 32, lambda s: len(enc(s)))
+
+
+class Scripted:
+    """An engine stand-in that writes a call to ``tool`` in turn 0 and the answer after a tool message;
+    it records what it was asked (contexts, seeds)."""
+
+    def __init__(self, tool="calc"):
+        self.tool, self.calls = tool, []
+
+    def __call__(self, contexts, sampling, seeds):
+        self.calls.append((contexts, seeds, sampling.max_tokens))
+        outs = []
+        for c in contexts:
+            text = TOK.decode(c)
+            turn = enc(f"[{self.tool}(12+7)] tail") if "=" == text[-1] else enc("ok") + [EOS]
+            outs.append(turn[: sampling.max_tokens])
+        return outs, [[-0.5] * len(o) for o in outs]
+
+
+def loop(engine, prompts, n=2, budget=40, turns=3, seed=None, offset=0, tools=None):
+    return run_agent_loop(engine, [enc(p) for p in prompts], Sampling(n, 1.0, 1.0, -1, budget),
+                          tools=tools or toolset(), max_turns=turns, eos=frozenset({EOS}), decode=TOK.decode,
+                          render_tool=enc, seed=seed, prompt_offset=offset)
+
+
+def test_tool_output_is_context_never_generated():
+    trajs = loop(Scripted(), ["12+7="])
+    assert len(trajs) == 2
+    for t in trajs:
+        text = TOK.decode(t.tokens)
+        assert text == "[calc(12+7)]19ok" + TOK.eos_token  # the turn stopped at the end of the call
+        gen = "".join(ch if g else "_" for ch, g in zip(TOK.convert_ids_to_tokens(t.tokens), t.generated))
+        assert gen.startswith("[calc(12+7)]__ok")  # the tool's "19" is not the policy's
+        assert t.log_probs == [-0.5 if g else 0.0 for g in t.generated]
+        assert (t.num_turns, t.tool_calls, t.tool_errors) == (2, 1, 0)
+
+
+def test_turn_limit_and_budget():
+    t = loop(Scripted(), ["1+1="], n=1, turns=1)[0]
+    assert TOK.decode(t.tokens) == "[calc(12+7)]" and all(t.generated) and t.tool_calls == 0
+    t = loop(Scripted(), ["1+1="], n=1, budget=13)[0]  # the call (12 tokens) then 1 token of "19"
+    assert TOK.decode(t.tokens) == "[calc(12+7)]1" and t.generated[-1] == 0 and len(t.tokens) == 13
+
+
+def test_seeds_depend_on_prompt_sample_turn_only():
+    """A split of the prompts (replicas: prompt_offset) asks the engine with the same seeds."""
+    whole, first, second = Scripted(), Scripted(), Scripted()
+    loop(whole, ["1+1=", "2+2="], seed=5)
+    loop(first, ["1+1="], seed=5)
+    loop(second, ["2+2="], seed=5, offset=1)
+    for turn in range(2):
+        assert whole.calls[turn][1] == first.calls[turn][1] + second.calls[turn][1]
+    assert whole.calls[0][1] == [turn_seed(5, p, j, 0) for p in range(2) for j in range(2)]
+    assert len(set(whole.calls[0][1] + whole.calls[1][1])) == 8
+
+
+@pytest.mark.parametrize("tool, says", [
+    ("boom", "error: boom raised ZeroDivisionError: no"),
+    ("hang", "error: hang timed out after 0.3 s"),
+    ("huge", "error: huge returned 500 tokens, over the limit of 32"),
+    ("number", "error: number returned int, not a string"),
+    ("nope", "error: unknown tool nope"),
+])
+def test_bad_tools_end_the_turn_with_an_error_observation(tool, says):
+    start = time.perf_counter()
+    t = loop(Scripted(tool), ["1+1="], n=1, budget=120)[0]
+    assert time.perf_counter() - start < 2.5  # a hung tool is waited for tool_timeout, not until it returns
+    text = TOK.decode(t.tokens)
+    assert text.startswith(f"[{tool}(12+7)]" + says) and text.endswith("ok" + TOK.eos_token)
+    assert (t.tool_calls, t.tool_errors, t.num_turns) == (1, 1, 2)  # the run went on to the next turn
+
+
+def test_tools_load_by_name_and_bad_names_are_named():
+    tools = load_tools(["test_multi_turn_rollout:calc", "rlpad.embedded.toy:toy_score"])
+    assert sorted(tools) == ["calc", "toy_score"]
+    with pytest.raises(ValueError, match="multi_turn.tools='nomodule:calc': cannot import"):
+        load_tools(["nomodule:calc"])
+    with pytest.raises(ValueError, match="two tools named 'calc'"):
+        load_tools(["test_multi_turn_rollout:calc", "test_multi_turn_rollout:calc"])
+    with pytest.raises(ValueError, match="multi_turn.format='xml'"):
+        ToolSet({}, "xml", 1.0, 8, len)
+
+
+def test_hermes_format_parses_json_calls():
+    from rlpad.rollout.tools import FORMATS
+
+    call = FORMATS["hermes"].parse('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert (call.name, call.arguments) == ("add", {"a": 1})
+    assert FORMATS["hermes"].parse("<tool_call>{bad</tool_call>").problem.startswith("bad tool call")
+
+
+@pytest.fixture(scope="module")
+def hf_backend(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mt_hf")
+    model = make_model()
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    rollout = RolloutConfig(name="hf", n=2, temperature=1.0, seed=0,
+                            multi_turn=MultiTurnConfig(enable=True, format="bracket", max_assistant_turns=3,
+                                                       tools=["test_multi_turn_rollout:calc"]))
+    return model, HFRollout(str(path), rollout, DataConfig(max_prompt_length=P, max_response_length=24))
+
+
+def test_hf_backend_runs_the_loop_with_real_tool_calls(hf_backend, monkeypatch):
+    """The real HF engine; its first turn is made to call the tool by a logits bias on the call's
+    tokens (a real generate, real log-probs of what was sampled). Tool tokens: response_mask 0,
+    rollout log-prob 0; the generated tokens' rollout log-probs equal the forward's."""
+    model, backend = hf_backend
+    script = enc("[calc(2+3)]")
+    real = backend._sample_each
+
+    def steer(contexts, sampling, seeds):  # turn 0 of every sample: the call, as a forced prefix
+        if all(len(c) <= P for c in contexts):
+            contexts = [c + script for c in contexts]
+            toks, lps = real(contexts, replace(sampling, max_tokens=sampling.max_tokens - len(script)), seeds)
+            return [script + t for t in toks], [[0.0] * len(script) + lp for lp in lps]
+        return real(contexts, sampling, seeds)
+
+    monkeypatch.setattr(backend, "_sample_each", steer)
+    out = backend.generate(prompt_batch(), seed=3)
+    assert out["tool_calls"].tolist() == [1] * 12 and out["tool_errors"].sum() == 0
+    attn_resp = out["attention_mask"][:, P:]
+    tool = attn_resp.bool() & ~out["response_mask"].bool()
+    assert (tool.sum(1) == 1).all()  # "5", the tool's answer, one character
+    assert (out["responses"][tool] == enc("5")[0]).all()
+    assert (out["rollout_log_probs"][tool] == 0).all()
+    lp, _ = compute_log_probs(model, out["input_ids"], out["attention_mask"], out["position_ids"], 24,
+                              use_remove_padding=True, response_mask=out["response_mask"])
+    after = out["response_mask"].bool().clone()
+    after[:, : len(script)] = False  # the forced call has no sampled log-prob
+    assert after.any()
+    assert (lp - out["rollout_log_probs"])[after].abs().max() < 1e-4
+
+
+def test_hf_generate_unpadded_batch_attends_to_the_whole_cache():
+    """Regression (found by the multi-turn task): rlpad_varlen under ``generate`` with an unpadded
+    batch (no mask) decodes one query against the KV cache: causal from the bottom right, so the
+    greedy tokens equal those of sdpa (before the fix the query saw key 0 only)."""
+    from transformers import GenerationConfig
+
+    ids = torch.randint(3, 80, (2, 6), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for attn in ("rlpad_varlen", "sdpa"):
+        model = make_model()
+        model.set_attn_implementation(attn)
+        config = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+        outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config))
+    assert torch.equal(outs[0], outs[1])
