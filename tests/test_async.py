@@ -213,19 +213,20 @@ def ctrl_c_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(stack):
-    reference, _ = stack.train("k1", 1)
+def interrupt_and_resume(stack: Stack, k: int, workers: dict[str, int]) -> dict[int, dict]:
+    """Run ``stack``'s recipe at ``k`` in a subprocess from the step-0 checkpoint, Ctrl-C it mid-run
+    (its ``workers`` processes seen, e.g. {"Actor": 2}), resume it; the resumed run's records. Once
+    step 2's checkpoint is written, step 3's reward waits, so the interrupt lands mid-run however
+    fast the steps are (the same reward, ungated, serves the resumed run)."""
     out = os.path.join(stack.root, "interrupted")
     marker = uuid.uuid4().hex
     ray_tmp = tempfile.mkdtemp(prefix="rl-")  # short: Ray's socket paths live under it
     env = dict(os.environ, RLPAD_TEST_RUN=marker, RAY_TMPDIR=ray_tmp, PYTHONPATH=ROOT)
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "rlpad.train", "--config", GRPO,
-           *overrides(out, 1, "trainer.save_freq=2", f"reward.fn={GATED_REWARD}:score")]
+    cmd = [sys.executable, "-m", "rlpad.train", "--config", stack.recipe,
+           *overrides(out, k, *stack.extra, "trainer.save_freq=2", f"reward.fn={GATED_REWARD}:score")]
     log = open(os.path.join(stack.root, "interrupted.log"), "w+")
     latest = os.path.join(out, "checkpoints", "latest")
-    # Once step 2's checkpoint is written, step 3's reward waits: the interrupt lands mid-run however
-    # fast the steps are (the same reward, ungated, serves the resumed run).
     proc = subprocess.Popen([*cmd, f"trainer.resume_mode={stack.init}"], env={**env, HOLD_WHILE: latest}, cwd=ROOT,
                             start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=ctrl_c_default)
@@ -233,7 +234,7 @@ def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(s
     while not os.path.exists(latest) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     running = left_behind(marker, wait_s=0)  # the check sees the run: the driver, Ray's servers, the workers
-    assert sum("RolloutWorker" in c for c in running) == 1 and sum("ActorWorker" in c for c in running) == 2, running
+    assert {w: sum(f"{w}Worker" in c for c in running) for w in workers} == workers, running
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground process group
     proc.wait(timeout=120)
     log.seek(0)
@@ -250,6 +251,12 @@ def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(s
     assert left_behind(marker) == []
     got = records(out)
     assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(stack):
+    reference, _ = stack.train("k1", 1)
+    got = interrupt_and_resume(stack, 1, {"Rollout": 1, "Actor": 2})
     for t in range(1, STEPS + 1):
         a, b = numbers(reference[t]), numbers(got[t])
         assert set(a) == set(b), t
