@@ -11,7 +11,7 @@ from rlpad.config import DataConfig, MultiTurnConfig, RolloutConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.rollout.agent import run_agent_loop, turn_seed
-from rlpad.rollout.base import Sampling
+from rlpad.rollout.base import Sampling, tool_turn_renderer
 from rlpad.rollout.hf import HFRollout
 from rlpad.rollout.tools import ToolSet, load_tools
 from test_rollout_layout import P, make_model, prompt_batch
@@ -137,6 +137,40 @@ def test_hermes_format_parses_json_calls():
     call = FORMATS["hermes"].parse('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert (call.name, call.arguments) == ("add", {"a": 1})
     assert FORMATS["hermes"].parse("<tool_call>{bad</tool_call>").problem.startswith("bad tool call")
+
+
+# ChatML's shape in the toy tokenizer's characters: a default system block when the conversation has
+# none (as Qwen's templates write), each message closed by "#end ", the next assistant prompt.
+CHATML_LIKE = ("{%- if messages[0]['role'] != 'system' %}#system:You are a bot.#end {% endif %}"
+               "{%- for m in messages %}#{{ m['role'] }}:{{ m['content'] }}#end {% endfor %}"
+               "{%- if add_generation_prompt %}#assistant:{% endif %}")
+
+
+def test_tool_turn_closes_the_assistant_message_and_writes_no_system_block():
+    """A turn cut at the end of its call is followed by the template's close of the assistant
+    message, the tool message and the next assistant prompt: the context reads as the template
+    renders the whole conversation. Control: the tool message rendered alone (the old way) carries a
+    second system block and no close."""
+    tok = build_tokenizer()
+    tok.chat_template = CHATML_LIKE
+    prompt = tok.apply_chat_template([{"role": "user", "content": "12+7="}], tokenize=False, add_generation_prompt=True)
+    call = "[calc(12+7)]"
+    context = prompt + call + tok.decode(tool_turn_renderer(tok)("19"))
+    whole = tok.apply_chat_template([{"role": "user", "content": "12+7="}, {"role": "assistant", "content": call},
+                                     {"role": "tool", "content": "19"}], tokenize=False, add_generation_prompt=True)
+    assert context == whole
+    assert context.count("#system:") == 1 and "[calc(12+7)]#end #tool:19#end #assistant:" in context
+    alone = tok.apply_chat_template([{"role": "tool", "content": "19"}], tokenize=False, add_generation_prompt=True)
+    assert prompt + call + alone != whole
+    assert tool_turn_renderer(build_tokenizer())("19") == enc("19")  # the toy template: content only
+
+
+def test_a_template_without_a_tool_role_is_refused_before_sampling():
+    tok = build_tokenizer()
+    tok.chat_template = ("{%- for m in messages %}{%- if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}"
+                         "{%- endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="cannot render a tool message"):
+        tool_turn_renderer(tok)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ Per sample (the ``n`` samples of every prompt, prompt-major), up to ``max_assist
    policy's (``generated`` 1, their rollout log-probs kept);
 2. EOS, the budget, the last turn, or no tool call: the sample is done;
 3. else run the tool (:class:`rlpad.rollout.tools.ToolSet`: errors become observations) and append
-   its output rendered as the chat template's tool message (``generated`` 0, log-prob 0), cut at
-   the budget; go on.
+   ``render_tool(output)``: the template's close of the assistant turn, the tool message and the
+   next assistant prompt (:func:`rlpad.rollout.base.tool_turn_renderer`; ``generated`` 0, log-prob 0),
+   cut at the budget; go on.
 
 The random draws of sample j of prompt i in turn k depend only on (seed, i + prompt_offset, j, k)
 (:func:`turn_seed`), so a split of the prompts over replicas never changes the samples.

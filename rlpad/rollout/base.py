@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,7 +24,7 @@ from rlpad.rollout.agent import run_agent_loop
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
 from rlpad.rollout.tools import ToolSet, load_tools
 
-__all__ = ["NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs"]
+__all__ = ["NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs", "tool_turn_renderer"]
 
 # Full weights by HF checkpoint name: (name, tensor) pairs or a state dict.
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -73,6 +73,7 @@ class RolloutBackend(ABC):
     eos_token_ids: frozenset[int]
     tokenizer: object  # a Hugging Face tokenizer (multi-turn: decodes turns, renders tool messages)
     tools: ToolSet | None = None  # multi-turn tools (rollout.multi_turn.enable), see :meth:`_setup_tools`
+    _tool_renderer: Callable[[str], list[int]] | None = None
 
     def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
@@ -141,6 +142,7 @@ class RolloutBackend(ABC):
         if self.tools is None:
             responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
         else:
+            self._render_tool("")  # a template that cannot render tool turns fails here, before sampling
             trajs = run_agent_loop(
                 self._sample_each, prompts, sampling, tools=self.tools,
                 max_turns=self.rollout.multi_turn.max_assistant_turns, eos=self.eos_token_ids, decode=self._decode,
@@ -177,10 +179,10 @@ class RolloutBackend(ABC):
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def _render_tool(self, observation: str) -> list[int]:
-        """A tool's output as the chat template's tool message (with the next assistant prompt), in tokens."""
-        text = self.tokenizer.apply_chat_template([{"role": "tool", "content": observation}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """What follows a turn cut at the end of its tool call, in tokens (:func:`tool_turn_renderer`)."""
+        if self._tool_renderer is None:
+            self._tool_renderer = tool_turn_renderer(self.tokenizer)
+        return self._tool_renderer(observation)
 
     @abstractmethod
     def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
@@ -217,3 +219,34 @@ def eos_token_ids(*values: int | list[int] | None) -> set[int]:
     if not ids:
         raise ValueError("the tokenizer and model config define no EOS token id")
     return ids
+
+
+def tool_turn_renderer(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``observation -> tokens`` appended after an assistant turn that the agent loop cut at the end of
+    its tool call: the chat template's close of that assistant message (ChatML: ``<|im_end|>\\n``, which
+    the policy never generated), the tool message and the next assistant prompt, and nothing else
+    (no default system block, which templates such as Qwen's write at the start of a conversation).
+
+    Found as the text by which one conversation's rendering extends another's:
+    ``[user, assistant, tool] + prompt`` minus ``[user] + prompt`` and the assistant's content.
+    ValueError when the template cannot render a tool turn or does not extend its own rendering.
+    """
+    user, content = {"role": "user", "content": "?"}, "?"
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    try:
+        head = render([user]) + content
+        probe = render([user, {"role": "assistant", "content": content}, {"role": "tool", "content": ""}])
+    except Exception as e:  # a template without a tool role raises its own exception type
+        raise ValueError(f"multi_turn: the tokenizer's chat template cannot render a tool message: {e}") from e
+    if not probe.startswith(head):
+        raise ValueError("multi_turn: the tokenizer's chat template does not extend a conversation's rendering when "
+                         f"a tool message is added (expected a prefix {head!r}, got {probe[:len(head) + 40]!r})")
+
+    def tool_turn(observation: str) -> list[int]:
+        full = render([user, {"role": "assistant", "content": content}, {"role": "tool", "content": observation}])
+        return list(tokenizer.encode(full[len(head):], add_special_tokens=False))
+
+    return tool_turn
