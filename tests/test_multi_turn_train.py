@@ -51,3 +51,26 @@ def test_local_equals_ray_and_async_and_sp_run(tmp_path):
     # sp = 2 splits each packed row over two ranks: the same numbers as sp = 1 up to the reduction order
     for key in ("reward/mean", "multi_turn/tool_calls", "actor/pg_loss"):
         assert sp[1][key] == pytest.approx(ray_[1][key], rel=1e-4, abs=1e-6), key
+
+
+def calc(text):
+    """A calculator that always raises: the model's calls get an error observation instead of a sum."""
+    raise ArithmeticError("the calculator is broken")
+
+
+def test_shared_prompts_equal_and_a_raising_tool_is_counted(tmp_path):
+    """Local stack, one step. Shared prompts (the prompt once per group, the turns not) give the
+    plain remove-padding metrics; a tool that raises on every call ends each call's turn with an
+    error observation, the run completes, and every call is counted as an error."""
+    one = ("trainer.total_training_steps=1", "trainer.test_freq=1")
+    plain = train(str(tmp_path / "plain"), *one)[1]
+    shared = train(str(tmp_path / "shared"), *one, "actor_rollout_ref.model.share_prompts=true",
+                   "actor_rollout_ref.model.share_prompts_min_saved_fraction=0")[1]
+    assert plain["multi_turn/tool_calls"] > 0 and plain["multi_turn/tool_errors"] == 0
+    for key in (k for k in plain if k != "step" and not k.startswith(VOLATILE)):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    broken = train(str(tmp_path / "broken"), *one,
+                   "actor_rollout_ref.rollout.multi_turn.tools=[test_multi_turn_train:calc]")
+    assert sorted(broken) == [0, 1]
+    assert broken[1]["multi_turn/tool_errors"] == broken[1]["multi_turn/tool_calls"] > 0
+    assert broken[1]["reward/mean"] < plain["reward/mean"]  # no sum to copy
