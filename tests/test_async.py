@@ -319,6 +319,7 @@ class BadBucket:
     bucket: an embedding of the wrong shape, which the real engine's weight loader refuses."""
 
     AT = 2
+    stash_it = True  # False: the extra bucket is announced but never stashed (the replica's pull fails)
 
     def __init__(self, workers):
         self.workers = workers
@@ -335,16 +336,25 @@ class BadBucket:
         w = self.workers  # workers.launcher.RayWorkers.submit_weight_sync, with the bad bucket added
         bucket_bytes = int(w.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
         num_buckets = w.actor.call("export_weights", bucket_bytes, w.stash, version)[0]
-        ray.get(w.stash.put.remote(version, num_buckets, [("model.embed_tokens.weight", torch.zeros(3, 3))]))
+        if self.stash_it:
+            ray.get(w.stash.put.remote(version, num_buckets, [("model.embed_tokens.weight", torch.zeros(3, 3))]))
         return w.rollout.submit_weights(w.stash, version, num_buckets + 1)
 
 
-def test_a_failed_weight_load_fails_the_validation_that_depends_on_it(tmp_path):
+class MissingBucket(BadBucket):
+    """Version ``AT`` announces one bucket more than the stash holds: the replica's pull of the last one
+    fails after the real buckets are loaded."""
+
+    stash_it = False
+
+
+@pytest.mark.parametrize("wrap", [BadBucket, MissingBucket])
+def test_a_failed_weight_load_fails_the_validation_that_depends_on_it(tmp_path, wrap):
     """Version 2's load fails while test_freq=2 validates step 2: the validation (and no later step) runs on
     the half-loaded weights; the error names the replica and the version."""
     out = str(tmp_path / "bad_load")
     config = load_config(GRPO, overrides(out, 1, "trainer.save_freq=1"))
     with pytest.raises(RuntimeError, match=r"(?s)rollout replica 0 of 1 refuses to generate the validation rollout: "
                                            r"the weight load of policy version 2 failed \(.*step 2.*global_step_1"):
-        fit(config, wrap_workers=BadBucket)
+        fit(config, wrap_workers=wrap)
     assert sorted(records(out)) == [1]  # step 2's metrics (and val/*) never logged

@@ -13,7 +13,8 @@ import os
 import pytest
 
 from rlpad.config_loader import load_config
-from rlpad.train import run
+from rlpad.errors import WorkerFailed
+from rlpad.train import fit, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
@@ -103,3 +104,30 @@ def test_lr_warmup_ratio_counts_training_steps(tmp_path):
     saved = load_config(os.path.join(out, "config.yaml"))
     assert saved.actor_rollout_ref.actor.optim.total_training_steps == saved.critic.optim.total_training_steps == 4
 
+
+
+class FailAtUpdate:
+    """The workers, passed through; ``update_actor`` raises ``error`` instead of training."""
+
+    def __init__(self, workers, error):
+        self.workers, self.error = workers, error
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def update_actor(self, *args, **kwargs):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, labelled", [(WorkerFailed("actor rank 0 died"), True),
+                                             (RuntimeError("step 2 was generated with policy version 1"), False)])
+def test_only_a_worker_failure_says_where_to_resume(tmp_path, error, labelled):
+    """A worker that died (WorkerFailed) is reported with the step and the checkpoint to resume from;
+    any other error (a schedule mismatch, a bug) goes out as it was raised, with no such label."""
+    config = load_config(GRPO, [f"trainer.default_local_dir={tmp_path}", f"sft.cache_dir={CACHE}",
+                                "trainer.logger=[jsonl]", "trainer.backend=local", "trainer.n_gpus_per_node=1",
+                                "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false"])
+    with pytest.raises(type(error)) as caught:
+        fit(config, wrap_workers=lambda w: FailAtUpdate(w, error))
+    assert str(error) in str(caught.value)
+    assert ("training stopped at step 1; last checkpoint to resume from: none yet" in str(caught.value)) == labelled

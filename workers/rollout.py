@@ -128,14 +128,18 @@ class RolloutWorker:
         returns the seconds. Runs when this replica's queue reaches it (asynchronous training)."""
         start = time.perf_counter()
         partial = num_buckets > 1
-        try:
+
+        def pull_and_load() -> None:  # a failed pull after loaded buckets leaves mixed weights, as a failed load
             pending = deque(stash.get.remote(version, i) for i in range(min(max_in_flight, num_buckets)))
             for i in range(num_buckets):
                 bucket = ray.get(pending.popleft())
                 if i + max_in_flight < num_buckets:
                     pending.append(stash.get.remote(version, i + max_in_flight))
-                self.update_weights_bucket(bucket, partial, version)
+                self.backend.load_weights_bucket(bucket, partial=partial)
                 del bucket
+
+        try:
+            self._load(pull_and_load, version)
             self.finish_weight_sync(version)
         finally:
             stash.release.remote(version)
