@@ -258,10 +258,7 @@ def test_sigint_then_resume_equals_the_uninterrupted_run_and_leaves_no_process(s
     reference, _ = stack.train("k1", 1)
     got = interrupt_and_resume(stack, 1, {"Rollout": 1, "Actor": 2})
     for t in range(1, STEPS + 1):
-        a, b = numbers(reference[t]), numbers(got[t])
-        assert set(a) == set(b), t
-        for key in a:
-            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (t, key)
+        assert numbers(got[t]) == numbers(reference[t]), t  # bitwise, across processes and a restart
 
 
 def new_worker_processes(before: set[int]) -> list[str]:

@@ -45,6 +45,7 @@ from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import data_parallel_groups, dp_size, sp_size
 from rlpad.seqlen import restore_order
+from workers.collectives import RankCollectives
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
@@ -90,7 +91,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDPWorker(CheckpointMixin):
+class FSDPWorker(CheckpointMixin, RankCollectives):
     """Base of the FSDP2 workers: process group, sharding, micro-batching, optimizer step, checkpoints."""
 
     role = "worker"
@@ -234,54 +235,6 @@ class FSDPWorker(CheckpointMixin):
     def _require_model(self) -> None:
         if self.root is None:
             raise RuntimeError(f"{self.role}: call init_model() first")
-
-    # ------------------------------------------------------------------ collectives
-
-    def _group_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
-        """Element-wise sum over the data-parallel groups, each counted once (the ranks of a
-        sequence-parallel group hold the same rows: only its first rank contributes)."""
-        t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
-        return self._all_sum(t if self.sp is None or self.sp.rank == 0 else torch.zeros_like(t))
-
-    def _all_sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
-        """Element-wise sum over the ranks (float64, on CPU)."""
-        t = torch.as_tensor(values, dtype=torch.float64).to(self.device).reshape(-1)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.cpu()
-
-    def _all_max_float(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise max over the ranks (float64, on CPU)."""
-        t = torch.as_tensor(values, dtype=torch.float64).to(self.device).reshape(-1)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu()
-
-    def _all_max(self, values: list[int]) -> list[int]:
-        """Element-wise max over the ranks (int64)."""
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def _agree(self, check: Callable[[], None]) -> None:
-        """Run ``check`` here; if it raised ValueError on ANY rank, raise it on every rank.
-
-        Every rank stops before the first collective of the work, so none is left waiting.
-        """
-        try:
-            check()
-            error = None
-        except ValueError as e:
-            error = str(e)
-        if self.world_size > 1:
-            errors: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(errors, error)
-        else:
-            errors = [error]
-        for r, e in enumerate(errors):
-            if e is not None:
-                raise ValueError(e if r == self.rank else f"{self.role} rank {r}: {e}")
 
     # ------------------------------------------------------------------ micro-batching
 

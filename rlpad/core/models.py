@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from rlpad.config import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
