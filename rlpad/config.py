@@ -60,8 +60,8 @@ class ModelConfig:
     use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
     share_prompts: bool = False  # each distinct prompt once per group in the packed row (needs use_remove_padding)
     # with share_prompts: a micro-batch whose shared prompts save less than this fraction of its valid
-    # tokens runs plain remove-padding (0: always share); set from the H100 bench (docs/shared_prompts.md)
-    share_prompts_min_saved_fraction: float = 0.5
+    # tokens runs plain remove-padding (0: always share); None: the device's default (docs/shared_prompts.md)
+    share_prompts_min_saved_fraction: float | None = None
     # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
     attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False  # recompute activations in the backward (actor): less memory

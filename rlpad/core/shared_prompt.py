@@ -24,8 +24,14 @@ import torch
 
 from rlpad.core.host_plan import HostBatch, response_positions, to_device
 
-__all__ = ["SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "pack_shared_prompts", "prompt_groups",
-           "saved_fraction"]
+__all__ = ["MIN_SAVED_BY_DEVICE", "SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "min_saved_for",
+           "pack_shared_prompts", "prompt_groups", "saved_fraction"]
+
+# ``model.share_prompts_min_saved_fraction`` left unset (None), by device type: below this fraction of
+# its valid tokens saved, a micro-batch runs plain remove-padding (docs/shared_prompts.md). CPU: sharing
+# paid at the smallest saving measured (0.28-0.31 saved: 1.2-1.4x); CUDA: from the H100 bench of
+# 2026-11-24, not re-measured after issue #28's changes. Other devices take CUDA's.
+MIN_SAVED_BY_DEVICE = {"cpu": 0.0, "cuda": 0.5}
 
 # The forward keyword transformers passes on to the attention function.
 SEGMENTS_KWARG = "rlpad_shared_segments"
@@ -45,6 +51,14 @@ def prompt_groups(
     for row, g in enumerate(inverse.tolist()):
         groups.setdefault(g, []).append(row)
     return list(groups.values())  # dicts keep insertion order: first appearance
+
+
+def min_saved_for(configured: float | None, device: torch.device | str) -> float:
+    """The sharing threshold a worker on ``device`` uses: ``configured``, or the device's default."""
+    if configured is not None:
+        return configured
+    kind = torch.device(device).type
+    return MIN_SAVED_BY_DEVICE.get(kind, MIN_SAVED_BY_DEVICE["cuda"])
 
 
 def saved_fraction(attention_mask: torch.Tensor, response_length: int, groups: list[list[int]]) -> float:
