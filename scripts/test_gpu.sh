@@ -15,7 +15,7 @@ cd "$HERE"
 PY=${PY:-python3}
 OUT=${RLPAD_GPU_OUT:-results/gpu}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
-# Time limits (s) of the steps, 170 + 200 + 80 + 60 + set-up (about 20) under 9 minutes. On the H100 of
+# Time limits (s) of the steps, 170 + 200 + 80 + 60 + set-up 30 (18 s on the H100 of 2026-11-24): 540 s, 9 minutes. On the H100 of
 # 2026-11-24 the tests took 63 s (before the LM-head tests) and bench prefix 36 s; bench logprob (34 s then, one
 # shape and two columns) is estimated at about 2 minutes now: 4 timed rounds of 4 columns x fwd and fwd+bwd,
 # about 7.7 s a round at the 0.5B shape and 6.1 s at 7b-layers (the issue's per-column figures), plus the
@@ -47,7 +47,7 @@ step() {  # step NAME LIMIT_S CMD...: run, log to $OUT/NAME.log, append "NAME rc
     return $rc
 }
 
-if ! step install 120 bash scripts/gpu_site.sh "$SITE"; then
+if ! step install 30 bash scripts/gpu_site.sh "$SITE"; then
     cat "$OUT/install.log" >&2
     exit 1
 fi
