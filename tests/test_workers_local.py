@@ -239,3 +239,30 @@ def test_rollout_is_weights_scale_the_policy_loss(batch):
     b["rollout_is_weights"][2, 1] = float("nan")
     with pytest.raises(ValueError, match=r"rollout_is_weights contains NaN or inf \(rows \[2\]\)"):
         w.update_actor(b)
+
+
+# ---------------------------------------------------------------- the micro-batch's host copy
+
+
+def test_the_forward_reads_its_index_plans_from_the_micro_batch_host_copy(actor, batch):
+    """Each micro-batch carries its host copy (workers.fsdp.HOST_COPY, taken before the move to the
+    device); the actor's and the critic's forwards build their plans from it (on CUDA: no device read
+    per micro-batch). Shown by a host copy whose response_mask scores only the first two response
+    columns: the scores follow it, the rest is exactly 0; the piece's own copy gives the plain numbers."""
+    from rlpad.core.host_plan import HostBatch
+    from workers.fsdp import HOST_COPY
+
+    critic = CriticWorker(critic_config(), device="cpu")
+    critic.init_model()
+    for worker, score in ((actor, lambda p: actor._log_probs(p, 1.0, False)[0]), (critic, critic._values)):
+        piece = worker._on_device(batch)
+        host = piece.meta[HOST_COPY]
+        assert torch.equal(host.input_ids, batch["input_ids"]) and torch.equal(host.response_mask, batch["response_mask"])
+        with torch.no_grad():
+            plain = score(piece)
+            first_two = batch["response_mask"].clone()
+            first_two[:, 2:] = 0
+            piece.meta[HOST_COPY] = HostBatch(host.input_ids, host.attention_mask, host.position_ids, first_two)
+            steered = score(piece)
+        assert (steered[:, 2:] == 0).all() and (plain[:, 2:] != 0).any()
+        torch.testing.assert_close(steered[:, :2], plain[:, :2], atol=1e-5, rtol=0)

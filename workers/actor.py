@@ -26,7 +26,7 @@ from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.shared_prompt import min_saved_for
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
-from workers.fsdp import FSDPWorker, reports_seconds
+from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
 from workers.offload import StateOffloader
 from workers.weight_export import WeightExportMixin, hf_name
 
@@ -86,6 +86,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
             check=False,  # the whole batch was checked where it entered (@batch_method)
             sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
+            host=piece.meta.get(HOST_COPY),
         )  # fmt: skip
 
     def _temperature(self, batch: Batch) -> float:

@@ -15,7 +15,7 @@ from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.shared_prompt import min_saved_for
 from rlpad.core.value import ValueModel
 from workers.contract import FORWARD, batch_method, forward_plus
-from workers.fsdp import FSDPWorker, reports_seconds
+from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
 
 __all__ = ["CriticWorker"]
 
@@ -60,6 +60,7 @@ class CriticWorker(FSDPWorker):
             share_min_saved=min_saved_for(self.config.model.share_prompts_min_saved_fraction, self.device),
             check=False,  # checked where it entered (@batch_method)
             sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
+            host=piece.meta.get(HOST_COPY),
         )  # fmt: skip
 
     def _micro(self) -> tuple[int | None, int | None]:

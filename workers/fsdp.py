@@ -41,6 +41,7 @@ from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
+from rlpad.core.host_plan import HostBatch
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import data_parallel_groups, dp_size, sp_size
@@ -50,8 +51,13 @@ from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
 from workers.sharded_init import fill_from_rank0
 
-__all__ = ["FSDPWorker", "cuda_device_index", "free_port", "full_tensor",  # free_port: from workers.net
+__all__ = ["HOST_COPY", "FSDPWorker", "cuda_device_index", "free_port", "full_tensor",  # free_port: from workers.net
            "reports_seconds"]
+
+# A micro-batch's ``meta`` key for its host copy (:class:`rlpad.core.host_plan.HostBatch`), taken from the
+# CPU tensors before they move to the device: the forward builds its index plans from it and never
+# reads the device (on CUDA that read would be a host sync per micro-batch).
+HOST_COPY = "host_copy"
 
 
 LossFn = Callable[[Batch, dict[str, float]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -245,8 +251,16 @@ class FSDPWorker(CheckpointMixin, RankCollectives):
         budget = max_tokens * self.sp_size if max_tokens is not None else None  # the row is split over sp ranks
         parts = micro_batches(batch, micro_rows, budget, share_prompts=self.config.model.share_prompts,
                               agree=self._all_max)
-        pieces = ((batch.index(p or [0]).to(self.device), bool(p)) for p in parts)
+        pieces = ((self._on_device(batch.index(p or [0])), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
+
+    def _on_device(self, piece: Batch) -> Batch:
+        """``piece`` on this rank's device, its host copy in ``meta[HOST_COPY]``."""
+        t = piece.tensors
+        host = HostBatch.of(t["input_ids"], t["attention_mask"], t.get("position_ids"), t.get("response_mask"))
+        out = piece.to(self.device)
+        out.meta[HOST_COPY] = host
+        return out
 
     def _forward_all(self, batch: Batch, micro_rows: int | None, max_tokens: int | None,
                      fn: Callable[[Batch], tuple[torch.Tensor, ...]], *,

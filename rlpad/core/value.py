@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rlpad.core.forward import check_model_inputs, scoring_hidden_states
+from rlpad.core.host_plan import HostBatch
 from rlpad.core.sequence_parallel import SequenceParallel, active, response_grid
 
 __all__ = ["ValueModel", "compute_values"]
@@ -30,6 +31,7 @@ def compute_values(
     sp: SequenceParallel | None = None,
     share_min_saved: float = 0.0,
     response_mask: torch.Tensor | None = None,
+    host: HostBatch | None = None,
 ) -> torch.Tensor:
     """Values ``(B, R)`` in fp32 of the response tokens; zero on padding and, with ``response_mask``,
     on the tokens it marks 0 (tool output). Differentiable.
@@ -38,6 +40,7 @@ def compute_values(
     valid tokens (see :func:`rlpad.core.forward.scoring_hidden_states`).
     ``check=False`` skips the input checks (the caller ran :func:`check_model_inputs` already).
     ``sp``: sequence parallelism; the value head runs on this rank's slice, every rank gets all values.
+    ``host``: the batch's host copy where the caller has one (see :func:`rlpad.core.forward.scoring_hidden_states`).
     """
     sp = active(sp)
     if check:
@@ -46,7 +49,7 @@ def compute_values(
                            response_mask=response_mask)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
-        share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved, response_mask=response_mask,
+        share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved, response_mask=response_mask, host=host,
     )
     values = value_head(hidden).float().squeeze(-1)  # (N,)
     return response_grid(values, response_idx, input_ids.shape[0], response_length, sp)
@@ -72,9 +75,10 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, response_length, *, use_remove_padding: bool = True,
                 share_prompts: bool = False, check: bool = True, sp: SequenceParallel | None = None,
-                share_min_saved: float = 0.0, response_mask: torch.Tensor | None = None):
+                share_min_saved: float = 0.0, response_mask: torch.Tensor | None = None,
+                host: HostBatch | None = None):
         return compute_values(
             self.backbone, self.value_head, input_ids, attention_mask, position_ids, response_length,
             use_remove_padding=use_remove_padding, share_prompts=share_prompts, check=check, sp=sp,
-            share_min_saved=share_min_saved, response_mask=response_mask,
+            share_min_saved=share_min_saved, response_mask=response_mask, host=host,
         )
