@@ -24,9 +24,8 @@ from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
-from rlpad.core.shared_prompt import min_saved_for
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
-from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
+from workers.fsdp import FSDPWorker, reports_seconds
 from workers.offload import StateOffloader
 from workers.weight_export import WeightExportMixin, hf_name
 
@@ -79,15 +78,9 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     def _log_probs(self, piece: Batch, temperature: float, calculate_entropy: bool):
         mcfg = self.config.model
-        return self.root(
-            piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
-            int(piece["responses"].shape[1]), use_remove_padding=mcfg.use_remove_padding,
-            share_prompts=mcfg.share_prompts, share_min_saved=min_saved_for(mcfg.share_prompts_min_saved_fraction, self.device),
-            temperature=temperature, calculate_entropy=calculate_entropy, logits_chunk_size=mcfg.logits_chunk_size,
-            check=False,  # the whole batch was checked where it entered (@batch_method)
-            sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
-            host=piece.meta.get(HOST_COPY),
-        )  # fmt: skip
+        args, kwargs = self._scoring_args(piece, mcfg)
+        return self.root(*args, temperature=temperature, calculate_entropy=calculate_entropy,
+                         logits_chunk_size=mcfg.logits_chunk_size, **kwargs)
 
     def _temperature(self, batch: Batch) -> float:
         return float(batch.meta.get("temperature", self.config.rollout.temperature))

@@ -12,10 +12,9 @@ from rlpad.algos import compute_value_loss, masked_sum
 from rlpad.batch import Batch
 from rlpad.config import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
-from rlpad.core.shared_prompt import min_saved_for
 from rlpad.core.value import ValueModel
 from workers.contract import FORWARD, batch_method, forward_plus
-from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
+from workers.fsdp import FSDPWorker, reports_seconds
 
 __all__ = ["CriticWorker"]
 
@@ -53,15 +52,8 @@ class CriticWorker(FSDPWorker):
         self._build_optimizer(self.config.optim)
 
     def _values(self, piece: Batch):
-        return self.root(
-            piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
-            int(piece["responses"].shape[1]), use_remove_padding=self.config.model.use_remove_padding,
-            share_prompts=self.config.model.share_prompts,
-            share_min_saved=min_saved_for(self.config.model.share_prompts_min_saved_fraction, self.device),
-            check=False,  # checked where it entered (@batch_method)
-            sp=self.sp, response_mask=piece.tensors.get("response_mask"),  # tool output: context, not scored
-            host=piece.meta.get(HOST_COPY),
-        )  # fmt: skip
+        args, kwargs = self._scoring_args(piece, self.config.model)
+        return self.root(*args, **kwargs)
 
     def _micro(self) -> tuple[int | None, int | None]:
         c = self.config

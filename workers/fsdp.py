@@ -43,6 +43,7 @@ from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
 from rlpad.core.host_plan import HostBatch
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
+from rlpad.core.shared_prompt import min_saved_for
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import data_parallel_groups, dp_size, sp_size
 from rlpad.seqlen import restore_order
@@ -253,6 +254,19 @@ class FSDPWorker(CheckpointMixin, RankCollectives):
                               agree=self._all_max)
         pieces = ((self._on_device(batch.index(p or [0])), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
+
+    def _scoring_args(self, piece: Batch, mcfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of the scoring core (:func:`rlpad.core.forward.compute_log_probs`,
+        :func:`rlpad.core.value.compute_values`) for a micro-batch on this rank, model config ``mcfg``:
+        checked where the batch entered (@batch_method), tool output context and not scored
+        (``response_mask``), the index plans from the piece's host copy."""
+        args = (piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
+                int(piece["responses"].shape[1]))
+        return args, dict(
+            use_remove_padding=mcfg.use_remove_padding, share_prompts=mcfg.share_prompts,
+            share_min_saved=min_saved_for(mcfg.share_prompts_min_saved_fraction, self.device), check=False,
+            sp=self.sp, response_mask=piece.tensors.get("response_mask"), host=piece.meta.get(HOST_COPY),
+        )
 
     def _on_device(self, piece: Batch) -> Batch:
         """``piece`` on this rank's device, its host copy in ``meta[HOST_COPY]``."""

@@ -73,7 +73,7 @@ class RolloutBackend(ABC):
     eos_token_ids: frozenset[int]
     tokenizer: object  # a Hugging Face tokenizer (multi-turn: decodes turns, renders tool messages)
     tools: ToolSet | None = None  # multi-turn tools (rollout.multi_turn.enable), see :meth:`_setup_tools`
-    _tool_renderer: Callable[[str], list[int]] | None = None
+    _tool_renderer: Callable[[str], list[int]] | None = None  # tool_turn_renderer(tokenizer), built at first use
 
     def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
@@ -142,11 +142,12 @@ class RolloutBackend(ABC):
         if self.tools is None:
             responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
         else:
-            self._render_tool("")  # a template that cannot render tool turns fails here, before sampling
+            if self._tool_renderer is None:  # a template that cannot render tool turns fails here, before sampling
+                self._tool_renderer = tool_turn_renderer(self.tokenizer)
             trajs = run_agent_loop(
                 self._sample_each, prompts, sampling, tools=self.tools,
                 max_turns=self.rollout.multi_turn.max_assistant_turns, eos=self.eos_token_ids, decode=self._decode,
-                render_tool=self._render_tool, seed=seed, prompt_offset=prompt_offset,
+                render_tool=self._tool_renderer, seed=seed, prompt_offset=prompt_offset,
             )  # fmt: skip
             responses, log_probs, generated = ([getattr(t, k) for t in trajs] for k in ("tokens", "log_probs", "generated"))
             counts = {k: torch.tensor([getattr(t, k) for t in trajs]) for k in ("num_turns", "tool_calls", "tool_errors")}
@@ -177,12 +178,6 @@ class RolloutBackend(ABC):
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
-
-    def _render_tool(self, observation: str) -> list[int]:
-        """What follows a turn cut at the end of its tool call, in tokens (:func:`tool_turn_renderer`)."""
-        if self._tool_renderer is None:
-            self._tool_renderer = tool_turn_renderer(self.tokenizer)
-        return self._tool_renderer(observation)
 
     @abstractmethod
     def load_weights_bucket(self, named_tensors: NamedTensors, partial: bool = False) -> float:
