@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from rlpad.algos import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
+from rlpad.config import ModelConfig
 from rlpad.optim import build_lr_scheduler, build_optimizer
 from rlpad.micro_batches import micro_batches
 from rlpad.core.host_plan import HostBatch
@@ -255,7 +256,7 @@ class FSDPWorker(CheckpointMixin, RankCollectives):
         pieces = ((self._on_device(batch.index(p or [0])), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
 
-    def _scoring_args(self, piece: Batch, mcfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _scoring_args(self, piece: Batch, mcfg: ModelConfig) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of the scoring core (:func:`rlpad.core.forward.compute_log_probs`,
         :func:`rlpad.core.value.compute_values`) for a micro-batch on this rank, model config ``mcfg``:
         checked where the batch entered (@batch_method), tool output context and not scored
