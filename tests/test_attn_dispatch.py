@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.core import attn_dispatch
 from rlpad.core.attn_dispatch import (
     FLASH_ATTN, SDPA, TORCH_VARLEN, DeviceKernels, choose_kernel, varlen_api_missing, varlen_gqa_arguments,
@@ -25,6 +26,8 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.exactness import LEAK_DETECTING, errors, leaky_packed, oracle, scored, violations
 from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_model
+
+pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile: test)
 
 H100 = dict(cuda=True, capability=(9, 0))
 PROMPT, RESPONSE, VOCAB = 24, 40, 128  # the GRPO batch of tests/test_attention_bf16.py
@@ -185,8 +188,8 @@ def test_cuda_like_dispatch_in_fp32_takes_the_exact_fallback(cuda_like):
         for share in (False, True):
             lp, ent = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                                         RESPONSE, use_remove_padding=True, share_prompts=share, calculate_entropy=True)
-            torch.testing.assert_close(lp.double(), ref.lp, atol=2e-5, rtol=0)
-            torch.testing.assert_close(ent.double(), ref.ent, atol=2e-5, rtol=0)
+            torch.testing.assert_close(lp.double(), ref.lp, atol=FP32_LOGPROB_TOL, rtol=0)
+            torch.testing.assert_close(ent.double(), ref.ent, atol=FP32_LOGPROB_TOL, rtol=0)
     assert calls == []
 
 

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.host_plan import HostBatch, packed_plan
@@ -14,8 +15,10 @@ from rlpad.embedded.tiny import tiny_model
 from workers.actor import ActorWorker
 from tests.test_workers_local import actor_config
 
+pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile: test)
+
 PROMPT, RESPONSE, VOCAB = 10, 16, 128
-TOL = 2e-5
+TOL = FP32_LOGPROB_TOL  # derivation: rlpad/embedded/exactness.py
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_generated_tokens_equal_alone_tool_tokens_exactly_zero(model, batch, pat
                                     RESPONSE, **PATHS[path])
     torch.testing.assert_close(full[tool].double(), ref[tool], atol=TOL, rtol=0)
     assert (full[tool] != 0).all()
-    torch.testing.assert_close(full[gen], lp[gen], atol=1e-6, rtol=0)
+    torch.testing.assert_close(full[gen], lp[gen], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -79,7 +82,7 @@ def test_values_zero_on_tool_tokens(model, batch, share):
         full = critic(batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE, share_prompts=share)
     gen = batch["response_mask"].bool()
     assert (v[~gen] == 0).all()
-    torch.testing.assert_close(v[gen], full[gen], atol=1e-6, rtol=0)
+    torch.testing.assert_close(v[gen], full[gen], atol=TOL, rtol=0)
 
 
 def actor_loss(model, b, response_mask, rmpad):

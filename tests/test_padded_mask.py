@@ -13,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.core.attention import unmask_unattended_rows
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
+
+pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile: test)
 
 PROMPT, RESPONSE, VOCAB = 24, 40, 128
 
@@ -64,8 +67,8 @@ def test_no_fully_masked_query_row_reaches_sdpa(arch):
     assert fully_masked_rows(control_masks) > 0
     # Real tokens attend exactly as before: the numbers agree to the last bit of fp32 noise.
     valid = batch["attention_mask"][:, -RESPONSE:].bool()
-    torch.testing.assert_close(lp[valid], lp_ref[valid], atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent[valid], ent_ref[valid], atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp[valid], lp_ref[valid], atol=FP32_LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(ent[valid], ent_ref[valid], atol=FP32_LOGPROB_TOL, rtol=0)
     assert torch.equal(lp[~valid], torch.zeros_like(lp[~valid]))
 
 
@@ -92,5 +95,5 @@ def test_the_sdpa_choice_is_guarded_too(arch):
     lp, ent, masks = padded_run(guarded.train(), batch)
     assert any(m is not None for m in masks) and fully_masked_rows(masks) == 0
     lp_ref, ent_ref, _ = padded_run(varlen.train(), batch)
-    torch.testing.assert_close(lp, lp_ref, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent, ent_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp, lp_ref, atol=FP32_LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(ent, ent_ref, atol=FP32_LOGPROB_TOL, rtol=0)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL
 from rlpad.config import DataConfig, RolloutConfig
 from rlpad.rollout.hf import HFRollout
 from test_rollout_layout import (EOS, P, R, assert_rollout_layout, make_model, max_log_prob_diff, perturbed,
@@ -50,10 +51,10 @@ def test_vllm_layout_invariants(setup):
 def test_vllm_log_probs_match_forward(setup):
     model, _, backend = setup
     prompts = prompt_batch()
-    assert max_log_prob_diff(model, backend.generate(prompts)) <= 1e-4  # temperature 0.9
+    assert max_log_prob_diff(model, backend.generate(prompts)) <= ENGINE_LOGPROB_TOL  # temperature 0.9
     greedy = backend.generate_validation(prompts)
     assert greedy.meta["temperature"] == 1.0
-    assert max_log_prob_diff(model, greedy) <= 1e-4
+    assert max_log_prob_diff(model, greedy) <= ENGINE_LOGPROB_TOL
 
 
 def test_vllm_greedy_matches_hf(setup):
@@ -150,7 +151,7 @@ def test_vllm_top_k_log_probs_are_renormalised_over_the_support(setup, monkeypat
     assert (chosen >= top[..., -1])[out["response_mask"].bool()].all()  # every sampled token is in the top k
     expected = chosen - top.logsumexp(-1)
     mask = out["response_mask"].bool()
-    assert (expected - out["rollout_log_probs"])[mask].abs().max() <= 1e-4
+    assert (expected - out["rollout_log_probs"])[mask].abs().max() <= ENGINE_LOGPROB_TOL
 
 
 def test_vllm_seeded_generate_is_reproducible(setup):
@@ -182,7 +183,7 @@ def test_rollout_vs_actor_mismatch_on_a_real_rollout(setup):
     rollout, mask = out["rollout_log_probs"], out["response_mask"]
     same = log_prob_mismatch(actor_log_probs(model), rollout, mask)
     assert same["tokens"] == int(mask.sum()) > 50
-    assert same["abs_diff_max"] < 1e-4 and same["abs_diff_mean"] < 1e-5
+    assert same["abs_diff_max"] < ENGINE_LOGPROB_TOL and same["abs_diff_mean"] < 1e-5
     assert 0 <= same["k3_kl"] < 1e-8 and same["pearson"] > 1 - 1e-8
 
     old = actor_log_probs(perturbed(model))
@@ -246,5 +247,5 @@ def test_vllm_agent_loop_is_split_invariant_and_scores_generated_tokens(setup):
                               use_remove_padding=True, temperature=0.9, response_mask=out["response_mask"])
     sampled = out["response_mask"].bool().clone()
     sampled[:, : len(script)] = False  # the forced call has no sampled log-prob
-    assert sampled.any() and (lp - out["rollout_log_probs"])[sampled].abs().max() <= 1e-4
+    assert sampled.any() and (lp - out["rollout_log_probs"])[sampled].abs().max() <= ENGINE_LOGPROB_TOL
     assert (out["rollout_log_probs"][~out["response_mask"].bool()] == 0).all()

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL
 from rlpad.algos import compute_policy_loss
 from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
 from rlpad.core.forward import compute_log_probs
@@ -29,8 +30,10 @@ from rlpad.embedded.synthetic import grpo_batch, with_tool_spans
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 from spawn_ranks import spawn_ranks
 
+pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile: test)
+
 PROMPT, RESPONSE, VOCAB = 14, 10, 128
-TOL, GRAD_TOL = 2e-5, 1e-5
+TOL, GRAD_TOL = FP32_LOGPROB_TOL, FP32_GRAD_REL  # derivations: rlpad/embedded/exactness.py
 ARCHS = sorted(ARCHITECTURES)  # llama (MHA), mistral (window 8), qwen2 (GQA, tied), qwen3 (q/k-norm): 2 heads
 WIDE = {"gqa4x2": dict(arch="qwen2", hidden_size=128, num_key_value_heads=2),  # 4 query heads, 2 key/value
         "gqa8x2": dict(arch="qwen2", hidden_size=256, num_key_value_heads=2)}  # 8 query heads, 2 key/value

@@ -7,6 +7,8 @@ from rlpad.core.value import ValueModel
 from rlpad.embedded.synthetic import rollout_batch
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 
+pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile: test)
+
 PROMPT, RESPONSE, VOCAB = 12, 10, 128
 
 

@@ -8,6 +8,7 @@ import time
 import torch
 
 from rlpad.core.forward import compute_log_probs
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.embedded.synthetic import rollout_batch
 from rlpad.embedded.tiny import ARCHITECTURES, tiny_model
 
@@ -15,7 +16,7 @@ __all__ = ["run_check"]
 
 
 def run_check(batch: int = 16, prompt: int = 128, response: int = 128, reps: int = 3) -> bool:
-    """Print a per-token agreement and speed table; True when every architecture agrees (<= 2e-5)."""
+    """Print a per-token agreement and speed table; True when every architecture agrees (<= FP32_LOGPROB_TOL)."""
     data = rollout_batch(batch, prompt, response, vocab_size=512, seed=0)
     valid = int(data["attention_mask"].sum())
     print(f"rollout batch: {batch} rows x ({prompt} prompt + {response} response), "
@@ -39,7 +40,7 @@ def run_check(batch: int = 16, prompt: int = 128, response: int = 128, reps: int
         d_lp = (outs[True][0] - outs[False][0]).abs().max().item()
         d_ent = (outs[True][1] - outs[False][1]).abs().max().item()
         t_pad, t_rm = statistics.median(times[False]), statistics.median(times[True])
-        ok &= d_lp <= 2e-5 and d_ent <= 2e-5
+        ok &= d_lp <= FP32_LOGPROB_TOL and d_ent <= FP32_LOGPROB_TOL
         print(f"{arch:>8} {d_lp:12.2e} {d_ent:10.2e} {1e3 * t_pad:10.1f} {1e3 * t_rm:9.1f} {t_pad / t_rm:7.2f}x")
-    print("\nagreement:", "OK (<= 2e-5 per token)" if ok else "FAILED (> 2e-5)")
+    print("\nagreement:", f"OK (<= {FP32_LOGPROB_TOL:g} per token)" if ok else f"FAILED (> {FP32_LOGPROB_TOL:g})")
     return ok

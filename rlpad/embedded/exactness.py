@@ -23,9 +23,26 @@ from rlpad.core.forward import backbone_of, compute_log_probs
 from rlpad.core.logprob import log_probs_and_entropy
 from rlpad.core.padding import index_first_axis, pad_input, unpad_input
 
-__all__ = ["BF16_BOUNDS", "LEAK_DETECTING", "PathResult", "errors", "leaky_packed", "oracle", "scored", "violations"]
+__all__ = ["BF16_BOUNDS", "ENGINE_LOGPROB_TOL", "FP32_GRAD_REL", "FP32_LOGPROB_TOL", "LEAK_DETECTING", "PathResult", "errors", "leaky_packed", "oracle", "scored", "violations"]
 
 ENTROPY_WEIGHT = 0.1  # loss = token-mean of (log_prob + ENTROPY_WEIGHT * entropy)
+
+# fp32 per-token bound (nats) between two correct scoring paths, or a path and the fp64 oracle: the
+# project's fp32 exactness claim (`rlpad check`, the CPU suite). A log-prob or entropy |x| < 16 has
+# ulp 2^-20 = 9.5e-7; padded vs packed differ by at most that one ulp on every CPU met (AMD EPYC
+# AVX-512, Intel Xeon AMX, and each restricted to AVX2 kernels: 9.54e-7, `rlpad check`). 2e-5 = 21
+# ulps leaves room for longer reductions (rounding grows ~ sqrt(terms) ulps) and stays 500x below the
+# smallest bug the suite plants: a one-segment boundary leak moves later rows' log-probs > 1e-2.
+FP32_LOGPROB_TOL = 2e-5
+# fp32 gradients of one loss summed in another order (padded vs packed, micro-batches, ranks, shared
+# prompts), compared as |g - g'| / |g| per parameter: each element sums N token contributions, and a
+# reordered sum moves it by ~sqrt(N) eps relative (N ~ 1e3 tokens: 3.8e-6). A token dropped or counted
+# twice moves a gradient by ~1/N >= 1e-3, a micro-batch weighted wrongly by far more.
+FP32_GRAD_REL = 1e-5
+# Per token, a rollout engine's log-probs (vLLM's CPU kernels) vs the actor's on the same fp32 weights:
+# two kernel sets round through every layer differently (measured up to 9.5e-6: mismatch/abs_diff_max
+# of the runs tests/run_compare.py compares; 10x that). A stale or wrong weight moves them by >= 1e-2.
+ENGINE_LOGPROB_TOL = 1e-4
 
 # Per-token errors against the oracle (nats, over valid response tokens) and gradient errors
 # (all parameters as one vector): a path passes when every figure is within its bound.
