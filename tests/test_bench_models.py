@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlpad.embedded.exactness import FP32_GRAD_REL
 from rlpad.bench.head_memory import VARIANTS, head_fwd_bwd, head_inputs, measure_in_subprocess
 from rlpad.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rlpad.bench.models import MODEL_SHAPES, bench_config, bench_model, model_shape
@@ -58,8 +59,8 @@ def test_head_memory_variants_agree_and_chunking_saves_memory():
         total = head_fwd_bwd(variant, h, w, labels, chunk=16)
         grads[variant] = (total, h.grad.clone(), w.grad.clone())
     (t_full, *g_full), (t_chunk, *g_chunk) = grads["full"], grads["chunked"]
-    assert t_full == pytest.approx(t_chunk, rel=1e-5)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_full, g_chunk))
+    assert t_full == pytest.approx(t_chunk, rel=FP32_GRAD_REL)  # a sum of 64 log-probs in another order
+    assert all((a - b).norm() <= FP32_GRAD_REL * b.norm() for a, b in zip(g_full, g_chunk))  # rlpad/embedded/exactness.py
     with pytest.raises(ValueError, match="unknown memory variant 'half'"):
         head_fwd_bwd("half", h, w, labels, chunk=16)
     peak = {v: measure_in_subprocess(v, tokens=2048, hidden=64, vocab=32768, chunk=64)["peak_gib"] for v in VARIANTS}

@@ -6,6 +6,7 @@ import torch
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL  # noqa: E402
 from rlpad.config import DataConfig, RolloutConfig  # noqa: E402
 from rlpad.rollout.hf import HFRollout  # noqa: E402
 from test_rollout_layout import P, R, assert_rollout_layout, make_model, perturbed, prompt_batch, save_model  # noqa: E402
@@ -70,7 +71,8 @@ def test_one_and_two_replicas_sample_the_same_responses(ray_session, tmp_path):
     assert list(split["uid"]) == list(single["uid"])
     assert torch.equal(split["responses"], single["responses"])
     assert torch.equal(split["response_mask"], single["response_mask"])
-    torch.testing.assert_close(split["rollout_log_probs"], single["rollout_log_probs"], rtol=0, atol=1e-5)
+    # one engine, other batch compositions: other kernel shapes, the same fp32 weights (rlpad/embedded/exactness.py)
+    torch.testing.assert_close(split["rollout_log_probs"], single["rollout_log_probs"], rtol=0, atol=FP32_LOGPROB_TOL)
     assert torch.equal(split_val["responses"], single_val["responses"])
     assert not torch.equal(unshifted["responses"], single["responses"][4 * ROLLOUT.n:])
 
