@@ -65,6 +65,23 @@ def test_calls_found_whatever_the_tokenisation(bpe):
     assert old_missed > 50 and merged == old_missed  # the control: what the BPE merges, the old rule missed
 
 
+def test_the_cut_decodes_a_few_times_not_once_per_token(bpe):
+    """A 4096-token turn whose call ends near its end: the old rule decoded once per token (4096 times);
+    the cut decodes the turn once and bisects (at most 2 + log2(4096) = 14 decodes)."""
+    filler = bpe.encode("a > b\n" * 2000, add_special_tokens=False)[:4090]
+    ids = filler + bpe.encode("[calc(1+2)]\nok", add_special_tokens=False)
+    seen = []
+
+    def decode(tokens):
+        seen.append(len(tokens))
+        return bpe.decode(tokens)
+
+    cut = cut_turn(ids, frozenset({bpe.eos_token_id}), FORMATS["bracket"], decode, 4)
+    assert [c.arguments for c in cut.calls] == ["1+2"] and bpe.decode(ids[: cut.kept]).endswith("[calc(1+2)]\n")
+    print(f"a {len(ids)}-token turn: {len(seen)} decodes")
+    assert len(seen) <= 14
+
+
 def test_a_turn_without_a_call_or_with_eos_first(bpe):
     eos = frozenset({bpe.eos_token_id})
     ids = bpe.encode("no call here.", add_special_tokens=False)
