@@ -48,7 +48,7 @@ def test_hung_tools_cost_one_timeout_per_turn_and_leave_nothing_behind():
     """256 samples (32 prompts x 8) whose every turn calls a tool sleeping 3 s past a 1 s timeout, two
     turns: each turn costs about one timeout (the old loop: one per call, 256 s a turn), every call is
     an error, and afterwards no thread or process of the tools is left."""
-    threads, kids = threading.active_count(), children()
+    kids = set(children())
     tools = ToolSet(["mt_tools:hang"], "bracket", 1.0, 16, len, max_token_chars=1)
 
     def engine(contexts, sampling, seeds):  # every turn: a call, then the budget runs on
@@ -66,7 +66,8 @@ def test_hung_tools_cost_one_timeout_per_turn_and_leave_nothing_behind():
     assert len(trajs) == 256 and all(t.tool_calls == 2 == t.tool_errors for t in trajs)
     assert all(t.errors == ["hang timed out after 1 s"] * 2 for t in trajs)
     assert took < 20  # a behaviour check (about 2 timeouts), not a timing
-    assert threading.active_count() == threads and children() == kids
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("rlpad-tool")]
+    assert set(children()) <= kids  # no process of the tools left (other tests' may have ended meanwhile)
 
 
 def test_a_hung_tool_and_what_it_started_are_killed(tmp_path):
