@@ -117,6 +117,7 @@ def test_outputs_checked_before_tokenising_async_tools_and_prints_to_the_log(cap
 @pytest.mark.parametrize("override, says", [
     ("tools=[nope.module:fn]", f"{MT}.tools='nope.module:fn': cannot import module 'nope.module'"),
     ("tools=[rlpad.embedded.toy_tools:DATA_SOURCE]", "'DATA_SOURCE' is a str, not a function"),
+    ("tools=[rlpad.embedded.toy_tools:LOW]", "'LOW' is an int, not a function"),  # was "is a int"
     ("tools=[mt_tools:calc,mt_tools:calc]", f"{MT}.tools: two tools named 'calc'"),
     ("tool_timeout=0", f"{MT}.tool_timeout=0.0 must be > 0"),
     ("format=json", f"{MT}.format='json' is not valid"),
