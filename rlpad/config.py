@@ -157,7 +157,11 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # tokens of one tool message; longer: an error observation instead
     format: str = "hermes"  # tool-call syntax: hermes (<tool_call>{json}</tool_call>) | bracket ([name(text)])
     tools: list[str] = field(default_factory=list)  # rlpad: tool functions, 'pkg.module:function' (name = function)
-    tool_timeout: float = 10.0  # seconds a tool may run; past it the turn gets an error observation
+    tool_timeout: float = 10.0  # seconds a tool call may run; past it: an error observation, its process killed
+    max_parallel_calls: int = 4  # calls one turn may make (parallel calls); the turn is cut after the last kept
+    advertise_tools: bool = True  # render prompts with the tools' schemas (tools=); false: the prompt as given
+    tool_workers: int = 2  # rlpad: processes running the tool calls (a hung call's process is killed)
+    max_concurrent_tool_calls: int = 256  # rlpad: calls running at once over all samples (threads in the workers)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from rlpad.config import (
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
+from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
 
 __all__ = [
@@ -332,6 +333,7 @@ def validate_config(config: Config) -> Config:
         one_of("trainer.logger[]", name, LOGGERS)
     if ":" not in config.reward.fn and "." not in config.reward.fn:
         problems.append(f"reward.fn={config.reward.fn!r} must be 'package.module:function'")
+    problems += multi_turn_problems(rollout.multi_turn)
 
     # sizes
     if rollout.n < 1:

@@ -26,7 +26,7 @@ from rlpad.batch import Batch
 from rlpad.config import TRUNCATION_MODES, DataConfig
 from rlpad.core.layout import left_pad, position_ids_from_mask
 
-__all__ = ["PromptDataset", "PromptLoader", "build_datasets", "read_rows", "val_batches", "write_rows"]
+__all__ = ["PromptDataset", "PromptLoader", "build_datasets", "check_renders_tools", "read_rows", "val_batches", "write_rows"]
 
 
 
@@ -116,10 +116,28 @@ def _check_row(row: Mapping[str, Any], where: str, prompt_key: str) -> dict[str,
 # ----------------------------------------------------------------------------- dataset
 
 
-def _prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+ADVERTISE_KEY = "actor_rollout_ref.rollout.multi_turn.advertise_tools"
+
+
+def _prompt_text(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in messages)
+
+
+def check_renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+    """ValueError unless the chat template advertises ``tools`` (schemas): a prompt rendered with them
+    differs from one rendered without and names every tool."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        with_tools = _prompt_text(tokenizer, probe, tools)
+    except Exception as e:  # a template's own exception types
+        raise ValueError(f"{ADVERTISE_KEY}=true: the chat template fails to render tools ({e})") from e
+    missing = [t["function"]["name"] for t in tools if t["function"]["name"] not in with_tools]
+    if with_tools == _prompt_text(tokenizer, probe) or missing:
+        raise ValueError(f"{ADVERTISE_KEY}=true but the tokenizer's chat template does not render tools (a prompt "
+                         f"rendered with tools= lacks {', '.join(missing) or 'them'}): the model would not know they "
+                         "exist; use a template that renders tools, or set advertise_tools=false")
 
 
 class PromptDataset:
@@ -133,6 +151,7 @@ class PromptDataset:
         max_prompt_length: int,
         truncation: str = "error",
         prompt_key: str = "prompt",
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {TRUNCATION_MODES}")
@@ -143,6 +162,8 @@ class PromptDataset:
             raise ValueError("no data files given (data.train_files / data.val_files is empty)")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token)")
+        if tools:
+            check_renders_tools(tokenizer, tools)
         self.max_prompt_length = max_prompt_length
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.rows: list[dict[str, Any]] = []
@@ -151,7 +172,7 @@ class PromptDataset:
             for i, raw in enumerate(read_rows(path)):
                 where = f"{path}: row {i}"
                 row = _check_row(raw, where, prompt_key)
-                ids = list(tokenizer(_prompt_text(tokenizer, row["raw_prompt"]), add_special_tokens=False)["input_ids"])
+                ids = list(tokenizer(_prompt_text(tokenizer, row["raw_prompt"], tools or None), add_special_tokens=False)["input_ids"])
                 if not ids:
                     raise ValueError(f"{where}: column {prompt_key!r} is empty after the chat template (0 tokens)")
                 if len(ids) > max_prompt_length:
@@ -167,10 +188,12 @@ class PromptDataset:
             raise ValueError(f"no rows in data files {files}")
 
     @classmethod
-    def from_config(cls, files: Sequence[str], tokenizer: Any, data: DataConfig) -> PromptDataset:
-        """A dataset of ``files`` with ``data``'s prompt length, truncation and prompt key."""
+    def from_config(cls, files: Sequence[str], tokenizer: Any, data: DataConfig,
+                    tools: list[dict[str, Any]] | None = None) -> PromptDataset:
+        """A dataset of ``files`` with ``data``'s prompt length, truncation and prompt key; prompts
+        rendered with ``tools`` (schemas) when given."""
         return cls(files, tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-                   prompt_key=data.prompt_key)
+                   prompt_key=data.prompt_key, tools=tools)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -270,9 +293,11 @@ def val_batches(dataset: PromptDataset, batch_size: int | None = None) -> Iterat
         yield dataset.collate(list(range(start, min(start + size, len(dataset)))), uid_prefix="val-")
 
 
-def build_datasets(data: DataConfig, tokenizer: Any) -> tuple[PromptLoader, PromptDataset | None]:
-    """The training loader (``data.train_files``) and the validation set (``data.val_files``, if any)."""
-    train = PromptDataset.from_config(data.train_files, tokenizer, data)
+def build_datasets(data: DataConfig, tokenizer: Any,
+                   tools: list[dict[str, Any]] | None = None) -> tuple[PromptLoader, PromptDataset | None]:
+    """The training loader (``data.train_files``) and the validation set (``data.val_files``, if any);
+    ``tools``: the schemas the prompts advertise (multi-turn)."""
+    train = PromptDataset.from_config(data.train_files, tokenizer, data, tools)
     loader = PromptLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    val = PromptDataset.from_config(data.val_files, tokenizer, data) if data.val_files else None
+    val = PromptDataset.from_config(data.val_files, tokenizer, data, tools) if data.val_files else None
     return loader, val

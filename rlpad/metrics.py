@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 __all__ = ["MetricsLogger", "cpu_kernels", "plot_reward_curve"]
@@ -64,6 +65,13 @@ class MetricsLogger:
             shown = {name: f"{numeric[k]:.3g}" for k, name in BAR_METRICS.items() if k in numeric}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(step - self._bar.n)
+
+    def warn(self, line: str) -> None:
+        """A warning line on the console (stderr), above the progress bar when there is one."""
+        if self._bar:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar:

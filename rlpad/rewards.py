@@ -16,11 +16,7 @@ exactly, so ``1,000`` = ``1000`` = ``1000.0``, ``-3`` = ``-3.00``, ``0.5`` = ``1
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.util
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
@@ -29,6 +25,7 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
+from rlpad.functions import load_function
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
@@ -188,35 +185,6 @@ def load_reward_fn(spec: str | None) -> RewardFn:
     if spec is None or spec == "rlpad.rewards:compute_score":
         return compute_score
     return load_function(spec, "reward.fn")
-
-
-def load_function(spec: str, key: str) -> Any:
-    """The function named by ``spec`` (``"pkg.module:function"`` or ``"path/to/file.py:function"``);
-    ValueError naming the config ``key`` when it cannot be found."""
-    module_name, sep, func_name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not module_name or not func_name:
-        raise ValueError(f"{key}={spec!r} must name a function as 'package.module:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ValueError(f"{key}={spec!r}: file {module_name!r} does not exist")
-            file_spec = importlib.util.spec_from_file_location(f"rlpad_custom_{abs(hash(module_name))}",
-                                                               module_name)
-            module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{key}={spec!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, func_name, None)
-    if fn is None:
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        close = difflib.get_close_matches(func_name, names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{key}={spec!r}: module {module_name!r} has no function {func_name!r}{hint}")
-    if not callable(fn):
-        raise ValueError(f"{key}={spec!r}: {func_name!r} is a {type(fn).__name__}, not a function")
-    return fn
 
 
 # ----------------------------------------------------------------------------- batches

@@ -33,6 +33,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.metrics import cpu_kernels
 from rlpad.rewards import load_reward_fn
+from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from rlpad.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
@@ -163,7 +164,9 @@ def prepare(config: Config) -> Prepared:
     config = resolve_embedded(config)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
-    train_loader, val_dataset = build_datasets(config.data, tokenizer)
+    mt = config.actor_rollout_ref.rollout.multi_turn
+    tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
+    train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
 

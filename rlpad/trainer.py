@@ -35,6 +35,7 @@ from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.errors import WorkerFailed
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
+from rlpad.rollout.agent import AGENT_COUNTS
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
 __all__ = ["GenerationPhases", "Trainer", "Workers", "fill_lr_horizons", "total_training_steps"]
@@ -106,6 +107,7 @@ class Trainer:
                  val_dataset: PromptDataset | None, reward_fn: Callable[..., Any] | None = None):
         self.config, self.workers, self.tokenizer = config, workers, tokenizer
         self.train_loader, self.val_dataset, self.reward_fn = train_loader, val_dataset, reward_fn
+        self.warnings: list[str] = []  # lines for the console, printed after the step's metrics
         self.total_steps = total_training_steps(config, len(train_loader))
         self.checkpoints = CheckpointDir(config.trainer.default_local_dir)
         self.step = 0
@@ -150,12 +152,18 @@ class Trainer:
         plot_reward_curve(self.history, f"{cfg.default_local_dir}/reward_curve.png")
         return self.history
 
+    def _flush_warnings(self, logger: MetricsLogger) -> None:
+        for line in self.warnings:
+            logger.warn(line)
+        self.warnings.clear()
+
     def _loop(self, logger: MetricsLogger) -> None:
         cfg = self.config.trainer
         if self.step == 0 and cfg.val_before_train and self.val_dataset is not None:
             record = {"step": 0, **self.validate()}
             self.history.append(record)
             logger.log(0, record)
+            self._flush_warnings(logger)
         while self.step < self.total_steps:
             self.step += 1
             if self.ahead is not None:
@@ -166,6 +174,7 @@ class Trainer:
                 metrics.update(self.validate())
             self.history.append({"step": self.step, **metrics})
             logger.log(self.step, metrics)
+            self._flush_warnings(logger)
             if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last):
                 self.save_checkpoint()
 
@@ -298,11 +307,7 @@ class Trainer:
             "response_length/mean": float(mask.sum(1).mean()), "response_length/max": float(mask.sum(1).max()),
             "padding_ratio": 1.0 - valid / attention.numel(),
         }
-        if "tool_calls" in batch:  # multi-turn rollouts (rlpad.rollout.agent)
-            out.update({"multi_turn/tool_calls": float(batch["tool_calls"].sum()),
-                        "multi_turn/tool_errors": float(batch["tool_errors"].sum()),
-                        "multi_turn/num_turns/mean": float(batch["num_turns"].float().mean()),
-                        "multi_turn/tool_tokens/mean": float((attention[:, -mask.shape[1]:] - mask).sum(1).mean())})
+        out.update(self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}"))
         out.update({f"timing_s/{k}": v for k, v in timing.items()})
         throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
                       "update_actor": valid * epochs, "update_critic": valid * epochs}
@@ -310,23 +315,45 @@ class Trainer:
         out["timing_s/step"] = sum(timing.values())
         return out
 
+    def _multi_turn_metrics(self, batch: Batch, prefix: str, where: str) -> dict[str, float]:
+        """``{prefix}*`` metrics of a multi-turn rollout batch (none for single-turn); when more than half
+        of its tool calls failed, a warning line with the first failure's reason is queued for the console."""
+        if "tool_calls" not in batch:
+            return {}
+        mask, attention = batch["response_mask"], batch["attention_mask"]
+        calls, errors, turns = (int(batch[k].sum()) for k in ("tool_calls", "tool_errors", "tool_turns"))
+        if errors * 2 > calls:
+            first = next((r for r in batch["tool_error"] if r), "?")
+            self.warnings.append(f"rlpad: warning: {where}: {errors} of {calls} tool calls failed; the first: {first} "
+                                 "(every failure is in run.log)")
+        return {f"{prefix}tool_calls": float(calls), f"{prefix}tool_errors": float(errors),
+                f"{prefix}num_turns/mean": float(batch["num_turns"].float().mean()),
+                f"{prefix}tool_tokens/mean": float((attention[:, -mask.shape[1]:] - mask).sum(1).float().mean()),
+                f"{prefix}calls_per_turn/mean": calls / turns if turns else 0.0,
+                f"{prefix}calls_per_turn/max": float(batch["max_turn_calls"].max()),
+                f"{prefix}calls_dropped": float(batch["calls_dropped"].sum())}
+
     # ---- validation --------------------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
-        scores, parts = [], []
+        scores, parts, batches = [], [], []
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
             scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
+            if "tool_calls" in batch:
+                batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
             if "rollout_log_probs" in batch:
                 batch.update(self.workers.compute_log_prob(batch, for_update=False))
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
         out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        if batches:
+            out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))
         if parts:
             out.update(_mismatch_metrics(Batch.concat(parts), "val/mismatch/"))
         return out

@@ -21,34 +21,21 @@ TOK = build_tokenizer()
 EOS = TOK.eos_token_id
 
 
-def calc(text):
-    return str(eval(text, {"__builtins__": {}}))  # the toy calculator: digits and + - * only here
-
-
-def boom(text):
-    raise ZeroDivisionError("no")
-
-
-def hang(text):
-    time.sleep(3)
-    return "late"
-
-
-def huge(text):
-    return "9" * 500
-
-
-def number(text):
-    return 7
-
-
 def enc(text):
     return TOK.encode(text, add_special_tokens=False)
 
 
-def toolset(timeout=0.3):
-    tools = {f.__name__: f for f in (calc, boom, hang, huge, number)}
-    return ToolSet(tools, "bracket", timeout, 32, lambda s: len(enc(s)))
+def toolset(timeout=0.3, max_tokens=32):
+    """The test tools (tests/mt_tools.py), run in tool-worker processes; one character per token."""
+    specs = [f"mt_tools:{name}" for name in ("calc", "boom", "hang", "huge", "number")]
+    return ToolSet(specs, "bracket", timeout, max_tokens, lambda s: len(enc(s)), max_token_chars=1)
+
+
+@pytest.fixture(scope="module")
+def tools():
+    ts = toolset()
+    yield ts
+    ts.close()
 
 
 class Scripted:
@@ -68,14 +55,14 @@ class Scripted:
         return outs, [[-0.5] * len(o) for o in outs]
 
 
-def loop(engine, prompts, n=2, budget=40, turns=3, seed=None, offset=0, tools=None):
+def loop(engine, prompts, tools, n=2, budget=40, turns=3, seed=None, offset=0):
     return run_agent_loop(engine, [enc(p) for p in prompts], Sampling(n, 1.0, 1.0, -1, budget),
-                          tools=tools or toolset(), max_turns=turns, eos=frozenset({EOS}), decode=TOK.decode,
-                          render_tool=enc, seed=seed, prompt_offset=offset)
+                          tools=tools, max_turns=turns, eos=frozenset({EOS}), decode=TOK.decode,
+                          render_tool=lambda observations: enc("".join(observations)), seed=seed, prompt_offset=offset)
 
 
-def test_tool_output_is_context_never_generated():
-    trajs = loop(Scripted(), ["12+7="])
+def test_tool_output_is_context_never_generated(tools):
+    trajs = loop(Scripted(), ["12+7="], tools)
     assert len(trajs) == 2
     for t in trajs:
         text = TOK.decode(t.tokens)
@@ -86,58 +73,73 @@ def test_tool_output_is_context_never_generated():
         assert (t.num_turns, t.tool_calls, t.tool_errors) == (2, 1, 0)
 
 
-def test_turn_limit_and_budget():
-    t = loop(Scripted(), ["1+1="], n=1, turns=1)[0]
+def test_turn_limit_and_budget(tools):
+    t = loop(Scripted(), ["1+1="], tools, n=1, turns=1)[0]
     assert TOK.decode(t.tokens) == "[calc(12+7)]" and all(t.generated) and t.tool_calls == 0
-    t = loop(Scripted(), ["1+1="], n=1, budget=13)[0]  # the call (12 tokens) then 1 token of "19"
+    t = loop(Scripted(), ["1+1="], tools, n=1, budget=13)[0]  # the call (12 tokens) then 1 token of "19"
     assert TOK.decode(t.tokens) == "[calc(12+7)]1" and t.generated[-1] == 0 and len(t.tokens) == 13
 
 
-def test_seeds_depend_on_prompt_sample_turn_only():
+def test_seeds_depend_on_prompt_sample_turn_only(tools):
     """A split of the prompts (replicas: prompt_offset) asks the engine with the same seeds."""
     whole, first, second = Scripted(), Scripted(), Scripted()
-    loop(whole, ["1+1=", "2+2="], seed=5)
-    loop(first, ["1+1="], seed=5)
-    loop(second, ["2+2="], seed=5, offset=1)
+    loop(whole, ["1+1=", "2+2="], tools, seed=5)
+    loop(first, ["1+1="], tools, seed=5)
+    loop(second, ["2+2="], tools, seed=5, offset=1)
     for turn in range(2):
         assert whole.calls[turn][1] == first.calls[turn][1] + second.calls[turn][1]
     assert whole.calls[0][1] == [turn_seed(5, p, j, 0) for p in range(2) for j in range(2)]
     assert len(set(whole.calls[0][1] + whole.calls[1][1])) == 8
 
 
-@pytest.mark.parametrize("tool, says", [
-    ("boom", "error: boom raised ZeroDivisionError: no"),
-    ("hang", "error: hang timed out after 0.3 s"),
-    ("huge", "error: huge returned 500 tokens, over the limit of 32"),
-    ("number", "error: number returned int, not a string"),
-    ("nope", "error: unknown tool nope"),
+@pytest.mark.parametrize("tool, says, reason", [
+    ("boom", "error: tool failed", "boom raised ZeroDivisionError: no"),
+    ("hang", "error: timed out", "hang timed out after 0.3 s"),
+    ("huge", "error: output too long", "huge returned 500 characters, over max_tool_response_length=32 tokens"),
+    ("number", "error: not text", "number returned int, not a str"),
+    ("nope", "error: unknown tool", "unknown tool 'nope' (tools: boom, calc, hang, huge, number)"),
 ])
-def test_bad_tools_end_the_turn_with_an_error_observation(tool, says):
+def test_bad_tools_end_the_turn_with_an_error_observation(tools, tool, says, reason):
+    """The model sees a short fixed text, within max_tool_response_length; the full reason is the log's."""
     start = time.perf_counter()
-    t = loop(Scripted(tool), ["1+1="], n=1, budget=120)[0]
+    t = loop(Scripted(tool), ["1+1="], tools, n=1, budget=120)[0]
     assert time.perf_counter() - start < 2.5  # a hung tool is waited for tool_timeout, not until it returns
     text = TOK.decode(t.tokens)
-    assert text.startswith(f"[{tool}(12+7)]" + says) and text.endswith("ok" + TOK.eos_token)
+    assert text == f"[{tool}(12+7)]" + says + "ok" + TOK.eos_token
     assert (t.tool_calls, t.tool_errors, t.num_turns) == (1, 1, 2)  # the run went on to the next turn
+    assert t.errors == [reason]
+
+
+def test_error_observations_fit_max_tool_response_length():
+    """Control for the old long error texts (36-64 tokens, then cut at the budget with no next turn):
+    with a limit of 8 tokens the observation is 8 tokens and the model gets its next turn."""
+    short = toolset(max_tokens=8)
+    try:
+        t = loop(Scripted("boom"), ["1+1="], short, n=1, budget=40)[0]
+    finally:
+        short.close()
+    assert TOK.decode(t.tokens) == "[boom(12+7)]" + "error: t" + "ok" + TOK.eos_token
+    assert t.num_turns == 2 and t.errors == ["boom raised ZeroDivisionError: no"]
 
 
 def test_tools_load_by_name_and_bad_names_are_named():
-    tools = load_tools(["test_multi_turn_rollout:calc", "rlpad.embedded.toy:toy_score"])
+    tools = load_tools(["mt_tools:calc", "rlpad.embedded.toy:toy_score"])
     assert sorted(tools) == ["calc", "toy_score"]
     with pytest.raises(ValueError, match="multi_turn.tools='nomodule:calc': cannot import"):
         load_tools(["nomodule:calc"])
     with pytest.raises(ValueError, match="two tools named 'calc'"):
-        load_tools(["test_multi_turn_rollout:calc", "test_multi_turn_rollout:calc"])
+        load_tools(["mt_tools:calc", "mt_tools:calc"])
     with pytest.raises(ValueError, match="multi_turn.format='xml'"):
-        ToolSet({}, "xml", 1.0, 8, len)
+        ToolSet([], "xml", 1.0, 8, len)
 
 
 def test_hermes_format_parses_json_calls():
     from rlpad.rollout.tools import FORMATS
 
-    call = FORMATS["hermes"].parse('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    assert (call.name, call.arguments) == ("add", {"a": 1})
-    assert FORMATS["hermes"].parse("<tool_call>{bad</tool_call>").problem.startswith("bad tool call")
+    calls, end, dropped = FORMATS["hermes"].find('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> y', 4)
+    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1})] and dropped == 0
+    assert end == len('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert FORMATS["hermes"].find("<tool_call>{bad</tool_call>", 4)[0][0].problem.startswith("bad tool call")
 
 
 # ChatML's shape in the toy tokenizer's characters: a default system block when the conversation has
@@ -156,14 +158,14 @@ def test_tool_turn_closes_the_assistant_message_and_writes_no_system_block():
     tok.chat_template = CHATML_LIKE
     prompt = tok.apply_chat_template([{"role": "user", "content": "12+7="}], tokenize=False, add_generation_prompt=True)
     call = "[calc(12+7)]"
-    context = prompt + call + tok.decode(tool_turn_renderer(tok)("19"))
+    context = prompt + call + tok.decode(tool_turn_renderer(tok)(["19"]))
     whole = tok.apply_chat_template([{"role": "user", "content": "12+7="}, {"role": "assistant", "content": call},
                                      {"role": "tool", "content": "19"}], tokenize=False, add_generation_prompt=True)
     assert context == whole
     assert context.count("#system:") == 1 and "[calc(12+7)]#end #tool:19#end #assistant:" in context
     alone = tok.apply_chat_template([{"role": "tool", "content": "19"}], tokenize=False, add_generation_prompt=True)
     assert prompt + call + alone != whole
-    assert tool_turn_renderer(build_tokenizer())("19") == enc("19")  # the toy template: content only
+    assert tool_turn_renderer(build_tokenizer())(["19"]) == enc("19")  # the toy template: content only
 
 
 def test_a_template_without_a_tool_role_is_refused_before_sampling():
@@ -182,8 +184,10 @@ def hf_backend(tmp_path_factory):
     build_tokenizer(path)
     rollout = RolloutConfig(name="hf", n=2, temperature=1.0, seed=0,
                             multi_turn=MultiTurnConfig(enable=True, format="bracket", max_assistant_turns=3,
-                                                       tools=["test_multi_turn_rollout:calc"]))
-    return model, HFRollout(str(path), rollout, DataConfig(max_prompt_length=P, max_response_length=24))
+                                                       tools=["mt_tools:calc"]))
+    backend = HFRollout(str(path), rollout, DataConfig(max_prompt_length=P, max_response_length=24))
+    yield model, backend
+    backend.shutdown()
 
 
 def test_hf_backend_runs_the_loop_with_real_tool_calls(hf_backend, monkeypatch):

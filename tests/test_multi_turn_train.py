@@ -48,23 +48,27 @@ def test_local_equals_ray_and_async_and_sp_run(tmp_path):
         assert sp[1][key] == pytest.approx(ray_[1][key], rel=RUN_REL, abs=RUN_ABS), key
 
 
-def calc(text):
-    """A calculator that always raises: the model's calls get an error observation instead of a sum."""
-    raise ArithmeticError("the calculator is broken")
-
-
-def test_shared_prompts_equal_and_a_raising_tool_is_counted(tmp_path):
+def test_shared_prompts_equal_and_a_raising_tool_is_counted(tmp_path, capfd):
     """Local stack, one step. Shared prompts (the prompt once per group, the turns not) give the
-    plain remove-padding metrics; a tool that raises on every call ends each call's turn with an
-    error observation, the run completes, and every call is counted as an error."""
+    plain remove-padding metrics; a tool that raises on every call (tests/mt_broken.py) ends each
+    call's turn with an error observation, the run completes, every call is counted as an error, the
+    console shows a warning line with the reason (control: the old run printed nothing), run.log has
+    every failure, and validation logs its multi_turn metrics."""
     one = ("trainer.total_training_steps=1", "trainer.test_freq=1")
     plain = train(str(tmp_path / "plain"), *one)[1]
     shared = train(str(tmp_path / "shared"), *one, "actor_rollout_ref.model.share_prompts=true",
                    "actor_rollout_ref.model.share_prompts_min_saved_fraction=0")[1]
     assert plain["multi_turn/tool_calls"] > 0 and plain["multi_turn/tool_errors"] == 0
     assert_same_metrics({1: plain}, {1: shared}, skip=("async/",))  # tests/run_compare.py
-    broken = train(str(tmp_path / "broken"), *one,
-                   "actor_rollout_ref.rollout.multi_turn.tools=[test_multi_turn_train:calc]")
+    assert plain["val/multi_turn/tool_calls"] > 0 and plain["val/multi_turn/calls_per_turn/max"] == 1
+    capfd.readouterr()
+    broken = train(str(tmp_path / "broken"), *one, "actor_rollout_ref.rollout.multi_turn.tools=[mt_broken:calc]")
     assert sorted(broken) == [0, 1]
-    assert broken[1]["multi_turn/tool_errors"] == broken[1]["multi_turn/tool_calls"] > 0
+    calls = broken[1]["multi_turn/tool_calls"]
+    assert broken[1]["multi_turn/tool_errors"] == calls > 0
     assert broken[1]["reward/mean"] < plain["reward/mean"]  # no sum to copy
+    err = capfd.readouterr().err
+    assert (f"rlpad: warning: step 1: {calls:.0f} of {calls:.0f} tool calls failed; the first: calc raised "
+            "ArithmeticError: the calculator is broken (every failure is in run.log)") in err
+    with open(tmp_path / "broken" / "run.log") as f:
+        assert f.read().count("multi_turn: tool call failed: calc raised ArithmeticError") >= calls

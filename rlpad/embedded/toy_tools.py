@@ -31,7 +31,11 @@ Segment = tuple[str, bool]  # (text, in the loss)
 
 
 def calc(expression: str) -> str:
-    """The calculator tool: integers joined by ``+ - *``, evaluated; ValueError for anything else."""
+    """The calculator tool: integers joined by ``+ - *``, evaluated; ValueError for anything else.
+
+    Args:
+        expression: integers joined by + - * (e.g. 34+58)
+    """
     if not re.fullmatch(r"\s*\d{1,6}(\s*[-+*]\s*\d{1,6}){0,4}\s*", expression):
         raise ValueError(f"not an arithmetic expression: {expression[:40]}")
     total, sign, term = 0, 1, None

@@ -2,14 +2,16 @@
 
 Per sample (the ``n`` samples of every prompt, prompt-major), up to ``max_assistant_turns`` turns:
 
-1. generate from ``prompt + response so far`` until EOS, the end of a tool call
-   (:data:`rlpad.rollout.tools.FORMATS`) or the response-length budget; these tokens are the
+1. generate from ``prompt + response so far`` until EOS or the response-length budget and keep the
+   turn up to its first EOS or the end of its calls (:func:`cut_turn`: the first run of calls in
+   the decoded text, parallel calls included, at most ``max_parallel_calls``); these tokens are the
    policy's (``generated`` 1, their rollout log-probs kept);
 2. EOS, the budget, the last turn, or no tool call: the sample is done;
-3. else run the tool (:class:`rlpad.rollout.tools.ToolSet`: errors become observations) and append
-   ``render_tool(output)``: the template's close of the assistant turn, the tool message and the
-   next assistant prompt (:func:`rlpad.rollout.base.tool_turn_renderer`; ``generated`` 0, log-prob 0),
-   cut at the budget; go on.
+3. else run the calls, every sample's at once (:class:`rlpad.rollout.tools.ToolSet`: errors become
+   short observations) and append ``render_tool(observations)``: the template's close of the
+   assistant turn, one tool message per call in order and the next assistant prompt
+   (:func:`rlpad.rollout.base.tool_turn_renderer`; ``generated`` 0, log-prob 0), cut at the budget;
+   go on.
 
 The random draws of sample j of prompt i in turn k depend only on (seed, i + prompt_offset, j, k)
 (:func:`turn_seed`), so a split of the prompts over replicas never changes the samples.
@@ -21,11 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlpad.rollout.tools import ToolSet
+from rlpad.rollout.tools import ToolCall, ToolFormat, ToolSet
 
-__all__ = ["Trajectory", "run_agent_loop", "turn_seed"]
+__all__ = ["AGENT_COUNTS", "Trajectory", "TurnCut", "cut_turn", "run_agent_loop", "turn_seed"]
 
 # (contexts, sampling with n=1, one seed per context or None) -> (tokens, log-probs) per context
+# the per-sample counts a rollout batch carries (one tensor each), read by the multi_turn/* metrics
+AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "tool_turns", "max_turn_calls", "calls_dropped")
+
 SampleEach = Callable[[list[list[int]], Any, "list[int] | None"], tuple[list[list[int]], list[list[float]]]]
 
 
@@ -40,6 +45,10 @@ class Trajectory:
     num_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_turns: int = 0  # turns that made calls
+    max_turn_calls: int = 0  # the most calls one turn made (parallel calls)
+    calls_dropped: int = 0  # calls past max_parallel_calls, not run (the turn is cut before them)
+    errors: list[str] = field(default_factory=list)  # each failed call's reason (for the log)
     done: bool = False
 
     def extend(self, tokens: Sequence[int], generated: int, log_probs: Sequence[float] | None = None) -> None:
@@ -53,18 +62,39 @@ def turn_seed(seed: int, prompt: int, sample: int, turn: int) -> int:
     return (((seed * 1_000_003 + prompt) * 1_009 + sample) * 101 + turn) % (2**63 - 1)
 
 
-def _cut_turn(tokens: list[int], eos: frozenset[int], end: str,
-              decode: Callable[[list[int]], str]) -> tuple[int, bool, bool]:
-    """``(kept, ended_by_eos, ended_by_call)``: the tokens of a turn up to its first EOS or the end of
-    its first tool call (decoded text), whichever comes first. Each check decodes a window of the
-    last ``2 * len(end)`` tokens (a token is at least one character), not the whole prefix."""
-    window = 2 * len(end)
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return i + 1, True, False
-        if end and decode(tokens[max(0, i + 1 - window): i + 1]).endswith(end):
-            return i + 1, False, True
-    return len(tokens), False, False
+@dataclass(frozen=True)
+class TurnCut:
+    """Where a generated turn ends: ``kept`` tokens (through its first EOS, or through the token holding
+    the end of its last call), ``by_eos``, its ``calls`` and the ``dropped`` calls past the cap."""
+
+    kept: int
+    by_eos: bool
+    calls: list[ToolCall]
+    dropped: int = 0
+
+
+def cut_turn(tokens: list[int], eos: frozenset[int], fmt: ToolFormat, decode: Callable[[list[int]], str],
+             max_calls: int) -> TurnCut:
+    """Find a turn's calls in its decoded text, whatever the tokenisation: the text before the first EOS
+    is decoded once and searched (:meth:`ToolFormat.find`: the first run of calls, parallel calls
+    included, at most ``max_calls``); the cut is after the first token whose prefix holds the run's
+    ``m`` closing strings, found by bisection (``log2(len)`` decodes, not one per token). A token that
+    merges a call's close with what follows (``)]`` + newline, ``>`` + newline) is kept whole."""
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    body = tokens if stop is None else tokens[:stop]
+    text = decode(body) if body else ""
+    calls, end, dropped = fmt.find(text, max_calls)
+    if not calls:
+        return TurnCut(len(tokens) if stop is None else stop + 1, stop is not None, [])
+    need = text[:end].count(fmt.end)
+    lo, hi = 1, len(body)  # the smallest k with decode(body[:k]) holding `need` closing strings
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if decode(body[:mid]).count(fmt.end) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return TurnCut(lo, False, calls, dropped)
 
 
 def run_agent_loop(
@@ -76,12 +106,14 @@ def run_agent_loop(
     max_turns: int,
     eos: frozenset[int],
     decode: Callable[[list[int]], str],
-    render_tool: Callable[[str], list[int]],
+    render_tool: Callable[[list[str]], list[int]],
+    max_parallel_calls: int = 1,
     seed: int | None = None,
     prompt_offset: int = 0,
 ) -> list[Trajectory]:
     """``len(prompts) * sampling.n`` trajectories, prompt-major (see the module docstring).
-    ``sampling.max_tokens`` is the response budget (generated and tool tokens together)."""
+    ``sampling.max_tokens`` is the response budget (generated and tool tokens together);
+    ``render_tool(observations)``: the tokens after a turn that made ``len(observations)`` calls."""
     if max_turns < 1:
         raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, got {max_turns}")
     n, budget = sampling.n, sampling.max_tokens
@@ -94,22 +126,27 @@ def run_agent_loop(
         room = max(budget - len(trajs[k].tokens) for k in active)
         seeds = None if seed is None else [turn_seed(seed, prompt_offset + k // n, k % n, turn) for k in active]
         outs, lps = sample_each(contexts, replace(sampling, n=1, max_tokens=room), seeds)
+        calling: list[tuple[int, list[ToolCall]]] = []
         for k, toks, lp in zip(active, outs, lps):
             t = trajs[k]
             toks, lp = list(toks)[: budget - len(t.tokens)], list(lp)
-            kept, by_eos, by_call = _cut_turn(toks, eos, tools.format.end, decode)
-            t.extend(toks[:kept], 1, lp[:kept])
+            cut = cut_turn(toks, eos, tools.format, decode, max_parallel_calls)
+            t.extend(toks[: cut.kept], 1, lp[: cut.kept])
             t.num_turns += 1
-            if by_eos or not by_call or turn == max_turns - 1 or len(t.tokens) >= budget:
+            t.calls_dropped += cut.dropped
+            if cut.by_eos or not cut.calls or turn == max_turns - 1 or len(t.tokens) >= budget:
                 t.done = True
-                continue
-            call = tools.format.parse(decode(toks[:kept]))
-            if call is None:
-                t.done = True
-                continue
-            observation, error = tools.call(call)
-            t.tool_calls += 1
-            t.tool_errors += int(error)
-            t.extend(render_tool(observation)[: budget - len(t.tokens)], 0)
+            else:
+                calling.append((k, cut.calls))
+        results = iter(tools.run([c for _, calls in calling for c in calls]))  # every sample's calls at once
+        for k, calls in calling:
+            t, done = trajs[k], [next(results) for _ in calls]
+            t.tool_calls += len(calls)
+            t.tool_turns += 1
+            t.max_turn_calls = max(t.max_turn_calls, len(calls))
+            failed = [r.reason for r in done if r.reason is not None]
+            t.tool_errors += len(failed)
+            t.errors += failed
+            t.extend(render_tool([r.observation for r in done])[: budget - len(t.tokens)], 0)
             t.done = len(t.tokens) >= budget
     return trajs

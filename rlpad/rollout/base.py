@@ -9,10 +9,11 @@ support). Without top-k/top-p that is what :func:`rlpad.core.forward.compute_log
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,11 +21,13 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.config import DataConfig, RolloutConfig
-from rlpad.rollout.agent import run_agent_loop
+from rlpad.rollout.agent import AGENT_COUNTS, run_agent_loop
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
-from rlpad.rollout.tools import ToolSet, load_tools
+from rlpad.rollout.tools import ToolSet, tool_schemas
 
-__all__ = ["NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs", "tool_turn_renderer"]
+__all__ = ["PROBES", "NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs", "tool_turn_renderer"]
+
+log = logging.getLogger("rlpad.tools")
 
 # Full weights by HF checkpoint name: (name, tensor) pairs or a state dict.
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -72,8 +75,8 @@ class RolloutBackend(ABC):
     pad_token_id: int
     eos_token_ids: frozenset[int]
     tokenizer: object  # a Hugging Face tokenizer (multi-turn: decodes turns, renders tool messages)
-    tools: ToolSet | None = None  # multi-turn tools (rollout.multi_turn.enable), see :meth:`_setup_tools`
-    _tool_renderer: Callable[[str], list[int]] | None = None  # tool_turn_renderer(tokenizer), built at first use
+    tools: ToolSet | None = None  # multi-turn tools (rollout.multi_turn.enable), built at first use
+    _tool_renderer: Callable[[list[str]], list[int]] | None = None  # tool_turn_renderer(tokenizer), with them
 
     def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
@@ -86,13 +89,6 @@ class RolloutBackend(ABC):
         check_sampling(**vars(self.val_sampling), who="actor_rollout_ref.rollout.val_kwargs")
         if val.do_sample and val.temperature <= 0:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature must be > 0 with do_sample, got {val.temperature}")
-        mt = rollout.multi_turn
-        if mt.enable:
-            if mt.max_assistant_turns < 1:
-                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, "
-                                 f"got {mt.max_assistant_turns}")
-            self.tools = ToolSet(load_tools(mt.tools), mt.format, mt.tool_timeout, mt.max_tool_response_length,
-                                 lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
         if self.needs_local_dir and not (isinstance(model_path, str) and os.path.isdir(model_path)):
             raise ValueError(f"{type(self).__name__} (actor_rollout_ref.rollout.name={rollout.name}) needs a local "
                              f"checkpoint directory, got {model_path!r}")
@@ -104,7 +100,8 @@ class RolloutBackend(ABC):
         """Bring back what :meth:`sleep` freed (``tags``: "weights", "kv_cache"; None: all); here a no-op."""
 
     def shutdown(self) -> None:
-        """Stop the engine and free what it holds (the backend is unusable afterwards); here a no-op."""
+        """Stop the engine and free what it holds (the backend is unusable afterwards); here: the tool processes."""
+        self.close_tools()
 
     def generate(self, batch: Batch, seed: int | None = None, prompt_offset: int = 0) -> Batch:
         """B prompt rows -> B*n rollout rows sampled with the rollout config.
@@ -139,18 +136,20 @@ class RolloutBackend(ABC):
                                      max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
         start = time.perf_counter()
         generated = counts = None
-        if self.tools is None:
+        mt = self.rollout.multi_turn
+        if not mt.enable:
             responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
         else:
-            if self._tool_renderer is None:  # a template that cannot render tool turns fails here, before sampling
-                self._tool_renderer = tool_turn_renderer(self.tokenizer)
+            tools, renderer = self._agent_tools()
             trajs = run_agent_loop(
-                self._sample_each, prompts, sampling, tools=self.tools,
-                max_turns=self.rollout.multi_turn.max_assistant_turns, eos=self.eos_token_ids, decode=self._decode,
-                render_tool=self._tool_renderer, seed=seed, prompt_offset=prompt_offset,
+                self._sample_each, prompts, sampling, tools=tools, max_turns=mt.max_assistant_turns,
+                eos=self.eos_token_ids, decode=self._decode, render_tool=renderer,
+                max_parallel_calls=mt.max_parallel_calls, seed=seed, prompt_offset=prompt_offset,
             )  # fmt: skip
             responses, log_probs, generated = ([getattr(t, k) for t in trajs] for k in ("tokens", "log_probs", "generated"))
-            counts = {k: torch.tensor([getattr(t, k) for t in trajs]) for k in ("num_turns", "tool_calls", "tool_errors")}
+            counts = {k: torch.tensor([getattr(t, k) for t in trajs]) for k in AGENT_COUNTS}
+            for reason in (r for t in trajs for r in t.errors):
+                log.warning("multi_turn: tool call failed: %s", reason)
         seconds = time.perf_counter() - start
         out = build_rollout_batch(
             batch, prompts, responses, log_probs, n=sampling.n, prompt_width=batch["input_ids"].shape[1],
@@ -160,6 +159,7 @@ class RolloutBackend(ABC):
         if counts is not None:
             for key, value in counts.items():
                 out[key] = value
+            out["tool_error"] = [t.errors[0] if t.errors else "" for t in trajs]  # each row's first failure
         out.meta.update(temperature=sampling.logprob_temperature, rollout_gen_s=seconds,
                         rollout_response_tokens=int(out["response_mask"].sum()))
         return out
@@ -175,6 +175,24 @@ class RolloutBackend(ABC):
         unseeded): a turn of the agent loop. Here through :meth:`_sample`, seeding the whole call with
         ``seeds[0]`` (backends without :attr:`seeds_per_prompt`)."""
         return self._sample(contexts, sampling, None if seeds is None else seeds[0])
+
+    def _agent_tools(self) -> tuple[ToolSet, Callable[[list[str]], list[int]]]:
+        """The tools and the tool-turn renderer, built at first use (the tokenizer exists then); a template
+        that cannot render tool turns fails here, before sampling."""
+        if self.tools is None:
+            mt, tok = self.rollout.multi_turn, self.tokenizer
+            schemas = tool_schemas(mt.tools) if mt.advertise_tools else None
+            self._tool_renderer = tool_turn_renderer(tok, schemas)
+            longest = max((len(t) for t in tok.get_vocab()), default=1)  # characters of the longest token
+            self.tools = ToolSet(mt.tools, mt.format, mt.tool_timeout, mt.max_tool_response_length,
+                                 lambda text: len(tok.encode(text, add_special_tokens=False)), max_token_chars=longest,
+                                 workers=mt.tool_workers, concurrency=mt.max_concurrent_tool_calls)
+        return self.tools, self._tool_renderer
+
+    def close_tools(self) -> None:
+        """Stop the tool processes (a backend's :meth:`shutdown` calls it)."""
+        if self.tools is not None:
+            self.tools.close()
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -216,32 +234,47 @@ def eos_token_ids(*values: int | list[int] | None) -> set[int]:
     return ids
 
 
-def tool_turn_renderer(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``observation -> tokens`` appended after an assistant turn that the agent loop cut at the end of
-    its tool call: the chat template's close of that assistant message (ChatML: ``<|im_end|>\\n``, which
-    the policy never generated), the tool message and the next assistant prompt, and nothing else
-    (no default system block, which templates such as Qwen's write at the start of a conversation).
+PROBES = ("rlpad-probe-observation-1", "rlpad-probe-observation-2")  # sentinel tool outputs
+
+
+def tool_turn_renderer(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> Callable[[list[str]], list[int]]:
+    """``observations -> tokens`` appended after an assistant turn that the agent loop cut at the end of
+    its tool calls: the chat template's close of that assistant message (ChatML: ``<|im_end|>\\n``, which
+    the policy never generated), one tool message per call in order (Qwen's templates gather them in one
+    ``user`` block, a ``<tool_response>`` each) and the next assistant prompt, and nothing else (no
+    default system block, which templates such as Qwen's write at the start of a conversation).
 
     Found as the text by which one conversation's rendering extends another's:
-    ``[user, assistant, tool] + prompt`` minus ``[user] + prompt`` and the assistant's content.
-    ValueError when the template cannot render a tool turn or does not extend its own rendering.
+    ``[user, assistant, tool...] + prompt`` minus ``[user] + prompt`` and the assistant's content,
+    both rendered with ``tools`` (the schemas the prompts advertise). ValueError when the template
+    cannot render tool messages, does not extend its own rendering, or drops them: two sentinel
+    observations (:data:`PROBES`) must appear, in order, in what is appended.
     """
     user, content = {"role": "user", "content": "?"}, "?"
 
     def render(messages: list[dict[str, str]]) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def conversation(observations: Sequence[str]) -> str:
+        return render([user, {"role": "assistant", "content": content},
+                       *({"role": "tool", "content": o} for o in observations)])
 
     try:
         head = render([user]) + content
-        probe = render([user, {"role": "assistant", "content": content}, {"role": "tool", "content": ""}])
+        probe = conversation(PROBES)
     except Exception as e:  # a template without a tool role raises its own exception type
         raise ValueError(f"multi_turn: the tokenizer's chat template cannot render a tool message: {e}") from e
     if not probe.startswith(head):
         raise ValueError("multi_turn: the tokenizer's chat template does not extend a conversation's rendering when "
                          f"a tool message is added (expected a prefix {head!r}, got {probe[:len(head) + 40]!r})")
+    suffix = probe[len(head):]
+    first = suffix.find(PROBES[0])
+    if first < 0 or suffix.find(PROBES[1], first + len(PROBES[0])) < 0:
+        raise ValueError("multi_turn: the tokenizer's chat template drops tool messages (two tool outputs rendered "
+                         f"after an assistant turn do not appear in the text: {suffix[:120]!r}); the model would never "
+                         "see a tool's output")
 
-    def tool_turn(observation: str) -> list[int]:
-        full = render([user, {"role": "assistant", "content": content}, {"role": "tool", "content": observation}])
-        return list(tokenizer.encode(full[len(head):], add_special_tokens=False))
+    def tool_turn(observations: list[str]) -> list[int]:
+        return list(tokenizer.encode(conversation(observations)[len(head):], add_special_tokens=False))
 
     return tool_turn

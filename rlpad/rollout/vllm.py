@@ -196,7 +196,8 @@ class VLLMRollout(RolloutBackend):
         self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine and free its KV cache (the backend is unusable afterwards)."""
+        """Stop the engine and free its KV cache, stop the tool processes (the backend is unusable afterwards)."""
+        self.close_tools()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

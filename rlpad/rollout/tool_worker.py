@@ -1,0 +1,86 @@
+"""A tool-worker process: loads the tools by name and runs the calls it is sent, each in a thread.
+
+Started by :class:`rlpad.rollout.tool_pool.ToolPool` as ``python -m rlpad.rollout.tool_worker READ_FD
+WRITE_FD SPECS_JSON THREADS MAX_CHARS``. Messages (pickled, :class:`multiprocessing.connection.Connection`
+over two pipes): in, ``(call_id, tool name, arguments)`` or None (exit); out, first ``("ready", None,
+None)`` (or ``("failed", None, reason)``), then ``(call_id, status, payload)`` per call, status one of
+:data:`STATUSES`. A tool's own prints go to this process's stderr, which the pool logs (run.log), never to
+the console. The pool kills the whole process (its session) to stop a call that runs past its time, so
+no thread of a hung tool outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rlpad.functions import load_function
+
+__all__ = ["STATUSES", "execute", "main"]
+
+KEY = "actor_rollout_ref.rollout.multi_turn.tools"
+# status -> what the payload is: the output / "Type: message" / the returned type's name / its length
+STATUSES = ("ok", "raised", "not_text", "too_long")
+
+
+def execute(fn: Callable[..., Any], arguments: Any, max_chars: int) -> tuple[str, Any]:
+    """``(status, payload)`` of one call: keywords for a dict of arguments, else one positional argument;
+    an async tool's coroutine is run to completion here; outputs longer than ``max_chars`` are not sent."""
+    try:
+        out = fn(**arguments) if isinstance(arguments, dict) else fn(arguments)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_wait(out))
+    except BaseException as e:  # noqa: BLE001 - a tool's failure is reported, never raised here
+        return "raised", f"{type(e).__name__}: {e}"[:2000]
+    if not isinstance(out, str):
+        return "not_text", type(out).__name__
+    if len(out) > max_chars:
+        return "too_long", len(out)
+    return "ok", out
+
+
+async def _wait(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def main(argv: list[str]) -> None:
+    read_fd, write_fd, specs, threads, max_chars = int(argv[0]), int(argv[1]), json.loads(argv[2]), int(argv[3]), int(argv[4])
+    os.dup2(2, 1)  # the tools' prints: stderr (the pool logs it), never the message pipe nor the console
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    try:
+        tools = {}
+        for spec in specs:
+            fn = load_function(spec, KEY)
+            tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
+    except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
+        outbox.send(("failed", None, f"{type(e).__name__}: {e}"))
+        os._exit(1)
+    outbox.send(("ready", None, None))
+    lock = threading.Lock()
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlpad-tool")
+
+    def run(call_id: int, name: str, arguments: Any) -> None:
+        status, payload = execute(tools[name], arguments, max_chars)
+        with lock:
+            outbox.send((call_id, status, payload))
+
+    while True:
+        try:
+            message = inbox.recv()
+        except (EOFError, OSError):  # the pool is gone
+            os._exit(0)
+        if message is None:
+            os._exit(0)
+        pool.submit(run, *message)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

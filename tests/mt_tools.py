@@ -1,0 +1,136 @@
+"""Tools for the multi-turn tests, in a module with no heavy imports (a tool-worker process imports it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: digits joined by + - *
+    """
+    if not expression or set(expression) - set("0123456789+-* "):
+        raise ValueError(f"not arithmetic: {expression[:20]}")
+    return str(eval(expression, {"__builtins__": {}}))
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return str(a + b)
+
+
+def mul(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return str(a * b)
+
+
+def boom(text: str) -> str:
+    """Always raises.
+
+    Args:
+        text: ignored
+    """
+    raise ZeroDivisionError("no")
+
+
+def hang(text: str) -> str:
+    """Sleeps 3 s.
+
+    Args:
+        text: ignored
+    """
+    time.sleep(3)
+    return "late"
+
+
+def huge(text: str) -> str:
+    """A long output.
+
+    Args:
+        text: ignored
+    """
+    return "9" * 500
+
+
+def vast(text: str) -> str:
+    """A 1 MB output.
+
+    Args:
+        text: ignored
+    """
+    return "9" * 1_000_000
+
+
+def number(text: str) -> str:
+    """Returns an int.
+
+    Args:
+        text: ignored
+    """
+    return 7
+
+
+def chatty(text: str) -> str:
+    """Prints to stdout and stderr.
+
+    Args:
+        text: echoed
+    """
+    print("chatty says hello on stdout")
+    print("chatty says hello on stderr", file=sys.stderr)
+    return text
+
+
+def pid(text: str) -> str:
+    """The worker process's id.
+
+    Args:
+        text: ignored
+    """
+    return str(os.getpid())
+
+
+async def later(text: str) -> str:
+    """An async tool.
+
+    Args:
+        text: echoed
+    """
+    await asyncio.sleep(0.01)
+    return text.upper()
+
+
+def spawner(path: str) -> str:
+    """Starts a long-lived child process, writes its pid to ``path`` and hangs.
+
+    Args:
+        path: where the child's pid goes
+    """
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(path, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(60)
+    return "never"
+
+
+explicit = lambda text: text  # noqa: E731 - a tool with an explicit schema
+explicit.__name__ = "explicit"
+explicit.json_schema = {"name": "explicit", "description": "Echo.",
+                        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
