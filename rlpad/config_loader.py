@@ -34,6 +34,7 @@ from rlpad.config import (
 )
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
+from rlpad.policy_loss import policy_loss_problems
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
 from rlpad.topology import layout_problems
 
@@ -289,6 +290,7 @@ def validate_config(config: Config) -> Config:
     uses_critic = estimator is not None and estimator.uses_critic
     one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+    problems += policy_loss_problems(actor)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
         try:
