@@ -263,6 +263,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # the KL estimator of that penalty (as actor.kl_loss_type)
     kl_coef: float = 0.001  # weight of the KL penalty
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -273,6 +274,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)  # validation prompts or <task>:val; []: no validation
     prompt_key: str = "prompt"  # the column holding the chat messages
     train_batch_size: int = 16  # prompts per step (each gets rollout.n responses)
+    # prompts per generation batch with algorithm.filter_groups.enable (the loader's batch); None: train_batch_size
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None  # None: the whole validation set at once
     max_prompt_length: int = 512  # tokens after the chat template; prompts are left-padded to it
     max_response_length: int = 512  # tokens generated at most per response
@@ -370,6 +373,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -32,8 +32,8 @@ from rlpad.batch import Batch
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
-    "extract_gsm8k_answer", "gsm8k_score", "load_function", "load_reward_fn", "normalize_answer", "place_scores",
-    "score_batch", "score_responses",
+    "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn",
+    "normalize_answer", "place_scores", "score_batch", "score_responses",
 ]
 
 RewardFn = Callable[..., Any]
@@ -111,8 +111,9 @@ def answers_match(prediction: Any, ground_truth: Any) -> bool:
     return p is not None and p == g
 
 
-def _truth(ground_truth: Any) -> Any:
-    """A GSM8K ground truth may be the full solution; keep its final answer."""
+def final_answer(ground_truth: Any) -> Any:
+    """The final answer of a ground truth: a GSM8K ground truth may be the full solution (after ``####``)
+    or a boxed one."""
     if isinstance(ground_truth, str):
         return extract_gsm8k_answer(ground_truth) or extract_boxed_answer(ground_truth) or ground_truth
     return ground_truth
@@ -123,7 +124,7 @@ def gsm8k_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
     answer = extract_gsm8k_answer(solution_str)
     if answer is None:
         answer = extract_boxed_answer(solution_str)
-    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+    return float(answer is not None and answers_match(answer, final_answer(ground_truth)))
 
 
 def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
@@ -131,7 +132,7 @@ def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
     answer = extract_boxed_answer(solution_str)
     if answer is None:
         answer = extract_gsm8k_answer(solution_str)
-    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+    return float(answer is not None and answers_match(answer, final_answer(ground_truth)))
 
 
 def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
@@ -245,16 +246,19 @@ def place_scores(scores: Sequence[float] | torch.Tensor, response_mask: torch.Te
     return out
 
 
-def _as_score(value: Any, row: int, data_source: Any) -> float:
+def _as_score(value: Any, row: int, data_source: Any) -> tuple[float, float]:
+    """``(score, acc)`` of a reward function's result: a number, or a dict with ``score`` (and
+    optionally ``acc``, else acc = score)."""
     raw = value.get("score") if isinstance(value, Mapping) else value
+    acc = value.get("acc", raw) if isinstance(value, Mapping) else value
     try:
-        score = float(raw)
+        score, acc = float(raw), float(acc)
     except (TypeError, ValueError):
         raise ValueError(f"reward function returned {value!r} for row {row} (data_source {data_source!r}); "
-                         "expected a number or a dict with 'score'") from None
-    if not math.isfinite(score):
-        raise ValueError(f"reward for row {row} (data_source {data_source!r}) is {score}; rewards must be finite")
-    return score
+                         "expected a number or a dict with 'score' (and optionally a numeric 'acc')") from None
+    if not (math.isfinite(score) and math.isfinite(acc)):
+        raise ValueError(f"reward for row {row} (data_source {data_source!r}) is {value!r}; rewards must be finite")
+    return score, acc
 
 
 def score_responses(
@@ -265,25 +269,28 @@ def score_responses(
     ground_truths: Sequence[Any],
     extra_infos: Sequence[Any] | None = None,
     reward_fn: RewardFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode, score each row with ``reward_fn`` (default :func:`compute_score`), place the scores.
 
-    Returns ``(token_level_scores (B, R), scores (B,))``; ValueError naming the row on NaN/inf.
+    Returns ``(token_level_scores (B, R), scores (B,), acc (B,))`` (acc: the function's ``acc`` where it
+    returns a dict holding one, else the score); ValueError naming the row on NaN/inf.
     """
     reward_fn = reward_fn or compute_score
     texts = decode_responses(tokenizer, responses, response_mask)
     if not len(data_sources) == len(ground_truths) == len(texts):
         raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")
     extra_infos = [None] * len(texts) if extra_infos is None else extra_infos
-    scores = [
+    results = [
         _as_score(reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei), i, ds)
         for i, (text, ds, gt, ei) in enumerate(zip(texts, data_sources, ground_truths, extra_infos))
     ]
-    seq = torch.tensor(scores, dtype=torch.float32)
-    return place_scores(seq, response_mask), seq
+    seq = torch.tensor([r[0] for r in results], dtype=torch.float32).reshape(-1)
+    acc = torch.tensor([r[1] for r in results], dtype=torch.float32).reshape(-1)
+    return place_scores(seq, response_mask), seq, acc
 
 
-def score_batch(batch: Batch, tokenizer: Any, reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_batch(batch: Batch, tokenizer: Any,
+                reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`score_responses` on a rollout batch (``responses``, ``response_mask``, ``data_source``,
     ``ground_truth``, optional ``extra_info``)."""
     batch.require("responses", "response_mask", "data_source", "ground_truth", who="reward")
