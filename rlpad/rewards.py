@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
+from rlpad.math_reward import TIMEOUT_S, verify_answer
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
-    "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn",
+    "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn", "math_verify_score",
     "normalize_answer", "place_scores", "score_batch", "score_responses",
 ]
 
@@ -135,6 +136,15 @@ def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
     return float(answer is not None and answers_match(answer, final_answer(ground_truth)))
 
 
+def math_verify_score(solution_str: str, ground_truth: Any, extra_info: Any = None,
+                      timeout_s: float = TIMEOUT_S) -> float:
+    """1.0 if math-verify finds the response's answer equal to the ground truth's final answer, else 0.0
+    (:func:`rlpad.math_reward.verify_answer`, at most ``timeout_s`` seconds); :func:`boxed_score` (rlpad's
+    normaliser) where math-verify gives no verdict: not installed, timed out, ground truth unreadable."""
+    verdict = verify_answer(solution_str, final_answer(ground_truth), timeout_s)
+    return boxed_score(solution_str, ground_truth, extra_info) if verdict is None else float(verdict)
+
+
 def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     from rlpad.embedded.toy import toy_score
 
@@ -156,10 +166,14 @@ def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> f
 SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
-    "lighteval/MATH": boxed_score,
-    "DigitalLearningGmbH/MATH-lighteval": boxed_score,
-    "HuggingFaceH4/MATH-500": boxed_score,
-    "math": boxed_score,
+    # math: math-verify (rlpad/math_reward.py), rlpad's normaliser where it is not installed
+    "lighteval/MATH": math_verify_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
+    "HuggingFaceH4/MATH-500": math_verify_score,
+    "math": math_verify_score,
+    "math_dapo": math_verify_score,
+    "BytedTsinghua-SIA/DAPO-Math-17k": math_verify_score,
+    "BytedTsinghua-SIA/AIME-2024": math_verify_score,
     "rlpad/toy_add": _toy,
     "rlpad/toy_alphabet": _toy_long,
     "rlpad/toy_tools": _toy_tools,
@@ -169,12 +183,13 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """The default reward: the scorer registered for ``data_source`` (see ``SCORERS``).
 
-    Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` :func:`boxed_score`.
+    Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
+    :func:`rlpad.math_reward.math_verify_score`.
     """
     scorer = SCORERS.get(data_source)
     if scorer is None:
         name = str(data_source).lower()
-        scorer = gsm8k_score if "gsm8k" in name else boxed_score if "math" in name else None
+        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
     if scorer is None:
         raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
                          "(or set reward.fn=package.module:function)")
