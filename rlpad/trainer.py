@@ -193,6 +193,7 @@ class Trainer:
         estimator = get_estimator(algo.adv_estimator)
         timing: dict[str, float] = {}
         worker_s: dict[str, float] = {}
+
         def generate_scored(prompts: Batch, gen_batch: int) -> Batch:
             with self._generation(timing), _timed(timing, "gen"):
                 batch = self.workers.generate(prompts, seed=self._seed(self.step, gen_batch))
@@ -203,10 +204,10 @@ class Trainer:
         if self.ahead is None:  # with algorithm.filter_groups: generation batches until enough groups have spread
             batch, metrics = collect_batch(cfg, prompts, self.train_loader.next_batch, generate_scored)
         else:  # generated while earlier steps trained: the step waits only for what is not done yet
-            batch, async_metrics = self.ahead.take(self.step)
+            ahead, async_metrics = self.ahead.take(self.step)
             timing["wait_rollout"] = async_metrics.pop("timing_s/wait_rollout")
-            batch, metrics = collect_batch(cfg, prompts, self.train_loader.next_batch,
-                                           lambda _p, _j: self._scored(batch, timing))
+            batch, metrics = collect_batch(cfg, None, self.train_loader.next_batch,  # filter_groups: refused
+                                           lambda _p, _j: self._scored(ahead, timing))
         seq_scores, shaping = shape_rewards(batch, cfg)  # reward_model.overlong_buffer, after the filter
         scores = batch["token_level_scores"]
         metrics.update(shaping)
