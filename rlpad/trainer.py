@@ -1,6 +1,8 @@
 """The single-controller GRPO/PPO loop.
 
-One step: prompts -> rollout (n per prompt) -> reward -> old log-probs (actor) -> ref log-probs
+One step: prompts -> rollout (n per prompt) -> reward (with ``algorithm.filter_groups``: groups without
+reward spread dropped, more prompts generated; then ``reward_model.overlong_buffer``, rlpad.dynamic_sampling)
+-> old log-probs (actor) -> ref log-probs
 -> values (PPO) -> advantages (rlpad.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
 validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
 With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.async_schedule.RolloutAhead`,
