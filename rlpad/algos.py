@@ -38,14 +38,18 @@ __all__ = [
     "LOSS_AGG_MODES",
     "agg_loss",
     "batch_normalizers",
+    "check_finite",
+    "check_tensors",
     "compute_gae_advantages",
     "compute_grpo_advantages",
     "compute_policy_loss",
     "compute_value_loss",
     "kl_penalty",
+    "masked_abs_max",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "token_stat",
 ]
 
 
@@ -55,7 +59,7 @@ Normalizer = float | int | torch.Tensor | None
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_tensors(**tensors: torch.Tensor) -> None:
+def check_tensors(**tensors: torch.Tensor) -> None:
     """All tensors, all 2-D, all the shape of the first one."""
     ref_name, ref_shape = None, None
     for name, x in tensors.items():
@@ -69,7 +73,7 @@ def _check_tensors(**tensors: torch.Tensor) -> None:
             raise ValueError(f"mismatched shapes: {name} {tuple(x.shape)} vs {ref_name} {tuple(ref_shape)}")
 
 
-def _check_finite(name: str, x: torch.Tensor) -> None:
+def check_finite(name: str, x: torch.Tensor) -> None:
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         rows = (~finite).reshape(x.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
@@ -161,8 +165,8 @@ def compute_grpo_advantages(
     (Dr.GRPO), broadcast over ``response_mask``. ``expected_group_size`` (e.g. rollout.n):
     raise ``ValueError`` naming any group of another size.
     """
-    _check_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    _check_finite("token_level_rewards", token_level_rewards)
+    check_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_finite("token_level_rewards", token_level_rewards)
     groups = _group_rows(group_ids, token_level_rewards.shape[0])
     if expected_group_size is not None:
         for gid, rows in groups.items():
@@ -199,12 +203,12 @@ def compute_gae_advantages(
     they carry ``V_next`` and ``A_next`` through and are 0 in both outputs.
     ``returns = A + values`` (raw A); the advantages are then whitened over the mask.
     """
-    _check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     for name, x in (("gamma", gamma), ("lam", lam)):
         if isinstance(x, bool) or not isinstance(x, (Real, torch.Tensor)):
             raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    _check_finite("token_level_rewards", token_level_rewards)
-    _check_finite("values", values)
+    check_finite("token_level_rewards", token_level_rewards)
+    check_finite("values", values)
     mask = response_mask.to(values.dtype)
     next_value, last_adv = 0, 0
     reversed_adv = []
@@ -244,7 +248,7 @@ def agg_loss(
       left out the seq-mean (sum over rows / R).
     An all-masked input gives 0. See the module docstring for the global normalisers.
     """
-    _check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
+    check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
     _check_normalizer("global_tokens", global_tokens)
     _check_normalizer("global_seqs", global_seqs)
     _check_normalizer("loss_scale_factor", loss_scale_factor)
@@ -265,12 +269,12 @@ def agg_loss(
     return loss
 
 
-def _token_stat(x: torch.Tensor, mask: torch.Tensor, global_tokens: Normalizer) -> torch.Tensor:
+def token_stat(x: torch.Tensor, mask: torch.Tensor, global_tokens: Normalizer) -> torch.Tensor:
     stat = masked_mean(x, mask) if global_tokens is None else masked_sum(x, mask) / global_tokens
     return stat.detach()
 
 
-def _masked_abs_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_abs_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Max of ``|x|`` over valid entries (0 if none)."""
     return torch.where(mask.bool(), x.abs(), 0.0).amax() if x.numel() else x.new_zeros(())
 
@@ -301,13 +305,13 @@ def compute_policy_loss(
     ``old_log_prob - log_prob``) and ``log_ratio_abs_max`` (max of ``|log_prob - old_log_prob|``
     over valid tokens; a MAX, not a share: reduce it with max over pieces).
     """
-    _check_tensors(
+    check_tensors(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
     )
-    _check_finite("advantages", advantages)
+    check_finite("advantages", advantages)
     if rollout_is_weights is not None:
-        _check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
-        _check_finite("rollout_is_weights", rollout_is_weights)
+        check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
+        check_finite("rollout_is_weights", rollout_is_weights)
     for name, x in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
         if not 0 <= x:
             raise ValueError(f"{name} must be >= 0, got {x}")
@@ -328,12 +332,12 @@ def compute_policy_loss(
         global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=loss_scale_factor,
     )  # fmt: skip
     metrics = {
-        "pg_clipfrac": _token_stat(torch.gt(loss_clipped, loss_unclipped).float(), response_mask, global_tokens),
-        "pg_clipfrac_lower": _token_stat(
+        "pg_clipfrac": token_stat(torch.gt(loss_clipped, loss_unclipped).float(), response_mask, global_tokens),
+        "pg_clipfrac_lower": token_stat(
             (torch.gt(loss_ppo, loss_dual) & negative).float(), response_mask, global_tokens
         ),
-        "ppo_kl": _token_stat(-neg_kl, response_mask, global_tokens),
-        "log_ratio_abs_max": _masked_abs_max(log_prob.detach() - old_log_prob, response_mask),
+        "ppo_kl": token_stat(-neg_kl, response_mask, global_tokens),
+        "log_ratio_abs_max": masked_abs_max(log_prob.detach() - old_log_prob, response_mask),
     }
     return pg_loss, metrics
 
@@ -355,8 +359,8 @@ def compute_value_loss(
     ``values`` are the critic's current predictions, ``old_values`` those of the rollout.
     Returns ``(vf_loss, {"vf_clipfrac": fraction of tokens where the clipped term won})``.
     """
-    _check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
-    _check_finite("returns", returns)
+    check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    check_finite("returns", returns)
     if not cliprange_value >= 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}")
     clipped = torch.max(torch.min(values, old_values + cliprange_value), old_values - cliprange_value)
@@ -366,7 +370,7 @@ def compute_value_loss(
         torch.max(loss_unclipped, loss_clipped), response_mask, loss_agg_mode,
         global_tokens=global_tokens, global_seqs=global_seqs, loss_scale_factor=loss_scale_factor,
     )  # fmt: skip
-    clipfrac = _token_stat(torch.gt(loss_clipped, loss_unclipped).float(), response_mask, global_tokens)
+    clipfrac = token_stat(torch.gt(loss_clipped, loss_unclipped).float(), response_mask, global_tokens)
     return vf_loss, {"vf_clipfrac": clipfrac}
 
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
-    "ModelConfig", "MultiTurnConfig", "OptimConfig", "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
+    "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
+    "RefConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
-    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
+    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
     "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
 ]
 
@@ -39,6 +40,9 @@ ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
 BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
+# algorithm.filter_groups.metric: the per-response value whose spread within a group decides if it is kept
+# (rlpad/dynamic_sampling.py); each is read before the overlong shaping
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 LOG_LEVELS = ("error", "warning", "info", "debug")  # trainer.log_level, most to least severe
 # model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)
@@ -92,6 +96,18 @@ class FSDPConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """The policy-loss mode and its keys (verl's names; the modes: rlpad/policy_loss.py, docs/dapo.md)."""
+
+    loss_mode: str = "vanilla"  # a name in rlpad.policy_loss.POLICY_LOSSES: vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of a micro-batch's tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: a token is a candidate when its covariance is above this...
+    clip_cov_ub: float = 5.0  # clip_cov: ... and below this
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of a micro-batch's tokens (highest covariance) given the KL term
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of |log_prob - old_log_prob| on those tokens
+
+
+@dataclass
 class ActorConfig:
     """The policy update: PPO-clip loss, batching and KL loss (workers/actor.py)."""
 
@@ -118,6 +134,7 @@ class ActorConfig:
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -229,6 +246,16 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO): drop groups whose responses all got the same metric, generate more
+    prompts until ``data.train_batch_size`` groups are kept (rlpad/dynamic_sampling.py)."""
+
+    enable: bool = False  # filter zero-spread groups and refill from the loader (data.gen_batch_size prompts at a time)
+    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward (all before the overlong shaping)
+    max_num_gen_batches: int = 0  # generation batches per step at most; past it the step fails; <= 0: no cap
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages, the KL penalty in the reward, and rollout correction."""
 
@@ -240,6 +267,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # the KL estimator of that penalty (as actor.kl_loss_type)
     kl_coef: float = 0.001  # weight of the KL penalty
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -250,6 +278,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)  # validation prompts or <task>:val; []: no validation
     prompt_key: str = "prompt"  # the column holding the chat messages
     train_batch_size: int = 16  # prompts per step (each gets rollout.n responses)
+    # prompts per generation batch with algorithm.filter_groups.enable (the loader's batch); None: train_batch_size
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None  # None: the whole validation set at once
     max_prompt_length: int = 512  # tokens after the chat template; prompts are left-padded to it
     max_response_length: int = 512  # tokens generated at most per response
@@ -263,6 +293,23 @@ class RewardConfig:
     """The rule-based reward function."""
 
     fn: str = "rlpad.rewards:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens
+    before ``data.max_response_length`` (applied after the dynamic-sampling filter)."""
+
+    enable: bool = False  # add min(0, -(length - (max_response_length - len)) / len * penalty_factor) to each reward
+    len: int = 0  # the buffer: tokens before the response limit over which the penalty grows
+    penalty_factor: float = 1.0  # the penalty at the response limit
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: the reward shaping keys rlpad reads from it."""
+
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -330,6 +377,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -30,10 +30,11 @@ from omegaconf.errors import OmegaConfBaseException
 from rlpad.advantages import ESTIMATORS
 from rlpad.config import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, REMOVED_KEYS,
-    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
+    FILTER_METRICS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
+from rlpad.policy_loss import policy_loss_problems
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
 from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
@@ -269,6 +270,33 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
 # ----------------------------------------------------------------------------- semantic checks
 
 
+def _dapo_problems(config: Config) -> list[str]:
+    """algorithm.filter_groups, data.gen_batch_size and reward_model.overlong_buffer (rlpad/dynamic_sampling.py)."""
+    fg, d, ob = config.algorithm.filter_groups, config.data, config.reward_model.overlong_buffer
+    problems = []
+    if fg.metric not in FILTER_METRICS:
+        problems.append(f"algorithm.filter_groups.metric={fg.metric!r} is not valid; choose one of "
+                        f"{', '.join(FILTER_METRICS)}")
+    if d.gen_batch_size is not None and d.gen_batch_size < 1:
+        problems.append(f"data.gen_batch_size={d.gen_batch_size} must be >= 1 (or null: data.train_batch_size)")
+    elif not fg.enable and d.gen_batch_size not in (None, d.train_batch_size):
+        problems.append(f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size="
+                        f"{d.train_batch_size}: generation batches of another size need "
+                        "algorithm.filter_groups.enable=true (dynamic sampling)")
+    k = config.trainer.max_off_policy_steps
+    if fg.enable and k >= 1:
+        problems.append(f"algorithm.filter_groups.enable=true is not supported with trainer.max_off_policy_steps={k}: "
+                        "dynamic sampling decides how many prompts a step generates only after scoring them, so "
+                        "the batches cannot be generated ahead; set max_off_policy_steps=0")
+    if ob.enable:
+        if not 0 < ob.len <= d.max_response_length:
+            problems.append(f"reward_model.overlong_buffer.len={ob.len} must be in [1, data.max_response_length="
+                            f"{d.max_response_length}]")
+        if ob.penalty_factor < 0:
+            problems.append(f"reward_model.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+    return problems
+
+
 def validate_config(config: Config) -> Config:
     """Check values against each other; ValueError listing every problem by its dotted key."""
     problems: list[str] = []
@@ -290,6 +318,7 @@ def validate_config(config: Config) -> Config:
     uses_critic = estimator is not None and estimator.uses_critic
     one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+    problems += policy_loss_problems(actor)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
         try:
@@ -328,6 +357,7 @@ def validate_config(config: Config) -> Config:
         problems.append(f"trainer.max_off_policy_steps={k} trains on batches up to {k} update(s) old: set "
                         "algorithm.rollout_correction.mode to token_tis or seq_mask to correct for the policy that "
                         "generated them (the behaviour policy, rollout_log_probs)")
+    problems += _dapo_problems(config)
     one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)

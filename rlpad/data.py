@@ -231,11 +231,11 @@ class PromptLoader:
     """
 
     def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 1,
-                 drop_last: bool = True) -> None:
+                 drop_last: bool = True, key: str = "data.train_batch_size") -> None:
         if batch_size < 1:
-            raise ValueError(f"data.train_batch_size={batch_size} must be >= 1")
+            raise ValueError(f"{key}={batch_size} must be >= 1")
         if drop_last and batch_size > len(dataset):
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the training set "
+            raise ValueError(f"{key}={batch_size} is larger than the training set "
                              f"({len(dataset)} prompts), so an epoch has no full batch")
         self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = (
             dataset, batch_size, shuffle, seed, drop_last)
@@ -295,9 +295,12 @@ def val_batches(dataset: PromptDataset, batch_size: int | None = None) -> Iterat
 
 def build_datasets(data: DataConfig, tokenizer: Any,
                    tools: list[dict[str, Any]] | None = None) -> tuple[PromptLoader, PromptDataset | None]:
-    """The training loader (``data.train_files``) and the validation set (``data.val_files``, if any);
+    """The training loader (``data.train_files``; batches of ``data.gen_batch_size`` prompts when set:
+    dynamic sampling's generation batches) and the validation set (``data.val_files``, if any);
     ``tools``: the schemas the prompts advertise (multi-turn)."""
     train = PromptDataset.from_config(data.train_files, tokenizer, data, tools)
-    loader = PromptLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    size, key = ((data.train_batch_size, "data.train_batch_size") if data.gen_batch_size is None
+                 else (data.gen_batch_size, "data.gen_batch_size"))
+    loader = PromptLoader(train, size, shuffle=data.shuffle, seed=data.seed, key=key)
     val = PromptDataset.from_config(data.val_files, tokenizer, data, tools) if data.val_files else None
     return loader, val

@@ -26,11 +26,12 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.functions import load_function
+from rlpad.math_reward import TIMEOUT_S, verify_answer
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
-    "extract_gsm8k_answer", "gsm8k_score", "load_function", "load_reward_fn", "normalize_answer", "place_scores",
-    "score_batch", "score_responses",
+    "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn", "math_verify_score",
+    "normalize_answer", "place_scores", "score_batch", "score_responses",
 ]
 
 RewardFn = Callable[..., Any]
@@ -108,8 +109,9 @@ def answers_match(prediction: Any, ground_truth: Any) -> bool:
     return p is not None and p == g
 
 
-def _truth(ground_truth: Any) -> Any:
-    """A GSM8K ground truth may be the full solution; keep its final answer."""
+def final_answer(ground_truth: Any) -> Any:
+    """The final answer of a ground truth: a GSM8K ground truth may be the full solution (after ``####``)
+    or a boxed one."""
     if isinstance(ground_truth, str):
         return extract_gsm8k_answer(ground_truth) or extract_boxed_answer(ground_truth) or ground_truth
     return ground_truth
@@ -120,7 +122,7 @@ def gsm8k_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
     answer = extract_gsm8k_answer(solution_str)
     if answer is None:
         answer = extract_boxed_answer(solution_str)
-    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+    return float(answer is not None and answers_match(answer, final_answer(ground_truth)))
 
 
 def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
@@ -128,7 +130,16 @@ def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
     answer = extract_boxed_answer(solution_str)
     if answer is None:
         answer = extract_gsm8k_answer(solution_str)
-    return float(answer is not None and answers_match(answer, _truth(ground_truth)))
+    return float(answer is not None and answers_match(answer, final_answer(ground_truth)))
+
+
+def math_verify_score(solution_str: str, ground_truth: Any, extra_info: Any = None,
+                      timeout_s: float = TIMEOUT_S) -> float:
+    """1.0 if math-verify finds the response's answer equal to the ground truth's final answer, else 0.0
+    (:func:`rlpad.math_reward.verify_answer`, at most ``timeout_s`` seconds); :func:`boxed_score` (rlpad's
+    normaliser) where math-verify gives no verdict: not installed, timed out, ground truth unreadable."""
+    verdict = verify_answer(solution_str, final_answer(ground_truth), timeout_s)
+    return boxed_score(solution_str, ground_truth, extra_info) if verdict is None else float(verdict)
 
 
 def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
@@ -152,10 +163,14 @@ def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> f
 SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
-    "lighteval/MATH": boxed_score,
-    "DigitalLearningGmbH/MATH-lighteval": boxed_score,
-    "HuggingFaceH4/MATH-500": boxed_score,
-    "math": boxed_score,
+    # math: math-verify (rlpad/math_reward.py), rlpad's normaliser where it is not installed
+    "lighteval/MATH": math_verify_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
+    "HuggingFaceH4/MATH-500": math_verify_score,
+    "math": math_verify_score,
+    "math_dapo": math_verify_score,
+    "BytedTsinghua-SIA/DAPO-Math-17k": math_verify_score,
+    "BytedTsinghua-SIA/AIME-2024": math_verify_score,
     "rlpad/toy_add": _toy,
     "rlpad/toy_alphabet": _toy_long,
     "rlpad/toy_tools": _toy_tools,
@@ -165,12 +180,13 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """The default reward: the scorer registered for ``data_source`` (see ``SCORERS``).
 
-    Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` :func:`boxed_score`.
+    Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
+    :func:`rlpad.math_reward.math_verify_score`.
     """
     scorer = SCORERS.get(data_source)
     if scorer is None:
         name = str(data_source).lower()
-        scorer = gsm8k_score if "gsm8k" in name else boxed_score if "math" in name else None
+        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
     if scorer is None:
         raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
                          "(or set reward.fn=package.module:function)")
@@ -213,16 +229,19 @@ def place_scores(scores: Sequence[float] | torch.Tensor, response_mask: torch.Te
     return out
 
 
-def _as_score(value: Any, row: int, data_source: Any) -> float:
+def _as_score(value: Any, row: int, data_source: Any) -> tuple[float, float]:
+    """``(score, acc)`` of a reward function's result: a number, or a dict with ``score`` (and
+    optionally ``acc``, else acc = score)."""
     raw = value.get("score") if isinstance(value, Mapping) else value
+    acc = value.get("acc", raw) if isinstance(value, Mapping) else value
     try:
-        score = float(raw)
+        score, acc = float(raw), float(acc)
     except (TypeError, ValueError):
         raise ValueError(f"reward function returned {value!r} for row {row} (data_source {data_source!r}); "
-                         "expected a number or a dict with 'score'") from None
-    if not math.isfinite(score):
-        raise ValueError(f"reward for row {row} (data_source {data_source!r}) is {score}; rewards must be finite")
-    return score
+                         "expected a number or a dict with 'score' (and optionally a numeric 'acc')") from None
+    if not (math.isfinite(score) and math.isfinite(acc)):
+        raise ValueError(f"reward for row {row} (data_source {data_source!r}) is {value!r}; rewards must be finite")
+    return score, acc
 
 
 def score_responses(
@@ -233,25 +252,28 @@ def score_responses(
     ground_truths: Sequence[Any],
     extra_infos: Sequence[Any] | None = None,
     reward_fn: RewardFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode, score each row with ``reward_fn`` (default :func:`compute_score`), place the scores.
 
-    Returns ``(token_level_scores (B, R), scores (B,))``; ValueError naming the row on NaN/inf.
+    Returns ``(token_level_scores (B, R), scores (B,), acc (B,))`` (acc: the function's ``acc`` where it
+    returns a dict holding one, else the score); ValueError naming the row on NaN/inf.
     """
     reward_fn = reward_fn or compute_score
     texts = decode_responses(tokenizer, responses, response_mask)
     if not len(data_sources) == len(ground_truths) == len(texts):
         raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")
     extra_infos = [None] * len(texts) if extra_infos is None else extra_infos
-    scores = [
+    results = [
         _as_score(reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei), i, ds)
         for i, (text, ds, gt, ei) in enumerate(zip(texts, data_sources, ground_truths, extra_infos))
     ]
-    seq = torch.tensor(scores, dtype=torch.float32)
-    return place_scores(seq, response_mask), seq
+    seq = torch.tensor([r[0] for r in results], dtype=torch.float32).reshape(-1)
+    acc = torch.tensor([r[1] for r in results], dtype=torch.float32).reshape(-1)
+    return place_scores(seq, response_mask), seq, acc
 
 
-def score_batch(batch: Batch, tokenizer: Any, reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_batch(batch: Batch, tokenizer: Any,
+                reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`score_responses` on a rollout batch (``responses``, ``response_mask``, ``data_source``,
     ``ground_truth``, optional ``extra_info``)."""
     batch.require("responses", "response_mask", "data_source", "ground_truth", who="reward")

@@ -1,6 +1,8 @@
 """The single-controller GRPO/PPO loop.
 
-One step: prompts -> rollout (n per prompt) -> reward -> old log-probs (actor) -> ref log-probs
+One step: prompts -> rollout (n per prompt) -> reward (with ``algorithm.filter_groups``: groups without
+reward spread dropped, more prompts generated; then ``reward_model.overlong_buffer``, rlpad.dynamic_sampling)
+-> old log-probs (actor) -> ref log-probs
 -> values (PPO) -> advantages (rlpad.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
 validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
 With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.async_schedule.RolloutAhead`,
@@ -32,6 +34,7 @@ from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.checkpoint import CheckpointDir
 from rlpad.config import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
+from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
@@ -122,14 +125,23 @@ class Trainer:
                                  f"{type(workers).__name__} does not")
             self.ahead = RolloutAhead(workers, k, self.total_steps, train_loader.next_batch, self._seed)
 
-    def _seed(self, step: int) -> int:
-        """The rollout's sampling seed of ``step``: a resumed run samples what an uninterrupted one did."""
-        return self.config.actor_rollout_ref.rollout.seed + step
+    def _seed(self, step: int, gen_batch: int = 0) -> int:
+        """The rollout's sampling seed of ``step`` (and of its generation batch ``gen_batch`` with
+        dynamic sampling): a resumed run samples what an uninterrupted one did."""
+        return self.config.actor_rollout_ref.rollout.seed + step + (gen_batch and gen_batch * 1_000_000 + 500_000)
+
+    def _scored(self, batch: Batch, timing: dict[str, float]) -> Batch:
+        """``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
+        with _timed(timing, "reward"):
+            batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_batch(batch, self.tokenizer,
+                                                                                    self.reward_fn)
+            _check_finite("reward", batch[SEQ_SCORE], self.step)
+        return batch
 
     def _val_seed(self, index: int) -> int:
         """The validation rollout's seed at this step, for validation batch ``index`` (used when
         ``rollout.val_kwargs.do_sample``): apart from every training step's while steps < 10**6."""
-        return self._seed(self.step) + (index + 1) * 1_000_000
+        return self._seed(self.step) + (index + 1) * 1_000_000  # apart from the generation batches' + 500_000
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -192,23 +204,29 @@ class Trainer:
         estimator = get_estimator(algo.adv_estimator)
         timing: dict[str, float] = {}
         worker_s: dict[str, float] = {}
-        if self.ahead is None:
+
+        def generate_scored(prompts: Batch, gen_batch: int) -> Batch:
             with self._generation(timing), _timed(timing, "gen"):
-                batch = self.workers.generate(prompts, seed=self._seed(self.step))
+                batch = self.workers.generate(prompts, seed=self._seed(self.step, gen_batch))
             _pop_worker_s(batch, worker_s, "gen")
-            async_metrics: dict[str, float] = {}
+            return self._scored(batch, timing)
+
+        async_metrics: dict[str, float] = {}
+        if self.ahead is None:  # with algorithm.filter_groups: generation batches until enough groups have spread
+            batch, metrics = collect_batch(cfg, prompts, self.train_loader.next_batch, generate_scored)
         else:  # generated while earlier steps trained: the step waits only for what is not done yet
-            batch, async_metrics = self.ahead.take(self.step)
+            ahead, async_metrics = self.ahead.take(self.step)
             timing["wait_rollout"] = async_metrics.pop("timing_s/wait_rollout")
-        with _timed(timing, "reward"):
-            scores, seq_scores = score_batch(batch, self.tokenizer, self.reward_fn)
-            _check_finite("reward", seq_scores, self.step)
-            batch["token_level_scores"] = scores
+            batch, metrics = collect_batch(cfg, None, self.train_loader.next_batch,  # filter_groups: refused
+                                           lambda _p, _j: self._scored(ahead, timing))
+        seq_scores, shaping = shape_rewards(batch, cfg)  # reward_model.overlong_buffer, after the filter
+        scores = batch["token_level_scores"]
+        metrics.update(shaping)
         with _timed(timing, "old_log_prob"):
             out = self.workers.compute_log_prob(batch)
         _pop_worker_s(out, worker_s, "old_log_prob")
         batch.update(out)
-        metrics: dict[str, float] = _mismatch_metrics(batch, "mismatch/")
+        metrics.update(_mismatch_metrics(batch, "mismatch/"))
         if cfg.uses_ref:
             with _timed(timing, "ref"):
                 out = self.workers.compute_ref_log_prob(batch)

@@ -145,8 +145,8 @@ def test_score_responses_decodes_and_places():
     tok = build_tokenizer()
     ids, mask = _responses(tok, ["19", "18", "7"])
     assert decode_responses(tok, ids, mask) == ["19", "18", "7"]  # EOS and padding dropped
-    tls, seq = score_responses(tok, ids, mask, ["rlpad/toy_add"] * 3, ["19", "19", "7"])
-    assert seq.tolist() == [1.0, 0.0, 1.0]
+    tls, seq, acc = score_responses(tok, ids, mask, ["rlpad/toy_add"] * 3, ["19", "19", "7"])
+    assert seq.tolist() == [1.0, 0.0, 1.0] and acc.tolist() == seq.tolist()  # a plain score is its own acc
     assert tls[0].tolist() == [0, 0, 1.0, 0, 0, 0]  # on the EOS, the last valid token
     assert tls[2].tolist() == [0, 1.0, 0, 0, 0, 0]
 
@@ -160,11 +160,11 @@ def test_score_batch_with_custom_fn_and_extra_info():
 
     def fn(data_source, solution_str, ground_truth, extra_info=None):
         seen.append((data_source, solution_str, ground_truth))
-        return {"score": extra_info["w"] * len(solution_str), "acc": 1.0}
+        return {"score": extra_info["w"] * len(solution_str), "acc": len(solution_str) - 2}
 
-    tls, seq = score_batch(batch, tok, fn)
+    tls, seq, acc = score_batch(batch, tok, fn)
     assert seen == [("s", "ab", "x"), ("s", "abc", "y")]
-    assert seq.tolist() == [4.0, 9.0] and tls[1, 3].item() == 9.0
+    assert seq.tolist() == [4.0, 9.0] and tls[1, 3].item() == 9.0 and acc.tolist() == [0.0, 1.0]
     with pytest.raises(ValueError, match="reward: batch is missing required key"):
         score_batch(batch.select("responses", "response_mask"), tok, fn)
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
+import torch
+
+from rlpad.algos import agg_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
+from rlpad.policy_loss import get_policy_loss
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
 from workers.offload import StateOffloader
@@ -126,15 +129,14 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     # ------------------------------------------------------------------ update
 
-    def _policy_loss(self, piece: Batch, norms: dict[str, float], temperature: float):
+    def _policy_loss(self, piece: Batch, norms: dict[str, float], temperature: float, generator: torch.Generator):
+        """The piece's loss share: ``policy_loss.loss_mode``'s (rlpad.policy_loss) + entropy and KL terms."""
         acfg = self.config.actor
         mask = piece["response_mask"]
         log_prob, entropy = self._log_probs(piece, temperature, acfg.entropy_coeff != 0)
-        low = acfg.clip_ratio if acfg.clip_ratio_low is None else acfg.clip_ratio_low
-        high = acfg.clip_ratio if acfg.clip_ratio_high is None else acfg.clip_ratio_high
-        pg_loss, shares = compute_policy_loss(
-            piece["old_log_probs"], log_prob, piece["advantages"], mask, low, high, acfg.clip_ratio_c,
-            acfg.loss_agg_mode, **norms, rollout_is_weights=piece.tensors.get("rollout_is_weights"),
+        pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(
+            piece["old_log_probs"], log_prob, piece["advantages"], mask, acfg, **norms,
+            rollout_is_weights=piece.tensors.get("rollout_is_weights"), generator=generator,
         )  # fmt: skip
         shares["pg_loss"] = pg_loss
         loss = pg_loss
@@ -160,11 +162,13 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         """
         acfg = self.config.actor
         t = self._temperature(batch)
+        # the loss modes' random draws (clip_cov): the same on every rank, a function of the update count
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.update_steps)
         metrics = self._ppo_update(
             batch, mini_rows=acfg.ppo_mini_batch_size * self.config.rollout.n, epochs=acfg.ppo_epochs,
             shuffle=acfg.shuffle, micro_rows=acfg.ppo_micro_batch_size_per_gpu,
             max_tokens=acfg.ppo_max_token_len_per_gpu if acfg.use_dynamic_bsz else None,
-            grad_clip=acfg.grad_clip, loss_fn=lambda piece, norms: self._policy_loss(piece, norms, t),
+            grad_clip=acfg.grad_clip, loss_fn=lambda piece, norms: self._policy_loss(piece, norms, t, generator),
             prefix="actor", return_grads=return_grads, first_keys=("ppo_kl", "log_ratio_abs_max"),
         )  # fmt: skip
         if return_grads:

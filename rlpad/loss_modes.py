@@ -1,0 +1,196 @@
+"""The policy-loss modes' math (registered by name in :mod:`rlpad.policy_loss`).
+
+Each function takes ``(old_log_prob, log_prob, advantages, response_mask)``, all ``(B, R)``,
+the actor's config section (clip ratios, ``loss_agg_mode``, ``policy_loss.*``) and the keywords of
+:func:`rlpad.algos.compute_policy_loss` (global normalisers, ``rollout_is_weights``), and returns
+``(loss share, metric shares)``. For the same inputs the losses equal verl 0.9.1's
+``compute_policy_loss_<mode>`` (tests/test_loss_modes.py, fp64). Deliberate differences: bad input
+raises; masked-out NaN never reaches the loss; the normalisers are the mini-batch's (see
+:mod:`rlpad.algos`); ``geo_mean`` averages over the sequences with a valid token (verl: every row of
+the micro-batch, the same where no row is fully masked); ``clip_cov`` draws its random choice from
+``generator`` (verl: the global RNG); every mode reports the same metrics (``ppo_kl`` is the signed
+mean log-ratio for every mode; verl's kl_cov reports its absolute value).
+
+``clip_cov`` and ``kl_cov`` select tokens by a covariance over the tokens of the piece they are
+given (a micro-batch, as in verl): unlike the other modes, their gradient depends on how the
+mini-batch is split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpad.algos import (
+    Normalizer, agg_loss, check_finite, check_tensors, compute_policy_loss, masked_abs_max, masked_mean, masked_sum,
+    token_stat,
+)
+from rlpad.config import ActorConfig
+
+__all__ = ["cispo_loss", "clip_cov_loss", "geo_mean_loss", "gspo_loss", "kl_cov_loss", "vanilla_loss"]
+
+Out = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _bounds(actor: ActorConfig) -> tuple[float, float]:
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+    return low, high
+
+
+def _checked(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+             response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> None:
+    check_tensors(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    check_finite("advantages", advantages)
+    if rollout_is_weights is not None:
+        check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
+        check_finite("rollout_is_weights", rollout_is_weights)
+
+
+def _metrics(log_ratio: torch.Tensor, mask: torch.Tensor, global_tokens: Normalizer,
+             clipped: torch.Tensor, clipped_lower: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The metric shares every mode reports (``log_ratio`` = log_prob - old_log_prob, unclamped)."""
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    return {
+        "pg_clipfrac": token_stat(clipped.float(), mask, global_tokens),
+        "pg_clipfrac_lower": zero if clipped_lower is None else token_stat(clipped_lower.float(), mask, global_tokens),
+        "ppo_kl": token_stat(-log_ratio.detach(), mask, global_tokens),
+        "log_ratio_abs_max": masked_abs_max(log_ratio.detach(), mask),
+    }
+
+
+def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights.detach()
+
+
+def vanilla_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                 global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                 rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """PPO clip with dual clip: :func:`rlpad.algos.compute_policy_loss`."""
+    low, high = _bounds(actor)
+    return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, low, high, actor.clip_ratio_c,
+                               actor.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                               loss_scale_factor=loss_scale_factor, rollout_is_weights=rollout_is_weights)
+
+
+def gspo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+              response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+              global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+              rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """GSPO: ``s_i = exp(mean_t log-ratio)`` per sequence; token ratio ``sg(s_i) * p / sg(p)`` (log
+    clamped at 10), PPO-clipped, aggregated seq-mean-token-mean."""
+    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    log_ratio = log_prob - old_log_prob
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / lengths
+    log_s = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    s = torch.exp(log_s)
+    loss1, loss2 = -advantages * s, -advantages * torch.clamp(s, 1 - low, 1 + high)
+    pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, torch.gt(loss2, loss1), None)
+
+
+def cispo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+               response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+               global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+               rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """CISPO: ``-sg(clamp(ratio, 1 - low, 1 + high)) * A * log_prob`` per token (log-ratio clamped to
+    [-20, 20]); no token loses its gradient."""
+    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    clipped = torch.clamp(ratio, 1 - low, 1 + high)
+    pg_losses = _weighted(-clipped.detach() * advantages * log_prob, rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, torch.ne(ratio, clipped), None)
+
+
+def geo_mean_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                  global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                  rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """GMPO: per sequence ``-mean_t(A) * exp(mean_t clip(log-ratio))`` (the clip in the advantage's
+    direction, to [-low, high]); rollout weights enter as their per-sequence geometric mean. Mean
+    over the sequences with a valid token (``global_seqs``)."""
+    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -low, high)
+    log_ratio_min = sign * torch.min(sign * log_ratio, sign * clamped)
+    tokens = response_mask.sum(dim=-1)
+    ratio = torch.exp(masked_sum(log_ratio_min, response_mask, dim=-1) / (tokens + 1e-8))
+    advantage = masked_sum(advantages, response_mask, dim=-1) / (tokens + 1e-8)
+    row_losses = -advantage * ratio
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights.detach() + 1e-10)
+        row_losses = row_losses * torch.exp(masked_sum(log_w, response_mask, dim=-1) / (tokens + 1e-8))
+    valid_rows = tokens > 0
+    denom = valid_rows.sum().clamp(min=1) if global_seqs is None else global_seqs
+    loss = masked_sum(row_losses, valid_rows) / denom
+    clipped = torch.ne(log_ratio, clamped)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, clipped & (advantages > 0),
+                          clipped & (advantages < 0))
+
+
+def clip_cov_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                  global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                  rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """Clip-Cov: PPO clip (no dual clip, no ratio clamp); of the unclipped valid tokens whose
+    ``(A - mean A)(log_prob - mean log_prob)`` lies in (clip_cov_lb, clip_cov_ub), a random
+    ``max(1, int(clip_cov_ratio * tokens))`` get no gradient (``generator`` draws them)."""
+    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    pl = actor.policy_loss
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    loss1, loss2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    valid = response_mask > 0
+    with torch.no_grad():
+        cov = (advantages - masked_mean(advantages, response_mask)) * (
+            log_prob - masked_mean(log_prob.detach(), response_mask))
+        cov = torch.where(valid & ~(loss2 > loss1), cov, -torch.inf)
+        count = max(int(pl.clip_cov_ratio * response_mask.sum().item()), 1)
+        candidates = torch.nonzero((cov < pl.clip_cov_ub) & (cov > pl.clip_cov_lb) & valid)
+        keep = torch.ones_like(advantages)
+        if len(candidates):
+            perm = torch.randperm(len(candidates), generator=generator)
+            chosen = candidates[perm[: min(count, len(candidates))].to(candidates.device)]
+            keep[chosen[:, 0], chosen[:, 1]] = 0
+    pg_losses = _weighted(torch.maximum(loss1, loss2) * keep, rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, keep == 0, None)
+
+
+def kl_cov_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """KL-Cov: ``-A * ratio`` (unclipped); the ``max(1, int(tokens * kl_cov_ratio))`` valid tokens of
+    highest covariance ``(A - mean A)(log_prob - mean log_prob)`` add ``ppo_kl_coef * |log-ratio|``."""
+    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    pl = actor.policy_loss
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss_kl = loss1 + pl.ppo_kl_coef * log_ratio.abs()
+    valid = response_mask > 0
+    chosen = torch.zeros_like(valid)
+    with torch.no_grad():
+        flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+        if len(flat):
+            adv, lp = advantages[valid].reshape(-1).cpu(), log_prob.detach()[valid].reshape(-1).cpu()
+            cov = (adv - adv.mean()) * (lp - lp.mean())
+            top = torch.topk(cov, max(1, int(len(cov) * pl.kl_cov_ratio)), largest=True).indices
+            chosen.view(-1)[flat[top.to(flat.device)]] = True
+    pg_losses = _weighted(torch.where(chosen, loss_kl, loss1), rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, chosen, None)

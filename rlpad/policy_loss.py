@@ -1,0 +1,89 @@
+"""Policy-loss modes by name (``actor_rollout_ref.actor.policy_loss.loss_mode``): one registry.
+
+:data:`POLICY_LOSSES` maps a name to the function computing it and the loss aggregations it
+admits; the config check (rlpad.config_loader) and the actor worker read it and nothing else, so
+a new mode is one function (rlpad/loss_modes.py) and one entry here. Every function has the
+signature of :data:`LossFn` and returns the same metric keys (``pg_clipfrac``,
+``pg_clipfrac_lower``, ``ppo_kl``, ``log_ratio_abs_max``) as shares of the mini-batch (see
+:mod:`rlpad.algos`). This module stays torch-free: the functions are imported when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlpad.config import LOSS_AGG_MODES
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["POLICY_LOSSES", "LossFn", "PolicyLoss", "get_policy_loss", "policy_loss_problems"]
+
+# fn(old_log_prob, log_prob, advantages, response_mask, actor: ActorConfig, *, global_tokens, global_seqs,
+#    loss_scale_factor, rollout_is_weights, generator) -> (loss share, metric shares); tensors (B, R)
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """``target``: ``"module:function"`` of the loss; ``agg_modes``: the ``loss_agg_mode`` values it
+    admits (the others are refused at config load; verl ignores them for these modes)."""
+
+    target: str
+    agg_modes: tuple[str, ...] = LOSS_AGG_MODES
+    summary: str = ""
+
+    def load(self) -> LossFn:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "vanilla": PolicyLoss("rlpad.loss_modes:vanilla_loss",
+                          summary="PPO clip (clip_ratio_low / clip_ratio_high) with dual clip clip_ratio_c"),
+    "gspo": PolicyLoss("rlpad.loss_modes:gspo_loss", ("seq-mean-token-mean",),
+                       summary="GSPO: one length-normalised ratio per sequence, clipped; gradient per token"),
+    "cispo": PolicyLoss("rlpad.loss_modes:cispo_loss",
+                        summary="CISPO: -sg(clip(ratio)) * A * log_prob; every token keeps a gradient"),
+    "geo_mean": PolicyLoss("rlpad.loss_modes:geo_mean_loss", ("seq-mean-token-mean",),
+                           summary="GMPO: geometric mean of token-clipped ratios per sequence"),
+    "clip_cov": PolicyLoss("rlpad.loss_modes:clip_cov_loss",
+                           summary="Clip-Cov: PPO clip, plus clip_cov_ratio of the tokens with covariance in "
+                                   "(clip_cov_lb, clip_cov_ub) get no gradient"),
+    "kl_cov": PolicyLoss("rlpad.loss_modes:kl_cov_loss",
+                         summary="KL-Cov: unclipped ratio; the kl_cov_ratio highest-covariance tokens add "
+                                 "ppo_kl_coef * |log-ratio|"),
+}
+
+
+def get_policy_loss(name: str) -> LossFn:
+    """The loss function registered as ``name``; ValueError naming the choices otherwise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={name!r} is not valid; "
+                         f"choose one of {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name].load()
+
+
+def policy_loss_problems(actor: Any) -> list[str]:
+    """The config problems of ``actor.policy_loss`` (an ActorConfig): unknown mode, refused
+    aggregation, keys out of range."""
+    key = "actor_rollout_ref.actor.policy_loss"
+    pl, problems = actor.policy_loss, []
+    entry = POLICY_LOSSES.get(pl.loss_mode)
+    if entry is None:
+        return [f"{key}.loss_mode={pl.loss_mode!r} is not valid; choose one of {', '.join(POLICY_LOSSES)}"]
+    if actor.loss_agg_mode not in entry.agg_modes:
+        problems.append(f"{key}.loss_mode={pl.loss_mode} aggregates per sequence: set "
+                        f"actor_rollout_ref.actor.loss_agg_mode to {' | '.join(entry.agg_modes)} "
+                        f"(got {actor.loss_agg_mode!r})")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        if not 0 < getattr(pl, name) <= 1:
+            problems.append(f"{key}.{name}={getattr(pl, name)!r} must be a fraction in (0, 1]")
+    if not pl.clip_cov_lb < pl.clip_cov_ub:
+        problems.append(f"{key}.clip_cov_lb={pl.clip_cov_lb!r} must be < clip_cov_ub={pl.clip_cov_ub!r}")
+    if pl.ppo_kl_coef < 0:
+        problems.append(f"{key}.ppo_kl_coef={pl.ppo_kl_coef!r} must be >= 0")
+    return problems
