@@ -38,7 +38,7 @@ from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.metrics import MetricsLogger, plot_reward_curve
 from rlpad.rewards import score_batch
-from rlpad.rollout.agent import AGENT_COUNTS
+from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
 __all__ = ["GenerationPhases", "Trainer", "Workers", "fill_lr_horizons", "total_training_steps"]
@@ -334,22 +334,11 @@ class Trainer:
         return out
 
     def _multi_turn_metrics(self, batch: Batch, prefix: str, where: str) -> dict[str, float]:
-        """``{prefix}*`` metrics of a multi-turn rollout batch (none for single-turn); when more than half
-        of its tool calls failed, a warning line with the first failure's reason is queued for the console."""
-        if "tool_calls" not in batch:
-            return {}
-        mask, attention = batch["response_mask"], batch["attention_mask"]
-        calls, errors, turns = (int(batch[k].sum()) for k in ("tool_calls", "tool_errors", "tool_turns"))
-        if errors * 2 > calls:
-            first = next((r for r in batch["tool_error"] if r), "?")
-            self.warnings.append(f"rlpad: warning: {where}: {errors} of {calls} tool calls failed; the first: {first} "
-                                 "(every failure is in run.log)")
-        return {f"{prefix}tool_calls": float(calls), f"{prefix}tool_errors": float(errors),
-                f"{prefix}num_turns/mean": float(batch["num_turns"].float().mean()),
-                f"{prefix}tool_tokens/mean": float((attention[:, -mask.shape[1]:] - mask).sum(1).float().mean()),
-                f"{prefix}calls_per_turn/mean": calls / turns if turns else 0.0,
-                f"{prefix}calls_per_turn/max": float(batch["max_turn_calls"].max()),
-                f"{prefix}calls_dropped": float(batch["calls_dropped"].sum())}
+        """``{prefix}*`` metrics of a multi-turn batch; a warning line queued when most tool calls failed."""
+        metrics, failed = multi_turn_metrics(batch, prefix)
+        if failed:
+            self.warnings.append(f"rlpad: warning: {where}: {failed}")
+        return metrics
 
     # ---- validation --------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from rlpad.rollout.tools import ToolCall, ToolFormat, ToolSet
 
-__all__ = ["AGENT_COUNTS", "Trajectory", "TurnCut", "cut_turn", "run_agent_loop", "turn_seed"]
+__all__ = ["AGENT_COUNTS", "Trajectory", "TurnCut", "cut_turn", "multi_turn_metrics", "run_agent_loop", "turn_seed"]
 
 # (contexts, sampling with n=1, one seed per context or None) -> (tokens, log-probs) per context
 # the per-sample counts a rollout batch carries (one tensor each), read by the multi_turn/* metrics
@@ -150,3 +150,22 @@ def run_agent_loop(
             t.extend(render_tool([r.observation for r in done])[: budget - len(t.tokens)], 0)
             t.done = len(t.tokens) >= budget
     return trajs
+
+
+def multi_turn_metrics(batch: Any, prefix: str) -> tuple[dict[str, float], str | None]:
+    """``{prefix}*`` metrics of a rollout batch's :data:`AGENT_COUNTS` (none for single-turn), and, when
+    more than half of its tool calls failed, the console's line about it (the first failure's reason)."""
+    if "tool_calls" not in batch:
+        return {}, None
+    mask, attention = batch["response_mask"], batch["attention_mask"]
+    calls, errors, turns = (int(batch[k].sum()) for k in ("tool_calls", "tool_errors", "tool_turns"))
+    failed = None
+    if errors * 2 > calls:
+        first = next((r for r in batch["tool_error"] if r), "?")
+        failed = f"{errors} of {calls} tool calls failed; the first: {first} (every failure is in run.log)"
+    return {f"{prefix}tool_calls": float(calls), f"{prefix}tool_errors": float(errors),
+            f"{prefix}num_turns/mean": float(batch["num_turns"].float().mean()),
+            f"{prefix}tool_tokens/mean": float((attention[:, -mask.shape[1]:] - mask).sum(1).float().mean()),
+            f"{prefix}calls_per_turn/mean": calls / turns if turns else 0.0,
+            f"{prefix}calls_per_turn/max": float(batch["max_turn_calls"].max()),
+            f"{prefix}calls_dropped": float(batch["calls_dropped"].sum())}, failed
