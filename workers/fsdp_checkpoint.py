@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["LORA_ADAPTER_DIR", "CheckpointMixin"]
+
+LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA actor's checkpoint: its adapter as a peft folder, in this sub-folder
 
 
 class CheckpointMixin:
@@ -54,6 +56,8 @@ class CheckpointMixin:
             },
         }  # fmt: skip
         torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
+        if getattr(self, "lora", None) is not None:  # the adapter also in peft's format (docs/lora.md)
+            self.save_lora_adapter(os.path.join(path, LORA_ADAPTER_DIR))
         if self.world_size > 1:
             dist.barrier()
 

@@ -83,7 +83,7 @@ class RayWorkers:
         gpus = 1 if cuda else 0
         self.colocated = colocated(config, cuda)
         critic = uses_critic(config)
-        roles = ["actor"] + ["ref"] * config.uses_ref + ["critic"] * critic
+        roles = ["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
         per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
@@ -122,7 +122,7 @@ class RayWorkers:
             else:
                 group |= dict(num_gpus_per_worker=gpus)
             self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
-            if config.uses_ref:
+            if config.builds_ref:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
@@ -180,6 +180,9 @@ class RayWorkers:
         return self.actor.call_batch("compute_log_prob", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Reference log-probs: the reference model's, or with LoRA the actor's with its adapters disabled."""
+        if self.config.ref_in_actor:
+            return self.actor.call_batch("compute_ref_log_prob", batch)
         if self.ref is None:
             raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
         return self.ref.call_batch("compute_ref_log_prob", batch)
@@ -310,7 +313,7 @@ def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + config.uses_ref + uses_critic(config)
+            groups = 1 + config.builds_ref + uses_critic(config)
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))

@@ -51,7 +51,7 @@ class LocalWorkers:
         self.actor = ActorWorker(arr, role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
         self.ref = None
-        if config.uses_ref:
+        if config.builds_ref:
             self.ref = ActorWorker(arr, role="ref", **common)
             self.ref.init_model()
         self.critic = None
@@ -85,6 +85,9 @@ class LocalWorkers:
         return self.actor.compute_log_prob(batch, update_layout=update_layout)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Reference log-probs: the reference model's, or with LoRA the actor's with its adapters disabled."""
+        if self.config.ref_in_actor:
+            return self.actor.compute_ref_log_prob(batch)
         if self.ref is None:
             raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
         return self.ref.compute_ref_log_prob(batch)
