@@ -1,0 +1,67 @@
+"""LoRA's weight sync into real vLLM engines under real Ray: after every sync the engines sample the
+adapted policy (the rollout-vs-training mismatch stays at fp32 noise, as with full fine-tuning), and an
+engine left on the base model (the field's silent failure) shows the large mismatch this test catches."""
+
+import os
+
+import pytest
+
+from workers.launcher import QUIET_ENV  # workers before ray: Ray stays on the loopback
+
+import ray  # noqa: E402
+
+from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.train import fit  # noqa: E402
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny_lora.yaml")
+CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+STEPS = 3
+NOISE = 1e-5  # fp32 engine vs actor, per token on average (tests/test_rollout.py's bound)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": QUIET_ENV}, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run(out_dir, wrap=None) -> list[dict]:
+    config = load_config(RECIPE, [
+        f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+        f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
+        "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
+        "trainer.backend=ray", "actor_rollout_ref.actor.use_kl_loss=true"])
+    return fit(config, wrap_workers=wrap)
+
+
+class NoSync:
+    """The workers, except that the engines never receive the actor's weights: they serve the base model."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+    def sync_weights(self) -> float:
+        return 0.0
+
+
+def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
+    synced = run(tmp_path / "synced")
+    stale = run(tmp_path / "stale", wrap=NoSync)
+    assert len(synced) == len(stale) == STEPS
+    for step in synced:  # the first step's rollout comes from the initial weights, the others from synced adapters
+        assert step["mismatch/abs_diff_mean"] < NOISE and step["mismatch/abs_diff_max"] < 1e-4, step
+        assert "actor/kl_loss" in step  # the reference (the actor, adapters disabled) is computed
+    # the adapter moves the policy (B starts at 0: step 1 is the base model in both runs)
+    assert stale[0]["mismatch/abs_diff_mean"] < NOISE
+    for step in stale[1:]:
+        assert step["mismatch/abs_diff_mean"] > 100 * NOISE, step
+    assert synced[-1]["actor/kl_loss"] > 0
