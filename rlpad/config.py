@@ -192,9 +192,10 @@ class RolloutConfig:
     # tensor_model_parallel_size, on CPU 1 (see rlpad.topology.rollout_replicas).
     num_replicas: int | None = None
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
-    # with LoRA: how each sync reaches the engines (rlpad.lora.LORA_SYNC_MODES): merged: the full weights
-    # with the adapter merged in, through the full-weight path
-    lora_sync: str = "merged"
+    # with LoRA: how each sync reaches the engines (rlpad.lora.LORA_SYNC_MODES): adapter: only the adapter
+    # tensors, served by vLLM's LoRA over the base weights the engines started with; merged: the full
+    # weights with the adapter merged in, through the full-weight path (any backend, asynchronous training)
+    lora_sync: str = "adapter"
     # rows per forward of the old log-probs on each rank (with actor.old_log_prob_layout=log_prob)
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False  # old log-prob micro-batches by a token budget (layout log_prob)

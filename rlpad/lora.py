@@ -14,8 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlpad.rollout import backend_class
+
 __all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
-           "lora_key", "lora_on", "lora_spec", "lora_value_problems", "matches", "select_targets"]
+           "lora_key", "lora_on", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
+           "syncs_adapter"]
 
 ALL_LINEAR = "all-linear"  # target_modules entry: every linear of the decoder (never the LM head)
 # The values vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks); an engine serving an adapter of
@@ -24,6 +27,8 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # actor_rollout_ref.rollout.lora_sync: how a LoRA actor's weights reach the engines at each sync.
 LORA_SYNC_MODES = {
     "merged": "the full weights with W + (alpha / r) B A merged in, through the full-weight path",
+    "adapter": "only the adapter tensors; the engines keep the base weights they started with and serve the "
+               "adapter (vLLM's LoRA: enable_lora, LoRARequest)",
 }
 # A LoRA-wrapped linear's parameters in peft's module tree: <module>.base_layer.<p>, <module>.lora_A.<adapter>.weight
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?:(?P<base>base_layer)\.(?P<param>[^.]+)|(?P<ab>lora_[AB])\.[^.]+\.weight)$")
@@ -72,6 +77,18 @@ def lora_spec(model: Any) -> LoraSpec | None:
     exclude = cfg.get("exclude_modules") or ()
     return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), targets,
                     (exclude,) if isinstance(exclude, str) else tuple(exclude))
+
+
+def syncs_adapter(config: Any) -> bool:
+    """LoRA is on and each sync sends only the adapter (``rollout.lora_sync=adapter``)."""
+    arr = config.actor_rollout_ref
+    return lora_on(arr.model) and arr.rollout.lora_sync == "adapter"
+
+
+def engine_lora_kwargs(config: Any) -> dict[str, int]:
+    """The rollout backend's LoRA argument: ``{"lora_rank": r}`` when the engines serve the adapter,
+    else nothing (a backend without LoRA need not know the argument)."""
+    return {"lora_rank": lora_spec(config.actor_rollout_ref.model).rank} if syncs_adapter(config) else {}
 
 
 def engine_max_lora_rank(rank: int) -> int:
@@ -144,6 +161,13 @@ def lora_value_problems(config: Any) -> list[str]:
     if arr.rollout.lora_sync not in LORA_SYNC_MODES:
         problems.append(f"actor_rollout_ref.rollout.lora_sync={arr.rollout.lora_sync!r} is not valid; choose one of "
                         f"{', '.join(LORA_SYNC_MODES)}")
+    if syncs_adapter(config):
+        if not backend_class(arr.rollout.name).serves_lora:
+            problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout backend that serves LoRA "
+                            f"adapters; actor_rollout_ref.rollout.name={arr.rollout.name} does not (use lora_sync=merged)")
+        if config.trainer.max_off_policy_steps > 0:
+            problems.append("actor_rollout_ref.rollout.lora_sync=adapter with trainer.max_off_policy_steps > 0 is not "
+                            "supported yet (asynchronous training syncs through the weight stash): use lora_sync=merged")
     critic = config.critic.model
     if critic.lora_rank != 0 or critic.lora_adapter_path is not None:
         problems.append("critic.model.lora_rank / lora_adapter_path: LoRA on the critic is not supported (the critic "

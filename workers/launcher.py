@@ -37,6 +37,7 @@ from rlpad.advantages import uses_critic
 from rlpad.batch import Batch
 from rlpad.config import Config
 from rlpad.embedded.cache import cache_root
+from rlpad.lora import engine_lora_kwargs, syncs_adapter
 from rlpad.rollout import backend_class
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
@@ -97,7 +98,7 @@ class RayWorkers:
                                what=f"{'+'.join(roles)} groups and {num_replicas} rollout engine(s)")
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
-                      resolve_path=paths, device="cuda" if gpus else "cpu")
+                      resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
         self.ref = self.critic = None
@@ -213,8 +214,11 @@ class RayWorkers:
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
         if self.colocated:
             self.rollout.wake_up(["weights"])
-        stats = [s for s in self.actor.call("push_weights", self.rollout.actors, bucket_bytes, targets=self._targets)
-                 if s is not None]
+        if syncs_adapter(self.config):  # the adapter only, from rank 0 (KBs to MBs)
+            stats = [s for s in self.actor.call("push_lora_adapter", self.rollout.actors) if s is not None]
+        else:
+            stats = [s for s in self.actor.call("push_weights", self.rollout.actors, bucket_bytes,
+                                                targets=self._targets) if s is not None]
         self.last_sync = stats[0] | {"seconds": max(s["seconds"] for s in stats), "feeding_ranks": float(len(stats))}
         return self.last_sync["seconds"]
 

@@ -27,6 +27,7 @@ from typing import Any
 from rlpad.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
+from rlpad.lora import engine_lora_kwargs, syncs_adapter
 from rlpad.rollout import build_rollout
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -59,7 +60,9 @@ class LocalWorkers:
             self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
             self.critic.init_model()
         self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, tokenizer_path=arr.model.tokenizer_path,
-                                     trust_remote_code=arr.model.trust_remote_code, device=device)
+                                     trust_remote_code=arr.model.trust_remote_code, device=device,
+                                     **engine_lora_kwargs(config))
+        self.lora_version = 0  # adapter syncs done (rollout.lora_sync=adapter)
 
     # ---- rollout ------------------------------------------------------------------------------
 
@@ -73,7 +76,13 @@ class LocalWorkers:
         return self.rollout.generate_validation(batch, seed=seed)
 
     def sync_weights(self) -> float:
-        """Actor full weights -> the rollout backend; returns the backend's load seconds."""
+        """Actor full weights (with LoRA merged in) -> the rollout backend, or with ``rollout.lora_sync=adapter``
+        only the adapter; returns the backend's load seconds."""
+        if syncs_adapter(self.config):
+            self.lora_version += 1
+            seconds = self.rollout.load_lora_adapter(self.actor.lora_adapters(), self.actor.lora, self.lora_version)
+            self.rollout.finish_weight_update()
+            return seconds
         return self.rollout.update_weights(self.actor.full_state_dict())
 
     # ---- FSDP workers -------------------------------------------------------------------------

@@ -137,6 +137,19 @@ class WeightExportMixin:
         partial = len(self._bucket_plan(bucket_bytes)) > 1
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
+    def push_lora_adapter(self, replicas: list[Any]) -> dict[str, float] | None:
+        """LoRA's sync (``rollout.lora_sync=adapter``): only the adapter tensors, from rank 0 to every replica
+        (workers.rollout.push_lora_adapter); the engines keep their base weights. A collective; rank 0 returns
+        the stats, the other ranks None."""
+        if not replicas:
+            raise ValueError("push_lora_adapter needs >= 1 replica")
+        adapters = self.lora_adapters()
+        if self.rank != 0:
+            return None
+        from workers.rollout import push_lora_adapter  # imports ray: only in a Ray worker
+
+        return push_lora_adapter(adapters, self.lora, replicas)
+
     def export_weights(self, bucket_bytes: int, stash: Any, version: int, max_in_flight: int = 2) -> int | None:
         """The full weights into a :class:`workers.weight_stash.WeightStash` as policy ``version``, streamed by
         rank 0 (each bucket put in the object store once, at most ``max_in_flight`` outstanding); a collective.
