@@ -136,6 +136,9 @@ def test_checkpoint_resume_is_bitwise_and_holds_a_peft_adapter(adapter, tmp_path
     first.init_model()
     first.update_actor(b1)
     first.save_checkpoint(str(tmp_path / "ck"))
+    saved = sum(f.stat().st_size for f in (tmp_path / "ck").glob("*.distcp"))
+    adapter_bytes = sum(p.numel() * 4 for p in first.root.parameters() if p.requires_grad)
+    assert adapter_bytes * 3 <= saved < adapter_bytes * 3 + 200_000  # adapters + 2 AdamW moments, not the base
     m1 = first.update_actor(b2)
     second = ActorWorker(lora_config(None, **kw), seed=7, device="cpu")  # a fresh adapter: the checkpoint restores it
     second.init_model()
