@@ -12,7 +12,8 @@ from rlpad.config import ActorRolloutRefConfig
 from rlpad.config_loader import config_from_dict
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
-from rlpad.embedded.synthetic import ppo_batch
+from rlpad.batch import Batch
+from rlpad.embedded.synthetic import grpo_batch, ppo_batch
 from rlpad.lora import LoraSpec, engine_max_lora_rank, lora_key, select_targets
 from rlpad.cli import main as cli_main
 from rlpad.lora_peft import apply_lora, check_lora, decoder_linear_names, save_adapter
@@ -98,6 +99,33 @@ def test_log_probs_equal_the_merged_model_and_a_wrong_adapter_differs(actor, ada
     fresh = load_causal_lm("tiny:qwen2")
     fresh.load_state_dict(actor.full_state_dict())
     assert (reference_log_probs(fresh.eval(), batch) - merged)[mask].abs().max() <= TOL
+
+
+def test_shared_prompts_token_budgets_and_checkpointing_stay_exact(adapter):
+    """The scoring core sees ordinary modules: shared prompts, token-budget micro-batches and gradient
+    checkpointing give the merged model's log-probs and plain remove-padding's gradients."""
+    d = grpo_batch(4, 3, P, R, vocab_size=VOCAB, seed=2, min_prompt=2)
+    d.pop("group")
+    gen = torch.Generator().manual_seed(3)
+    d["responses"] = d["input_ids"][:, P:]
+    d["advantages"] = torch.randn(d["response_mask"].shape, generator=gen) * d["response_mask"]
+    b = Batch(d)
+    mask = b["response_mask"].bool()
+    merged = reference_log_probs(merged_reference(adapter), b)
+    grads = {}
+    for shared in (False, True):
+        cfg = lora_config(adapter, ppo_mini_batch_size=4, use_dynamic_bsz=shared, ppo_max_token_len_per_gpu=24)
+        cfg.rollout.n, cfg.model.share_prompts, cfg.model.enable_gradient_checkpointing = 3, shared, shared
+        cfg.model.share_prompts_min_saved_fraction = 0.0  # share every micro-batch
+        w = ActorWorker(cfg, device="cpu")
+        w.init_model()
+        lp = w.compute_log_prob(b, update_layout=True)["old_log_probs"]
+        assert (lp - merged)[mask].abs().max() <= TOL, shared
+        b["old_log_probs"] = lp
+        grads[shared] = w.update_actor(b, return_grads=True)["grads"]
+    assert set(grads[True]) == set(grads[False]) and all(".lora_" in k for k in grads[True])
+    for k, g in grads[False].items():
+        assert (grads[True][k] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-9, k
 
 
 def test_reference_is_the_base_model_bitwise(actor, batch):
