@@ -105,6 +105,9 @@ def test_log_probs_equal_the_merged_model_and_a_wrong_adapter_differs(actor, ada
     assert len(buckets) > 2
     pushed = dict(pair for bucket in buckets for pair in bucket)
     assert set(pushed) == set(state) and all(torch.equal(pushed[k], state[k]) for k in state)
+    actor.save_hf(str(tmp_path / "hf"))  # an HF folder of the merged model
+    saved = load_causal_lm(str(tmp_path / "hf")).state_dict()
+    assert set(saved) == set(state) and all(torch.equal(saved[k], state[k]) for k in state)
 
 
 def test_shared_prompts_token_budgets_and_checkpointing_stay_exact(adapter):
