@@ -41,7 +41,8 @@ def run(out_dir, sync: str, backend: str, wrap=None) -> list[dict]:
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
         f"trainer.backend={backend}", "actor_rollout_ref.actor.use_kl_loss=true",
-        f"actor_rollout_ref.rollout.lora_sync={sync}"])
+        f"actor_rollout_ref.rollout.lora_sync={sync}",
+        "actor_rollout_ref.actor.optim.lr=5e-3"])  # the adapter moves the policy far in one step: a clear control
     return fit(config, wrap_workers=wrap)
 
 
