@@ -165,9 +165,6 @@ def lora_value_problems(config: Any) -> list[str]:
         if not backend_class(arr.rollout.name).serves_lora:
             problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout backend that serves LoRA "
                             f"adapters; actor_rollout_ref.rollout.name={arr.rollout.name} does not (use lora_sync=merged)")
-        if config.trainer.max_off_policy_steps > 0:
-            problems.append("actor_rollout_ref.rollout.lora_sync=adapter with trainer.max_off_policy_steps > 0 is not "
-                            "supported yet (asynchronous training syncs through the weight stash): use lora_sync=merged")
     critic = config.critic.model
     if critic.lora_rank != 0 or critic.lora_adapter_path is not None:
         problems.append("critic.model.lora_rank / lora_adapter_path: LoRA on the critic is not supported (the critic "

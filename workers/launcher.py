@@ -37,7 +37,7 @@ from rlpad.advantages import uses_critic
 from rlpad.batch import Batch
 from rlpad.config import Config
 from rlpad.embedded.cache import cache_root
-from rlpad.lora import engine_lora_kwargs, syncs_adapter
+from rlpad.lora import engine_lora_kwargs, lora_spec, syncs_adapter
 from rlpad.rollout import backend_class
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
@@ -165,8 +165,13 @@ class RayWorkers:
         The actor ranks gather the full tensors in buckets and rank 0 streams them into the weight stash
         (workers.weight_stash; waited for: the actor's own work); the driver then submits each replica's
         load from the stash and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through
-        the driver, and the object store holds only the buckets in flight.
+        the driver, and the object store holds only the buckets in flight. With ``rollout.lora_sync=adapter`` only
+        the adapter tensors go (KBs to MBs, gathered by rank 0 and put in the object store by the driver), each
+        replica serving them when its queue reaches the load.
         """
+        if syncs_adapter(self.config):  # the adapter only (small): through the object store, no stash
+            adapters = self.actor.call("lora_adapters")[0]
+            return self.rollout.submit_lora_adapter(adapters, lora_spec(self.config.actor_rollout_ref.model), version)
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
         if self.stash is None:
             self.stash = remote_stash(len(self.rollout))

@@ -128,6 +128,14 @@ class RolloutWorker:
         v = self.policy_version + 1 if version is None else int(version)
         return self._load(lambda: self.backend.load_lora_adapter(adapters, spec, v), version)
 
+    def load_lora_version(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int) -> float:
+        """Asynchronous training's adapter sync: serve this adapter as policy ``version`` and finish the sync,
+        when this replica's queue reaches it (after the generations submitted before). Returns the seconds."""
+        start = time.perf_counter()
+        self.load_lora_adapter(adapters, spec, version)
+        self.finish_weight_sync(version)
+        return time.perf_counter() - start
+
     def load_from_stash(self, stash: Any, version: int, num_buckets: int, max_in_flight: int = 2) -> float:
         """Load policy ``version`` from a :class:`workers.weight_stash.WeightStash` (its ``num_buckets``
         buckets, pulled at most ``max_in_flight`` ahead), finish the sync and release the version there;
@@ -247,6 +255,14 @@ class RolloutReplicas:
         if num_buckets < 1:
             raise ValueError("submit_weights: no weight buckets")
         refs = [actor.load_from_stash.remote(stash, version, num_buckets) for actor in self.actors]
+        self._loads += refs
+        return PendingRollout(self, refs, [])
+
+    def submit_lora_adapter(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int) -> PendingRollout:
+        """Every replica serves this LoRA adapter as policy ``version``, after the calls submitted before (put once
+        in the object store); returns at once, as :meth:`submit_weights` does."""
+        ref = ray.put(adapters)
+        refs = [actor.load_lora_version.remote(ref, spec, version) for actor in self.actors]
         self._loads += refs
         return PendingRollout(self, refs, [])
 

