@@ -198,31 +198,38 @@ def test_checkpoint_resume_is_bitwise_and_holds_a_peft_adapter(adapter, tmp_path
     assert (lp - reference_log_probs(merged.eval(), b))[b["response_mask"].bool()].abs().max() <= TOL
 
 
+SP = 2  # both ranks in one sequence-parallel group: each scores half of every packed row
+
+
 def _two_ranks(rank: int, world: int, port: int, adapter: str) -> dict:
-    cfg = lora_config(adapter, ppo_mini_batch_size=8)
+    cfg = lora_config(adapter, ppo_mini_batch_size=8, ulysses_sequence_parallel_size=SP)
     w = ActorWorker(cfg, rank=rank, world_size=world, master_port=port, device="cpu", seed=3)
     w.init_model()
     b = ppo_batch(8, P, R, vocab_size=VOCAB, seed=1)
-    shard = b.index(torch.arange(rank * 4, rank * 4 + 4))
+    shard = b  # the ranks of a sequence-parallel group hold the same rows
     shard["old_log_probs"] = w.compute_log_prob(shard)["old_log_probs"]
     metrics = w.update_actor(shard)
-    out = {"state": w.full_state_dict(), "grad_norm": metrics["actor/grad_norm"]}
+    out = {"state": w.full_state_dict(), "grad_norm": metrics["actor/grad_norm"], "old": shard["old_log_probs"]}
     w.shutdown()
     return out
 
 
-def test_two_fsdp2_ranks_train_the_adapter_as_one(adapter, tmp_path):
-    """Adapters sharded over 2 ranks (rank 1 built on the meta device, filled from rank 0): the update
-    and the merged export equal one process's on the whole batch."""
+def test_two_fsdp2_ranks_with_sequence_parallelism_train_the_adapter_as_one(adapter, tmp_path):
+    """Adapters sharded over 2 ranks of one sequence-parallel group (rank 1 built on the meta device, filled
+    from rank 0; each rank scores half of every packed row): log-probs, the update and the merged export
+    equal one process's."""
     ranks = spawn_ranks(_two_ranks, 2, tmp_path, free_port(), adapter)
     one = ActorWorker(lora_config(adapter, ppo_mini_batch_size=8), device="cpu", seed=3)
     one.init_model()
     b = ppo_batch(8, P, R, vocab_size=VOCAB, seed=1)
     b["old_log_probs"] = one.compute_log_prob(b)["old_log_probs"]
+    mask = b["response_mask"].bool()
+    for r in ranks:
+        assert (r["old"] - b["old_log_probs"])[mask].abs().max() <= TOL
     metrics = one.update_actor(b)
     assert ranks[0]["grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
     state = one.full_state_dict()
-    assert ranks[1]["state"] is None and set(ranks[0]["state"]) == set(state)
+    assert all(r["state"] is None for r in ranks[1:]) and set(ranks[0]["state"]) == set(state)
     for name, t in state.items():
         assert (ranks[0]["state"][name] - t).abs().max() <= 1e-6, name
 
