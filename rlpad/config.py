@@ -194,7 +194,7 @@ class RolloutConfig:
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
     # with LoRA: how each sync reaches the engines (rlpad.lora.LORA_SYNC_MODES): adapter: only the adapter
     # tensors, served by vLLM's LoRA over the base weights the engines started with; merged: the full
-    # weights with the adapter merged in, through the full-weight path (any backend, asynchronous training)
+    # weights with the adapter merged in, through the full-weight path (any rollout backend)
     lora_sync: str = "adapter"
     # rows per forward of the old log-probs on each rank (with actor.old_log_prob_layout=log_prob)
     log_prob_micro_batch_size_per_gpu: int | None = 8
