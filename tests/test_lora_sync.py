@@ -30,21 +30,22 @@ NOISE = 1e-5  # fp32 engine vs actor, per token on average (tests/test_rollout.p
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": QUIET_ENV}, log_to_driver=False)
     yield
     ray.shutdown()
 
 
-def run(out_dir, sync: str, backend: str, wrap=None, k: int = 0, replicas: int = 1) -> list[dict]:
-    config = load_config(RECIPE, [f"actor_rollout_ref.rollout.num_replicas={replicas}",f"trainer.max_off_policy_steps={k}",
+def run(out_dir, sync: str, backend: str, wrap=None, k: int = 0, extra: tuple[str, ...] = ()) -> list[dict]:
+    config = load_config(RECIPE, [f"trainer.max_off_policy_steps={k}",
                                   f"algorithm.rollout_correction.mode={'token_tis' if k else 'none'}",
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "data.val_files=[]",
         "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.n_gpus_per_node=1",
         f"trainer.backend={backend}", "actor_rollout_ref.actor.use_kl_loss=true",
         f"actor_rollout_ref.rollout.lora_sync={sync}",
-        "actor_rollout_ref.actor.optim.lr=5e-3"])  # the adapter moves the policy far in one step: a clear control
+        "actor_rollout_ref.actor.optim.lr=5e-3",  # the adapter moves the policy far in one step: a clear control
+        *extra])
     return fit(config, wrap_workers=wrap)
 
 
@@ -62,8 +63,10 @@ class NoSync:
 
 
 def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
-    # the Ray stack (actor rank 0 -> object store -> 2 replicas) and the local one (in process)
-    runs = {("adapter", "ray"): run(tmp_path / "adapter_ray", "adapter", "ray", replicas=2),  # each replica its half
+    # the Ray stack, colocated (2 bundles, each an actor rank and a replica, which sleep and wake around
+    # every generation: no-ops on CPU; actor rank 0 -> object store -> both replicas), and the local one
+    colocated = ("trainer.n_gpus_per_node=2", "trainer.colocate=true")
+    runs = {("adapter", "ray"): run(tmp_path / "adapter_ray", "adapter", "ray", extra=colocated),
             ("adapter", "local"): run(tmp_path / "adapter_local", "adapter", "local")}
     stale = run(tmp_path / "stale", "adapter", "local", wrap=NoSync)
     for sync, steps in runs.items():
