@@ -109,6 +109,12 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         result = run_worker_bench(model=(args.models or ["40m"])[0], reps=args.reps)
         report("workers", tables(result))
         write_json(result, args.out or "results/bench_workers.json")
+    elif args.what == "lora":
+        from rlpad.bench.lora import LORA_MODELS, run_lora_bench, tables
+
+        result = run_lora_bench(tuple(args.models or LORA_MODELS), rank=args.lora_rank, reps=args.reps)
+        report("lora", tables(result))
+        write_json(result, args.out or "results/bench_lora.json")
     elif args.what == "sync":
         from rlpad.bench.sync import SYNC_MODELS, run_sync_bench, tables  # Ray through workers/
 
@@ -152,6 +158,20 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge_lora(args: argparse.Namespace) -> int:
+    """``rlpad merge-lora MODEL ADAPTER OUT``: the adapter merged into the model, saved as an HF folder."""
+    from rlpad.lora_peft import merge_adapter_folder
+    import rlpad.embedded.tiny  # noqa: F401  tiny:<arch> model paths
+
+    try:
+        out = merge_adapter_folder(args.model, args.adapter, args.out, dtype=args.dtype)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlpad", description="RL post-training with exact remove-padding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head", "lora"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
-                            "sync: sizes (40m 160m)")
+                            "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
@@ -194,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="head: token counts (default cuda 4800 19000, cpu 128 512)")
     bench.add_argument("--hidden", type=int, default=None, help="head: hidden size (default cuda 3584, cpu 128)")
     bench.add_argument("--vocab", type=int, default=None, help="head: vocabulary (default cuda 152064, cpu 2048)")
+    bench.add_argument("--lora-rank", type=int, default=8, help="lora: the adapters' rank")
     bench.add_argument("--markdown", metavar="PATH", default=None,
                        help="also write the table(s) into this Markdown file, between the markers "
                             "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")
@@ -203,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     cfg.add_argument("--markdown", metavar="PATH", default=None,
                      help="write the keys as Markdown tables instead (docs/configuration.md is this with no recipe)")
+    merge = sub.add_parser("merge-lora", help="merge a LoRA adapter (peft folder, e.g. <checkpoint>/actor/lora_adapter) "
+                           "into its base model and save a Hugging Face model folder")
+    merge.add_argument("model", help="the base model: a local HF folder (or tiny:<arch>)")
+    merge.add_argument("adapter", help="the adapter folder (adapter_config.json + adapter_model.safetensors)")
+    merge.add_argument("out", help="the merged model's folder (written with the tokenizer)")
+    merge.add_argument("--dtype", default="float32", help="the merged weights' dtype (float32 | bfloat16 | float16)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_check(reps=args.reps) else 1
     if args.command == "config":
         return _config(args)
+    if args.command == "merge-lora":
+        return _merge_lora(args)
     return _bench(args, command)
 
 

@@ -72,6 +72,17 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
     trust_remote_code: bool = False  # allow the checkpoint's own modelling code (transformers and vLLM)
+    # LoRA (docs/lora.md; the actor only): adapters of this rank on the target linears, base weights frozen;
+    # 0: off (full fine-tuning). The reference is then the actor with its adapters disabled (no second model).
+    lora_rank: int = 0
+    lora_alpha: int = 16  # the adapter's scale is lora_alpha / lora_rank
+    # linear modules that get an adapter: names or name suffixes (q_proj, mlp.down_proj), or all-linear:
+    # every linear of the decoder; the LM head and the embeddings never get one
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    exclude_modules: list[str] = field(default_factory=list)  # names or suffixes taken out of target_modules
+    # start from a saved adapter (a peft folder: adapter_config.json + weights); its r, alpha and
+    # target modules replace lora_rank, lora_alpha and target_modules
+    lora_adapter_path: str | None = None
 
 
 @dataclass
@@ -202,6 +213,10 @@ class RolloutConfig:
     # tensor_model_parallel_size, on CPU 1 (see rlpad.topology.rollout_replicas).
     num_replicas: int | None = None
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
+    # with LoRA: how each sync reaches the engines (rlpad.lora.LORA_SYNC_MODES): adapter: only the adapter
+    # tensors, served by vLLM's LoRA over the base weights the engines started with; merged: the full
+    # weights with the adapter merged in, through the full-weight path (any rollout backend)
+    lora_sync: str = "adapter"
     # rows per forward of the old log-probs on each rank (with actor.old_log_prob_layout=log_prob)
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False  # old log-prob micro-batches by a token budget (layout log_prob)
@@ -385,4 +400,15 @@ class Config:
     def uses_ref(self) -> bool:
         """A reference policy is needed: a KL loss or a KL penalty in the reward."""
         return bool(self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward)
+
+    @property
+    def ref_in_actor(self) -> bool:
+        """The reference log-probs come from the actor with its LoRA adapters disabled (no reference model)."""
+        model = self.actor_rollout_ref.model
+        return self.uses_ref and (model.lora_rank > 0 or model.lora_adapter_path is not None)
+
+    @property
+    def builds_ref(self) -> bool:
+        """A reference model (worker group) of its own is built."""
+        return self.uses_ref and not self.ref_in_actor
 

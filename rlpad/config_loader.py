@@ -32,6 +32,7 @@ from rlpad.config import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, REMOVED_KEYS,
     FILTER_METRICS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
+from rlpad.lora import lora_value_problems
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.policy_loss import policy_loss_problems
@@ -378,6 +379,7 @@ def validate_config(config: Config) -> Config:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
                         "must be >= 1")
     problems += layout_problems(config)
+    problems += lora_value_problems(config)
     positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),

@@ -79,7 +79,7 @@ def attention_heads(path: str) -> tuple[int, int] | None:
 def sequence_parallel_problems(config: Config) -> list[str]:
     """Every role's sequence-parallel size against its world, its model and its attention."""
     arr = config.actor_rollout_ref
-    roles = [("actor", arr, arr.model)] + [("ref", arr, arr.model)] * config.uses_ref
+    roles = [("actor", arr, arr.model)] + [("ref", arr, arr.model)] * config.builds_ref
     estimator = ESTIMATORS.get(config.algorithm.adv_estimator)  # an unknown one is reported elsewhere
     roles += [("critic", config.critic, config.critic.model)] * bool(estimator is not None and estimator.uses_critic)
     world, problems = role_world(config), []

@@ -31,6 +31,7 @@ import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths 
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
+from rlpad.lora_peft import check_lora
 from rlpad.metrics import cpu_kernels
 from rlpad.rewards import load_reward_fn
 from rlpad.rollout.tools import tool_schemas
@@ -134,6 +135,10 @@ def check_inputs(config: Config) -> None:
     if uses_critic(config):
         paths += [("critic.model.path", config.critic.model.path), ("critic.model.tokenizer_path",
                                                                      config.critic.model.tokenizer_path)]
+    adapter = model.lora_adapter_path
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        what = "does not exist" if not os.path.exists(adapter) else "is not a peft adapter folder (no adapter_config.json)"
+        raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={adapter!r} {what}")
     for key, path in paths:
         if not path or model_source(path) is not None or path.startswith(EMBEDDED_PREFIX):
             continue  # unset, or built in code
@@ -162,6 +167,7 @@ def prepare(config: Config) -> Prepared:
     """
     check_inputs(config)
     config = resolve_embedded(config)
+    check_lora(config)  # the target modules and a saved adapter against the model (built on the meta device)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
     mt = config.actor_rollout_ref.rollout.multi_turn
@@ -219,7 +225,7 @@ def run(config: Config | Prepared) -> dict[str, float]:
 def _starting_line(config: Config, run_log: RunLog) -> str:
     """The one line printed while the workers start: what starts, and where its messages go."""
     t, arr = config.trainer, config.actor_rollout_ref
-    roles = "+".join(["actor"] + ["ref"] * config.uses_ref + ["critic"] * uses_critic(config))
+    roles = "+".join(["actor"] + ["ref"] * config.builds_ref + ["critic"] * uses_critic(config))
     where = ("in this process" if t.backend == "local"
              else f"on Ray, {t.nnodes * t.n_gpus_per_node} rank(s) per role")
     quiet = "" if run_log.level in ("info", "debug") else " (--verbose: here too)"

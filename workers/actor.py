@@ -17,6 +17,7 @@ same packed forward: its ratio is exactly 1 and its ppo_kl exactly 0.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from rlpad.batch import Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
+from rlpad.lora import LoraSpec, lora_spec
+from rlpad.lora_peft import adapter_disabled, apply_lora, load_adapter_weights
 from rlpad.policy_loss import get_policy_loss
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
@@ -53,6 +56,10 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         super().__init__(config, role=role, **dist_kwargs)
         self._offloader: StateOffloader | None = None
+        # LoRA (the actor only): its spec, and the peft model over ``model`` (its adapters switch off for the
+        # reference log-probs: config.ref_in_actor)
+        self.lora: LoraSpec | None = lora_spec(config.model) if role == "actor" else None
+        self.peft: Any = None
 
     def init_model(self) -> None:
         """Join the process group, build the model (read by rank 0 only, see
@@ -72,6 +79,10 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role == "ref":
             model.requires_grad_(False)
+        if self.lora is not None:  # before sharding: the adapters are parameters of the decoder layers
+            self.peft = apply_lora(model, self.lora, seed=self.seed)
+            if mcfg.lora_adapter_path is not None and self.reads_checkpoint:
+                load_adapter_weights(self.peft, self._local_path(mcfg.lora_adapter_path))
         self.model = model
         self.root = self._shard_from_rank0(LogProbModel(model), model)
         if self.role == "actor":
@@ -117,14 +128,16 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
     @reports_seconds
     @batch_method(FORWARD)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``."""
+        """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``. On a LoRA actor: with its
+        adapters disabled, i.e. the base model (the reference for free)."""
         rcfg = self.config.ref
         t = self._temperature(batch)
-        (log_probs,) = self._forward_all(
-            batch, rcfg.log_prob_micro_batch_size_per_gpu,
-            rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None,
-            lambda piece: self._log_probs(piece, t, False)[:1],
-        )  # fmt: skip
+        with adapter_disabled(self.peft) if self.peft is not None else nullcontext():
+            (log_probs,) = self._forward_all(
+                batch, rcfg.log_prob_micro_batch_size_per_gpu,
+                rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None,
+                lambda piece: self._log_probs(piece, t, False)[:1],
+            )  # fmt: skip
         return Batch({"ref_log_probs": log_probs}, meta={"temperature": t})
 
     # ------------------------------------------------------------------ update

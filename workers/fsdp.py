@@ -237,7 +237,8 @@ class FSDPWorker(CheckpointMixin, RankCollectives):
         return root
 
     def _build_optimizer(self, optim_cfg: Any) -> None:
-        self.optimizer = build_optimizer(self.root.parameters(), optim_cfg)
+        # the trainable parameters only (with LoRA: the adapters; the frozen base gets no AdamW state)
+        self.optimizer = build_optimizer([p for p in self.root.parameters() if p.requires_grad], optim_cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
 
     def _require_model(self) -> None:

@@ -4,6 +4,9 @@ A mixin of :class:`workers.fsdp.FSDPWorker` (it uses ``root``, ``optimizer``, ``
 ``update_steps``, ``rank``, ``world_size``). Weights reshard on load, so a run saved on N ranks
 resumes on M.
 
+With LoRA only the adapters (and their AdamW state) are saved: the frozen base is rebuilt from the model
+folder, as at the start; the adapter also goes out in peft's format (``lora_adapter/``).
+
 Before the first update the optimizer has no state. torch's ``get_state_dict`` would create it by
 running ``optimizer.step()`` on zero gradients, and AdamW counts that step (every later bias
 correction shifts by one). So an optimizer without state is neither asked for a state dict nor
@@ -21,7 +24,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["LORA_ADAPTER_DIR", "CheckpointMixin"]
+
+LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA actor's checkpoint: its adapter as a peft folder, in this sub-folder
 
 
 class CheckpointMixin:
@@ -34,7 +39,14 @@ class CheckpointMixin:
         """``{"model": ..., "optim": ...}`` (sharded) and the optimizers it covers (none: model only)."""
         optims = [self.optimizer] if with_optimizer else []
         model_sd, optim_sd = get_state_dict(self.root, optims, options=StateDictOptions(full_state_dict=False))
+        if self._frozen_base:  # LoRA: the frozen base is the model folder's; only the adapters are saved
+            trainable = {name for name, p in self.root.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return ({"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}), optims
+
+    @property
+    def _frozen_base(self) -> bool:
+        return getattr(self, "lora", None) is not None
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of weights, optimizer, LR schedule, step and RNG."""
@@ -54,6 +66,8 @@ class CheckpointMixin:
             },
         }  # fmt: skip
         torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
+        if getattr(self, "lora", None) is not None:  # the adapter also in peft's format (docs/lora.md)
+            self.save_lora_adapter(os.path.join(path, LORA_ADAPTER_DIR))
         if self.world_size > 1:
             dist.barrier()
 
@@ -69,7 +83,8 @@ class CheckpointMixin:
             self.optimizer.state.clear()  # saved before the first update: a fresh optimizer
         state, optims = self._state(with_optimizer)
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        set_state_dict(self.root, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
+                       options=StateDictOptions(strict=not self._frozen_base))
         self.update_steps = int(extra["update_steps"])
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])

@@ -37,6 +37,7 @@ from rlpad.advantages import uses_critic
 from rlpad.batch import Batch
 from rlpad.config import Config
 from rlpad.embedded.cache import cache_root
+from rlpad.lora import engine_lora_kwargs, lora_spec, syncs_adapter
 from rlpad.rollout import backend_class
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
@@ -83,7 +84,7 @@ class RayWorkers:
         gpus = 1 if cuda else 0
         self.colocated = colocated(config, cuda)
         critic = uses_critic(config)
-        roles = ["actor"] + ["ref"] * config.uses_ref + ["critic"] * critic
+        roles = ["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
         per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
@@ -97,7 +98,7 @@ class RayWorkers:
                                what=f"{'+'.join(roles)} groups and {num_replicas} rollout engine(s)")
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
-                      resolve_path=paths, device="cuda" if gpus else "cpu")
+                      resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
         self.ref = self.critic = None
@@ -122,7 +123,7 @@ class RayWorkers:
             else:
                 group |= dict(num_gpus_per_worker=gpus)
             self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
-            if config.uses_ref:
+            if config.builds_ref:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
@@ -164,8 +165,13 @@ class RayWorkers:
         The actor ranks gather the full tensors in buckets and rank 0 streams them into the weight stash
         (workers.weight_stash; waited for: the actor's own work); the driver then submits each replica's
         load from the stash and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through
-        the driver, and the object store holds only the buckets in flight.
+        the driver, and the object store holds only the buckets in flight. With ``rollout.lora_sync=adapter`` only
+        the adapter tensors go (KBs to MBs, gathered by rank 0 and put in the object store by the driver), each
+        replica serving them when its queue reaches the load.
         """
+        if syncs_adapter(self.config):  # the adapter only (small): through the object store, no stash
+            adapters = self.actor.call("lora_adapters")[0]
+            return self.rollout.submit_lora_adapter(adapters, lora_spec(self.config.actor_rollout_ref.model), version)
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
         if self.stash is None:
             self.stash = remote_stash(len(self.rollout))
@@ -180,6 +186,9 @@ class RayWorkers:
         return self.actor.call_batch("compute_log_prob", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Reference log-probs: the reference model's, or with LoRA the actor's with its adapters disabled."""
+        if self.config.ref_in_actor:
+            return self.actor.call_batch("compute_ref_log_prob", batch)
         if self.ref is None:
             raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
         return self.ref.call_batch("compute_ref_log_prob", batch)
@@ -210,8 +219,11 @@ class RayWorkers:
         bucket_bytes = int(self.config.actor_rollout_ref.rollout.weight_sync_bucket_mb * (1 << 20))
         if self.colocated:
             self.rollout.wake_up(["weights"])
-        stats = [s for s in self.actor.call("push_weights", self.rollout.actors, bucket_bytes, targets=self._targets)
-                 if s is not None]
+        if syncs_adapter(self.config):  # the adapter only, from rank 0 (KBs to MBs)
+            stats = [s for s in self.actor.call("push_lora_adapter", self.rollout.actors) if s is not None]
+        else:
+            stats = [s for s in self.actor.call("push_weights", self.rollout.actors, bucket_bytes,
+                                                targets=self._targets) if s is not None]
         self.last_sync = stats[0] | {"seconds": max(s["seconds"] for s in stats), "feeding_ranks": float(len(stats))}
         return self.last_sync["seconds"]
 
@@ -310,7 +322,7 @@ def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + config.uses_ref + uses_critic(config)
+            groups = 1 + config.builds_ref + uses_critic(config)
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))

@@ -27,6 +27,7 @@ from typing import Any
 from rlpad.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import Config
+from rlpad.lora import engine_lora_kwargs, syncs_adapter
 from rlpad.rollout import build_rollout
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -51,7 +52,7 @@ class LocalWorkers:
         self.actor = ActorWorker(arr, role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
         self.ref = None
-        if config.uses_ref:
+        if config.builds_ref:
             self.ref = ActorWorker(arr, role="ref", **common)
             self.ref.init_model()
         self.critic = None
@@ -59,7 +60,9 @@ class LocalWorkers:
             self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
             self.critic.init_model()
         self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, tokenizer_path=arr.model.tokenizer_path,
-                                     trust_remote_code=arr.model.trust_remote_code, device=device)
+                                     trust_remote_code=arr.model.trust_remote_code, device=device,
+                                     **engine_lora_kwargs(config))
+        self.lora_version = 0  # adapter syncs done (rollout.lora_sync=adapter)
 
     # ---- rollout ------------------------------------------------------------------------------
 
@@ -73,7 +76,13 @@ class LocalWorkers:
         return self.rollout.generate_validation(batch, seed=seed)
 
     def sync_weights(self) -> float:
-        """Actor full weights -> the rollout backend; returns the backend's load seconds."""
+        """Actor full weights (with LoRA merged in) -> the rollout backend, or with ``rollout.lora_sync=adapter``
+        only the adapter; returns the backend's load seconds."""
+        if syncs_adapter(self.config):
+            self.lora_version += 1
+            seconds = self.rollout.load_lora_adapter(self.actor.lora_adapters(), self.actor.lora, self.lora_version)
+            self.rollout.finish_weight_update()
+            return seconds
         return self.rollout.update_weights(self.actor.full_state_dict())
 
     # ---- FSDP workers -------------------------------------------------------------------------
@@ -85,6 +94,9 @@ class LocalWorkers:
         return self.actor.compute_log_prob(batch, update_layout=update_layout)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Reference log-probs: the reference model's, or with LoRA the actor's with its adapters disabled."""
+        if self.config.ref_in_actor:
+            return self.actor.compute_ref_log_prob(batch)
         if self.ref is None:
             raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
         return self.ref.compute_ref_log_prob(batch)

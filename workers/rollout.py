@@ -122,6 +122,20 @@ class RolloutWorker:
         (None: the next one; only named in errors); returns the seconds."""
         return self._load(lambda: self.backend.load_weights_bucket(named_tensors, partial=partial), version)
 
+    def load_lora_adapter(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int | None = None) -> float:
+        """Serve this LoRA adapter (RolloutBackend.load_lora_adapter) as policy ``version`` (None: the next);
+        call :meth:`finish_weight_sync` after it. Returns the seconds."""
+        v = self.policy_version + 1 if version is None else int(version)
+        return self._load(lambda: self.backend.load_lora_adapter(adapters, spec, v), version)
+
+    def load_lora_version(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int) -> float:
+        """Asynchronous training's adapter sync: serve this adapter as policy ``version`` and finish the sync,
+        when this replica's queue reaches it (after the generations submitted before). Returns the seconds."""
+        start = time.perf_counter()
+        self.load_lora_adapter(adapters, spec, version)
+        self.finish_weight_sync(version)
+        return time.perf_counter() - start
+
     def load_from_stash(self, stash: Any, version: int, num_buckets: int, max_in_flight: int = 2) -> float:
         """Load policy ``version`` from a :class:`workers.weight_stash.WeightStash` (its ``num_buckets``
         buckets, pulled at most ``max_in_flight`` ahead), finish the sync and release the version there;
@@ -244,6 +258,14 @@ class RolloutReplicas:
         self._loads += refs
         return PendingRollout(self, refs, [])
 
+    def submit_lora_adapter(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int) -> PendingRollout:
+        """Every replica serves this LoRA adapter as policy ``version``, after the calls submitted before (put once
+        in the object store); returns at once, as :meth:`submit_weights` does."""
+        ref = ray.put(adapters)
+        refs = [actor.load_lora_version.remote(ref, spec, version) for actor in self.actors]
+        self._loads += refs
+        return PendingRollout(self, refs, [])
+
     def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
         """Validation rollout, split (and seeded) like :meth:`generate`."""
         refs = self._spread(batch, lambda actor, part, offset: actor.generate_validation.remote(
@@ -363,3 +385,20 @@ def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequ
     except RayActorError as e:
         raise WorkerFailed(f"weight sync: a rollout replica died or is unreachable: {e}") from e
     return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}
+
+
+def push_lora_adapter(adapters: dict[str, tuple[Any, Any]], spec: Any, replicas: Sequence[Any]) -> dict[str, float]:
+    """LoRA's sync (``rollout.lora_sync=adapter``): the adapter tensors put once in the object store, served
+    by every replica as its next policy version, then the sync finished. Returns ``{"seconds", "bytes",
+    "buckets"}`` as :func:`push_weight_buckets` does."""
+    if not replicas:
+        raise ValueError("push_lora_adapter: no replicas")
+    start = time.perf_counter()
+    total = sum(t.numel() * t.element_size() for pair in adapters.values() for t in pair)
+    ref = ray.put(adapters)
+    try:
+        ray.get([r.load_lora_adapter.remote(ref, spec) for r in replicas])
+        ray.get([r.finish_weight_sync.remote() for r in replicas])
+    except RayActorError as e:
+        raise WorkerFailed(f"weight sync: a rollout replica died or is unreachable: {e}") from e
+    return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": 1.0}

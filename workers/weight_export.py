@@ -2,7 +2,7 @@
 weight stash, for asynchronous training), HF folders.
 
 A mixin of :class:`workers.actor.ActorWorker` (it uses ``root``, ``model``, ``config``, ``rank``,
-``world_size`` and ``role``). Every method here is a collective: FSDP2 all-gathers each tensor,
+``world_size``, ``role`` and ``lora``: with LoRA the exported weights have the adapter merged in). Every method here is a collective: FSDP2 all-gathers each tensor,
 so every rank must call it (and iterate a generator to its end), while only the ranks that keep
 the result (by default rank 0) hold full tensors.
 """
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rlpad.core.models import load_tokenizer
+from rlpad.lora import lora_key
+from rlpad.lora_peft import merged_weight, save_adapter
 from rlpad.rollout.buckets import plan_buckets
 from workers.fsdp import full_tensor
 
@@ -32,10 +34,17 @@ class WeightExportMixin:
     """Full weights by HF name: streamed, in buckets, pushed to rollout replicas, or saved as a folder."""
 
     def _hf_sources(self) -> list[tuple[str, str]]:
-        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding."""
+        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding. A
+        LoRA-wrapped linear exports its base weight under the plain HF name (the adapter is merged in
+        by :meth:`_full`); its ``lora_A`` / ``lora_B`` are not exported on their own."""
         self._require_model()
-        keys = list(self.root.state_dict().keys())
-        pairs = [(hf_name(k), k) for k in keys]
+        pairs = []
+        for k in self.root.state_dict().keys():
+            parsed = lora_key(k)
+            if parsed is None:
+                pairs.append((hf_name(k), k))
+            elif parsed[1] not in ("lora_A", "lora_B"):
+                pairs.append((f"{hf_name(parsed[0])}.{parsed[1]}", k))
         if "lm_head.weight" not in {n for n, _ in pairs} and getattr(self.model.config, "tie_word_embeddings", False):
             embed = [k for n, k in pairs if n.endswith("embed_tokens.weight")]
             if not embed:
@@ -43,14 +52,34 @@ class WeightExportMixin:
             pairs.append(("lm_head.weight", embed[0]))
         return pairs
 
+    def _lora_merges(self) -> dict[str, tuple[str, str]]:
+        """HF weight name -> ``(lora_A key, lora_B key)`` of each LoRA-wrapped linear (empty without LoRA)."""
+        parts: dict[str, dict[str, str]] = {}
+        for k in self.root.state_dict().keys():
+            parsed = lora_key(k)
+            if parsed is not None and parsed[1] in ("lora_A", "lora_B"):
+                parts.setdefault(f"{hf_name(parsed[0])}.weight", {})[parsed[1]] = k
+        return {name: (p["lora_A"], p["lora_B"]) for name, p in parts.items()}
+
+    def _full(self, state: dict[str, Any], name: str, key: str, merges: dict[str, tuple[str, str]]) -> torch.Tensor:
+        """The full tensor of ``name`` (a collective); a LoRA linear's weight with its adapter merged in
+        (``W + (alpha / r) B A``, :func:`rlpad.lora_peft.merged_weight`)."""
+        full = full_tensor(state[key]).detach()
+        if name in merges:
+            a, b = (full_tensor(state[k]).detach() for k in merges[name])
+            full = merged_weight(full, a, b, self.lora.scale)
+        return full
+
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied.
+        """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied (with
+        LoRA: the merged weights).
 
         A collective: every rank must iterate it to the end.
         """
         state = self.root.state_dict() if self.root is not None else None
+        merges = self._lora_merges()
         for name, key in self._hf_sources():
-            yield name, full_tensor(state[key]).detach()
+            yield name, self._full(state, name, key, merges)
 
     def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
         """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
@@ -68,11 +97,11 @@ class WeightExportMixin:
         """
         keep = self.rank == 0 if keep is None else keep
         plan = self._bucket_plan(bucket_bytes)
-        state, sources = self.root.state_dict(), dict(self._hf_sources())
+        state, sources, merges = self.root.state_dict(), dict(self._hf_sources()), self._lora_merges()
         for names in plan:
             bucket = []
             for name in names:
-                full = full_tensor(state[sources[name]]).detach()
+                full = self._full(state, name, sources[name], merges)
                 if keep:
                     bucket.append((name, full.cpu()))
             yield bucket
@@ -108,6 +137,19 @@ class WeightExportMixin:
         partial = len(self._bucket_plan(bucket_bytes)) > 1
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
+    def push_lora_adapter(self, replicas: list[Any]) -> dict[str, float] | None:
+        """LoRA's sync (``rollout.lora_sync=adapter``): only the adapter tensors, from rank 0 to every replica
+        (workers.rollout.push_lora_adapter); the engines keep their base weights. A collective; rank 0 returns
+        the stats, the other ranks None."""
+        if not replicas:
+            raise ValueError("push_lora_adapter needs >= 1 replica")
+        adapters = self.lora_adapters()
+        if self.rank != 0:
+            return None
+        from workers.rollout import push_lora_adapter  # imports ray: only in a Ray worker
+
+        return push_lora_adapter(adapters, self.lora, replicas)
+
     def export_weights(self, bucket_bytes: int, stash: Any, version: int, max_in_flight: int = 2) -> int | None:
         """The full weights into a :class:`workers.weight_stash.WeightStash` as policy ``version``, streamed by
         rank 0 (each bucket put in the object store once, at most ``max_in_flight`` outstanding); a collective.
@@ -137,6 +179,28 @@ class WeightExportMixin:
             if keep:
                 out[name] = tensor.cpu()
         return out if keep else None
+
+    def lora_adapters(self, rank0_only: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """HF module name -> full ``(lora_A (r, in), lora_B (out, r))`` on CPU (empty without LoRA; None off
+        rank 0 if ``rank0_only``). A collective."""
+        keep = self.rank == 0 or not rank0_only
+        state, out = self.root.state_dict(), {}
+        for name, (a_key, b_key) in self._lora_merges().items():
+            a, b = (full_tensor(state[k]).detach() for k in (a_key, b_key))
+            if keep:
+                out[name.removesuffix(".weight")] = (a.cpu(), b.cpu())
+        return out if keep else None
+
+    def save_lora_adapter(self, path: str) -> None:
+        """Write the adapter as a peft folder (``PeftModel.from_pretrained``, vLLM's ``LoRARequest``) from
+        rank 0; a collective. ValueError on a worker without LoRA."""
+        if self.lora is None:
+            raise ValueError(f"{self.role}: no LoRA adapter to save (actor_rollout_ref.model.lora_rank=0)")
+        adapters = self.lora_adapters()
+        if self.rank == 0:
+            save_adapter(path, adapters, self.lora, base_model=self.config.model.path)
+        if self.world_size > 1:
+            dist.barrier()
 
     def save_hf(self, path: str) -> None:
         """Write a ``save_pretrained`` directory (config, safetensors, tokenizer) from rank 0."""

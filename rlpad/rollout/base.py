@@ -57,8 +57,9 @@ class RolloutBackend(ABC):
     """Shared driver: validate prompts, sample with the backend, build the rollout batch.
 
     Every backend is built as ``Backend(model_path, rollout, data, *, tokenizer_path=None,
-    trust_remote_code=False, device="cpu", sleep_mode=False)`` (``device``: cpu | cuda, where the
-    engine runs; ``sleep_mode``: build it able to give memory back in :meth:`sleep`); a backend
+    trust_remote_code=False, device="cpu", sleep_mode=False, lora_rank=0)`` (``device``: cpu | cuda, where
+    the engine runs; ``sleep_mode``: build it able to give memory back in :meth:`sleep`; ``lora_rank``: > 0
+    builds it to serve adapters of that rank, :meth:`load_lora_adapter`); a backend
     documents the arguments it has no use for. What a backend can do is declared by the class
     attributes below, which the config checks and the launchers read (never the backend's name);
     register a new backend in :data:`rlpad.rollout.BACKENDS`.
@@ -71,6 +72,9 @@ class RolloutBackend(ABC):
     sleep_frees_memory: ClassVar[bool] = False
     # model_path must be a local checkpoint directory (not ``tiny:<arch>`` or a model object).
     needs_local_dir: ClassVar[bool] = False
+    # load_lora_adapter: generates with a LoRA adapter over its weights (built with lora_rank > 0;
+    # actor_rollout_ref.rollout.lora_sync=adapter)
+    serves_lora: ClassVar[bool] = False
 
     pad_token_id: int
     eos_token_ids: frozenset[int]
@@ -204,6 +208,13 @@ class RolloutBackend(ABC):
         Weights not named keep their values; call :meth:`finish_weight_update` after the last bucket.
         ``partial``: one bucket of several (a backend may then skip its "weights not loaded" warnings).
         """
+
+    def load_lora_adapter(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], spec: Any,
+                          version: int) -> float:
+        """Generate from now on with this LoRA adapter (HF module name -> ``(lora_A (r, in), lora_B (out, r))``,
+        :class:`rlpad.lora.LoraSpec` ``spec``) over the loaded weights, as policy ``version``; returns the
+        seconds. Backends with ``serves_lora`` only."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters (serves_lora is false)")
 
     def finish_weight_update(self) -> None:
         """Drop state computed with the old weights (vLLM: the prefix cache)."""

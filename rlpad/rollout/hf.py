@@ -29,7 +29,7 @@ class HFRollout(RolloutBackend):
 
     def __init__(self, model_path: str | PreTrainedModel, rollout: RolloutConfig, data: DataConfig, *,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu",
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, lora_rank: int = 0):  # lora_rank: unused (serves_lora is false)
         super().__init__(model_path, rollout, data)
         if isinstance(model_path, PreTrainedModel):
             self.model = model_path

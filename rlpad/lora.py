@@ -1,0 +1,172 @@
+"""LoRA's rules, torch-free: which modules get an adapter, the ranks vLLM serves, the config checks,
+and how an adapter's parameter names map to the model's (docs/lora.md).
+
+The peft side (applying adapters, merging, saving) is :mod:`rlpad.lora_peft`; the config loader and
+the weight export read the rules here, so a name is matched one way everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlpad.rollout import backend_class
+
+__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
+           "lora_key", "lora_on", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
+           "syncs_adapter"]
+
+ALL_LINEAR = "all-linear"  # target_modules entry: every linear of the decoder (never the LM head)
+# The values vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks); an engine serving an adapter of
+# rank r is built with the smallest of them >= r.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# actor_rollout_ref.rollout.lora_sync: how a LoRA actor's weights reach the engines at each sync.
+LORA_SYNC_MODES = {
+    "merged": "the full weights with W + (alpha / r) B A merged in, through the full-weight path",
+    "adapter": "only the adapter tensors; the engines keep the base weights they started with and serve the "
+               "adapter (vLLM's LoRA: enable_lora, LoRARequest)",
+}
+# A LoRA-wrapped linear's parameters in peft's module tree: <module>.base_layer.<p>, <module>.lora_A.<adapter>.weight
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?:(?P<base>base_layer)\.(?P<param>[^.]+)|(?P<ab>lora_[AB])\.[^.]+\.weight)$")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA configuration: rank, alpha, the module names or suffixes it targets and excludes."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    exclude_modules: tuple[str, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        """The factor of ``B @ A`` in ``W + scale * B @ A``."""
+        return self.alpha / self.rank
+
+
+def lora_on(model: Any) -> bool:
+    """A model config (``ModelConfig``) with LoRA: a rank > 0 or a saved adapter to start from."""
+    return model.lora_rank > 0 or model.lora_adapter_path is not None
+
+
+def _adapter_config(path: str) -> dict[str, Any]:
+    config = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter folder "
+                         "(no adapter_config.json)")
+    with open(config, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def lora_spec(model: Any) -> LoraSpec | None:
+    """The LoRA of a model config (None: off). With ``lora_adapter_path``, the adapter's own r, alpha
+    and target modules (its adapter_config.json)."""
+    if not lora_on(model):
+        return None
+    if model.lora_adapter_path is None:
+        return LoraSpec(model.lora_rank, float(model.lora_alpha), tuple(model.target_modules),
+                        tuple(model.exclude_modules))
+    cfg = _adapter_config(model.lora_adapter_path)
+    targets = cfg.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    exclude = cfg.get("exclude_modules") or ()
+    return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), targets,
+                    (exclude,) if isinstance(exclude, str) else tuple(exclude))
+
+
+def syncs_adapter(config: Any) -> bool:
+    """LoRA is on and each sync sends only the adapter (``rollout.lora_sync=adapter``)."""
+    arr = config.actor_rollout_ref
+    return lora_on(arr.model) and arr.rollout.lora_sync == "adapter"
+
+
+def engine_lora_kwargs(config: Any) -> dict[str, int]:
+    """The rollout backend's LoRA argument: ``{"lora_rank": r}`` when the engines serve the adapter,
+    else nothing (a backend without LoRA need not know the argument)."""
+    return {"lora_rank": lora_spec(config.actor_rollout_ref.model).rank} if syncs_adapter(config) else {}
+
+
+def engine_max_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest accepted value >= rank."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"actor_rollout_ref.model.lora_rank={rank} is above vLLM's largest max_lora_rank "
+                     f"{VLLM_MAX_LORA_RANKS[-1]}")
+
+
+def matches(name: str, entry: str) -> bool:
+    """A module's full name matches a target entry: equal, or ending in ``.<entry>`` (peft's rule)."""
+    return name == entry or name.endswith("." + entry)
+
+
+def select_targets(linear_names: Sequence[str], target_modules: Sequence[str],
+                   exclude_modules: Sequence[str] = ()) -> list[str]:
+    """The full names (of ``linear_names``: the decoder's linear modules, the LM head left out) that
+    get an adapter; ValueError naming the key when the targets match nothing or all are excluded."""
+    if ALL_LINEAR in target_modules:
+        chosen = list(linear_names)
+    else:
+        chosen = [n for n in linear_names if any(matches(n, t) for t in target_modules)]
+    kinds = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear_names}))
+    if not chosen:
+        raise ValueError(f"actor_rollout_ref.model.target_modules={list(target_modules)} matches no linear module of "
+                         f"the model; its linear modules: {kinds} (or {ALL_LINEAR}; the LM head and the embeddings "
+                         "never get an adapter)")
+    kept = [n for n in chosen if not any(matches(n, e) for e in exclude_modules)]
+    if not kept:
+        raise ValueError(f"actor_rollout_ref.model.exclude_modules={list(exclude_modules)} excludes every module "
+                         f"target_modules={list(target_modules)} selects ({len(chosen)} of: {kinds}): nothing would "
+                         "be trained")
+    return kept
+
+
+def lora_key(key: str) -> tuple[str, str] | None:
+    """``(module, part)`` of a LoRA-wrapped linear's state-dict key: part ``"lora_A"`` / ``"lora_B"`` or
+    the base parameter's name (``"weight"``, ``"bias"``); None for any other key.
+    ``x.q_proj.base_layer.weight`` -> ``("x.q_proj", "weight")``."""
+    m = _LORA_KEY.match(key)
+    if m is None:
+        return None
+    return m["module"], m["ab"] or m["param"]
+
+
+def lora_value_problems(config: Any) -> list[str]:
+    """The LoRA keys' values against each other (the config loader; torch-free, no file read)."""
+    problems: list[str] = []
+    arr = config.actor_rollout_ref
+    model, key = arr.model, "actor_rollout_ref.model"
+    if model.lora_rank < 0:
+        problems.append(f"{key}.lora_rank={model.lora_rank} must be >= 0 (0: LoRA off)")
+    elif model.lora_rank > VLLM_MAX_LORA_RANKS[-1]:
+        problems.append(f"{key}.lora_rank={model.lora_rank} is above vLLM's largest max_lora_rank "
+                        f"{VLLM_MAX_LORA_RANKS[-1]} (its ranks: {', '.join(map(str, VLLM_MAX_LORA_RANKS))}; an "
+                        "engine serves rank r with the smallest of them >= r)")
+    if lora_on(model):
+        if not model.lora_alpha > 0:
+            problems.append(f"{key}.lora_alpha={model.lora_alpha} must be > 0 (the adapter's scale is alpha / rank)")
+        if not model.target_modules:
+            problems.append(f"{key}.target_modules is empty; name modules or use {ALL_LINEAR}")
+        else:
+            named = [t for t in model.target_modules if t != ALL_LINEAR]
+            if named and ALL_LINEAR not in model.target_modules and all(
+                    any(matches(t, e) for e in model.exclude_modules) for t in named):
+                problems.append(f"{key}.exclude_modules={list(model.exclude_modules)} excludes every module of "
+                                f"target_modules={list(model.target_modules)}: nothing would be trained")
+    if arr.rollout.lora_sync not in LORA_SYNC_MODES:
+        problems.append(f"actor_rollout_ref.rollout.lora_sync={arr.rollout.lora_sync!r} is not valid; choose one of "
+                        f"{', '.join(LORA_SYNC_MODES)}")
+    if syncs_adapter(config):
+        if not backend_class(arr.rollout.name).serves_lora:
+            problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout backend that serves LoRA "
+                            f"adapters; actor_rollout_ref.rollout.name={arr.rollout.name} does not (use lora_sync=merged)")
+    critic = config.critic.model
+    if critic.lora_rank != 0 or critic.lora_adapter_path is not None:
+        problems.append("critic.model.lora_rank / lora_adapter_path: LoRA on the critic is not supported (the critic "
+                        "trains fully; set critic.model.lora_rank=0 and lora_adapter_path=null)")
+    return problems
