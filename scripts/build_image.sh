@@ -125,7 +125,7 @@ say "engine: $ENGINE; base: $BASE ($BASE_NOTE)"
 # ---- build ----
 ARGS=(-f "$DOCKERFILE" -t "$TAG" --build-arg "BASE=$BASE")
 if [ "$ENGINE" = buildah ]; then
-    ARGS=(--isolation chroot --network host --layers "${ARGS[@]}")
+    ARGS=(--isolation chroot --network host --layers --force-rm "${ARGS[@]}")
     have_image "$BASE" && ARGS+=(--pull=never)
     if [ "$KIND" = cpu ] && ! reachable https://download.pytorch.org/whl/cpu/; then
         WHEELS=${WHEELS:-${PIP_FIND_LINKS:-$(pip config get global.find-links 2>/dev/null || true)}}

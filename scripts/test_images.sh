@@ -85,7 +85,7 @@ test_cpu() {
     tick; "$ROOT/scripts/build_image.sh" cpu 2>&1 | tee "$WORK/build-cpu.log" | tail -n 15
     t=$(tock)
     size=$(image_size rlpad:cpu)
-    note "rlpad:cpu built in ${t}s (layers already built are reused), ${size} MB"
+    note "rlpad:cpu: scripts/build_image.sh took ${t}s (with the layers cached before), ${size} MB"
     [ "$size" -lt 3000 ] || note "rlpad:cpu is over the 3 GB goal"
 
     # the default job as uid 1000, outputs on a host folder that outlives the container
@@ -127,7 +127,7 @@ test_gpu() {
     tick; "$ROOT/scripts/build_image.sh" gpu 2>&1 | tee "$WORK/build-gpu.log" | tail -n 15
     t=$(tock)
     size=$(image_size rlpad:gpu)
-    note "rlpad:gpu built in ${t}s (layers already built are reused), ${size} MB"
+    note "rlpad:gpu: scripts/build_image.sh took ${t}s (with the layers cached before), ${size} MB"
     new_ctr "$c" rlpad:gpu
     ctr_exec "$c" 1000:1000 python -c "import torch, vllm, ray, rlpad; print('torch', torch.__version__, 'CUDA build', torch.version.cuda, 'GPU here', torch.cuda.is_available(), 'vllm', vllm.__version__, 'ray', ray.__version__)" \
         | tee "$WORK/imports-gpu.log"
