@@ -118,6 +118,7 @@ test_cpu() {
     [ "$n_same" -eq $((n_base - 1)) ] || fail "the rebuild after a source edit shares $n_same of $n_base layers (want all but the source's)"
     note "rlpad:cpu rebuilt after a source edit in ${t}s: $n_same of $n_base layers reused (all but the source's)"
     if [ "$ENGINE" = docker ]; then docker rmi rlpad:cpu-edit >/dev/null; else buildah rmi rlpad:cpu-edit >/dev/null; fi
+    rm -rf "$ctx"
 
     ray_cluster rlpad:cpu /app/docker/ray-node.sh
 }
@@ -148,5 +149,5 @@ case "$WHICH" in
     ray-gpu) ray_cluster rlpad:gpu ray-node.sh actor_rollout_ref.rollout.name=hf ;;
     *) echo "usage: scripts/test_images.sh [cpu|gpu|all|ray-cpu|ray-gpu]" >&2; exit 2 ;;
 esac
-echo "[test_images] summary ($ENGINE, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)):"
+echo "[test_images] summary ($ENGINE, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); logs in $WORK):"
 printf '  %s\n' "${REPORT[@]}"
