@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (set-up + the main job) and `make test` (set-up + the tests).
 # `make setup` builds .venv with the CPU stack exactly as a fresh machine needs it.
+# `make image-cpu` / `make image-gpu` build the images; `make test-images` builds and runs them.
 # `make test-gpu` is the GPU lane: the machine's own python3 (CUDA torch, transformers, pytest) plus
 # the wheels of .whl/ (scripts/gpu_wheels.sh), no .venv; report in results/gpu/.
 PY     ?= python3
@@ -7,7 +8,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.rlpad-setup
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu bench clean image-cpu image-gpu test-images
 
 $(STAMP): pyproject.toml scripts/setup_cpu.sh
 	PY=$(PY) bash scripts/setup_cpu.sh $(VENV)
@@ -29,6 +30,19 @@ test: $(STAMP)
 
 test-gpu:
 	@PY="$(PY)" bash scripts/test_gpu.sh
+
+# The images (docker/): `docker build` where a Docker daemon answers, else buildah; the base is
+# made with debootstrap where no image registry is reachable (scripts/build_image.sh says which).
+image-cpu:
+	bash scripts/build_image.sh cpu
+
+image-gpu:
+	bash scripts/build_image.sh gpu
+
+# Opt-in, never part of `make test`: builds both images (gigabytes of downloads) and runs the job,
+# `rlpad check` and a two-container Ray cluster in them; prints sizes and times.
+test-images:
+	bash scripts/test_images.sh all
 
 bench: $(STAMP)
 	$(VENV)/bin/rlpad bench

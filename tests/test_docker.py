@@ -52,6 +52,12 @@ def last(path: Path, keyword: str) -> str:
     return [args for kw, args in instructions(path) if kw == keyword][-1]
 
 
+def default_base(path: Path) -> str:
+    """The image a Dockerfile builds FROM by default: its `ARG BASE=...` (scripts/build_image.sh
+    passes another where no registry is reachable)."""
+    return next(a.split("=", 1)[1] for kw, a in instructions(path) if kw == "ARG" and a.startswith("BASE="))
+
+
 def hadolint(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "hadolint"
     if not exe.exists():
@@ -87,6 +93,26 @@ def test_every_ignored_rule_is_explained():
                     f"{dockerfile.name}:{i + 1}: an inline ignore needs a comment above it saying why"
 
 
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=["gpu", "cpu"])
+def test_base_is_a_build_argument_defaulting_to_the_registry_image(dockerfile):
+    instrs = instructions(dockerfile)
+    assert instrs[0] == ("ARG", f"BASE={default_base(dockerfile)}") and instrs[1] == ("FROM", "${BASE}")
+    assert [kw for kw, _ in instrs].count("FROM") == 1
+    # what a user with a registry pulls, tagged (hadolint cannot see through ${BASE})
+    res = hadolint("-", stdin=f"FROM {default_base(dockerfile)}\nUSER 1000\n")
+    assert res.returncode == 0 and ":" in default_base(dockerfile), res.stdout
+
+
+def test_cpu_image_is_the_runtime_image_unless_asked_for_the_test_tooling():
+    # Dockerfile.cpu installs rlpad's [cpu] extra only; setup_cpu.sh adds [dev] and the Triton
+    # interpreter (test tooling) for `make setup` and when RLPAD_EXTRAS names dev.
+    assert ("ARG", "RLPAD_EXTRAS=cpu") in instructions(CPU)
+    setup = (ROOT / "scripts" / "setup_cpu.sh").read_text()
+    assert "EXTRAS=${RLPAD_EXTRAS:-cpu,dev}" in setup and '-e "$HERE[$EXTRAS]"' in setup
+    gate = setup.index('*,dev,*')
+    assert gate < setup.index("--target \"$VENV/triton-interpreter\"")
+
+
 # ---------- the CPU image installs exactly as `make setup` and CI do ----------
 
 def test_cpu_image_installs_only_through_the_setup_script():
@@ -120,6 +146,24 @@ def test_make_setup_and_ci_run_that_same_script():
     assert re.search(r"^setup:\s*\$\(STAMP\)", makefile, re.M)
     assert re.search(r"^test:\s*\$\(STAMP\)", makefile, re.M)
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_image_targets_build_through_one_script_and_test_images_is_opt_in():
+    makefile = (ROOT / "Makefile").read_text()
+
+    def recipe(target: str) -> str:
+        m = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", makefile, re.M)
+        assert m, f"no make target {target}"
+        return m.group(1)
+
+    assert "scripts/build_image.sh cpu" in recipe("image-cpu")
+    assert "scripts/build_image.sh gpu" in recipe("image-gpu")
+    assert "scripts/test_images.sh" in recipe("test-images")
+    # gigabytes of downloads: never part of `make test` or CI
+    for text in (recipe("test"), (ROOT / ".ci" / "run").read_text()):
+        assert "test_images" not in text and "test-images" not in text
+    # the script takes each image's default base from its Dockerfile (one place)
+    assert "sed -n 's/^ARG BASE=//p' \"$DOCKERFILE\"" in (ROOT / "scripts" / "build_image.sh").read_text()
 
 
 # ---------- both images ----------
@@ -213,7 +257,7 @@ def test_gpu_image_installs_with_the_pins(lock):
     flash_at = next(i for i, r in enumerate(pip_runs) if "flash-attn" in r)
     assert torch_at < flash_at and "--no-build-isolation" in pip_runs[flash_at]
     # base image CUDA == the CUDA that PyPI's torch is built for, major.minor
-    base = last(GPU, "FROM")
+    base = default_base(GPU)
     cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-cudnn-devel-ubuntu(\d+\.\d+)", base)
     assert cuda, base
     toolkit = Version(lock["packages"]["torch"]["cuda_toolkit"])
