@@ -32,11 +32,11 @@ from rlpad.config import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS, REMOVED_KEYS,
     FILTER_METRICS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
-from rlpad.lora import lora_value_problems
+from rlpad.lora import lora_value_problems, syncs_adapter
 from rlpad.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.policy_loss import policy_loss_problems
-from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS
+from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
 from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
 
@@ -380,6 +380,9 @@ def validate_config(config: Config) -> Config:
                         "must be >= 1")
     problems += layout_problems(config)
     problems += lora_value_problems(config)
+    if syncs_adapter(config) and rollout.name in ROLLOUT_BACKENDS and not backend_class(rollout.name).serves_lora:
+        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout backend that serves LoRA "
+                        f"adapters; actor_rollout_ref.rollout.name={rollout.name} does not (use lora_sync=merged)")
     positive("actor_rollout_ref.rollout.weight_sync_bucket_mb", rollout.weight_sync_bucket_mb)
     for key, value, optional in (
         ("data.train_batch_size", d.train_batch_size, False),

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlpad.rollout import backend_class
 
 __all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
            "lora_key", "lora_on", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
@@ -161,10 +160,6 @@ def lora_value_problems(config: Any) -> list[str]:
     if arr.rollout.lora_sync not in LORA_SYNC_MODES:
         problems.append(f"actor_rollout_ref.rollout.lora_sync={arr.rollout.lora_sync!r} is not valid; choose one of "
                         f"{', '.join(LORA_SYNC_MODES)}")
-    if syncs_adapter(config):
-        if not backend_class(arr.rollout.name).serves_lora:
-            problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout backend that serves LoRA "
-                            f"adapters; actor_rollout_ref.rollout.name={arr.rollout.name} does not (use lora_sync=merged)")
     critic = config.critic.model
     if critic.lora_rank != 0 or critic.lora_adapter_path is not None:
         problems.append("critic.model.lora_rank / lora_adapter_path: LoRA on the critic is not supported (the critic "
