@@ -221,18 +221,21 @@ def test_vllm_agent_loop_is_split_invariant_and_scores_generated_tokens(setup):
         return ([script + t if f else t for t, f in zip(toks, fresh)],
                 [[0.0] * len(script) + lp if f else lp for lp, f in zip(lps, fresh)])
 
-    tools = ToolSet({"calc": lambda text: str(sum(map(int, text.split("+"))))}, "bracket", 5.0, 8,
-                    lambda s: len(tok.encode(s, add_special_tokens=False)))
+    tools = ToolSet(["rlpad.embedded.toy_tools:calc"], "bracket", 5.0, 8,
+                    lambda s: len(tok.encode(s, add_special_tokens=False)))  # runs in the tool pool's processes
     prompts = [list(range(3, 3 + n)) for n in (4, 7, 2, 9)]
 
     def loop(ps, offset):
         return run_agent_loop(steer, ps, Sampling(2, 0.9, 1.0, -1, R), tools=tools, max_turns=3,
                               eos=backend.eos_token_ids, decode=tok.decode,
-                              render_tool=lambda s: tok.encode(s, add_special_tokens=False), seed=11,
+                              render_tool=lambda obs: tok.encode("".join(obs), add_special_tokens=False), seed=11,
                               prompt_offset=offset)
 
-    whole = loop(prompts, 0)
-    halves = loop(prompts[:2], 0) + loop(prompts[2:], 2)
+    try:
+        whole = loop(prompts, 0)
+        halves = loop(prompts[:2], 0) + loop(prompts[2:], 2)
+    finally:
+        tools.close()
     assert [t.tokens for t in whole] == [t.tokens for t in halves]
     assert all(t.tool_calls == 1 and 0 in t.generated for t in whole)
     from rlpad.batch import Batch
