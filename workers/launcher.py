@@ -69,7 +69,7 @@ def driver_built_paths(config: Config) -> list[str]:
     root = os.path.join(cache_root(config.sft), "")
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path)
-             if p and os.path.abspath(p).startswith(root) and os.path.isdir(p)}
+             if p and os.path.isdir(p) and os.path.abspath(p).startswith(root)}  # isdir first: no getcwd for "tiny:..."
     return sorted(found)
 
 
