@@ -126,9 +126,11 @@ class Trainer:
             self.ahead = RolloutAhead(workers, k, self.total_steps, train_loader.next_batch, self._seed)
 
     def _seed(self, step: int, gen_batch: int = 0) -> int:
-        """The rollout's sampling seed of ``step`` (and of its generation batch ``gen_batch`` with
-        dynamic sampling): a resumed run samples what an uninterrupted one did."""
-        return self.config.actor_rollout_ref.rollout.seed + step + (gen_batch and gen_batch * 1_000_000 + 500_000)
+        """The rollout's sampling seed of ``step`` and of its generation batch ``gen_batch`` (dynamic sampling;
+        batch j >= 1 at + j * 10**6 + 500_000, apart from validation's + i * 10**6): a resumed run samples what
+        an uninterrupted one did."""
+        extra = gen_batch * 1_000_000 + 500_000 if gen_batch else 0
+        return self.config.actor_rollout_ref.rollout.seed + step + extra
 
     def _scored(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
