@@ -38,8 +38,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "agg_loss",
     "batch_normalizers",
-    "check_finite",
-    "check_tensors",
+    "check_policy_inputs",
     "compute_gae_advantages",
     "compute_grpo_advantages",
     "compute_policy_loss",
@@ -59,7 +58,7 @@ Normalizer = float | int | torch.Tensor | None
 # ----------------------------------------------------------------------------- checks
 
 
-def check_tensors(**tensors: torch.Tensor) -> None:
+def _check_tensors(**tensors: torch.Tensor) -> None:
     """All tensors, all 2-D, all the shape of the first one."""
     ref_name, ref_shape = None, None
     for name, x in tensors.items():
@@ -73,11 +72,21 @@ def check_tensors(**tensors: torch.Tensor) -> None:
             raise ValueError(f"mismatched shapes: {name} {tuple(x.shape)} vs {ref_name} {tuple(ref_shape)}")
 
 
-def check_finite(name: str, x: torch.Tensor) -> None:
+def _check_finite(name: str, x: torch.Tensor) -> None:
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         rows = (~finite).reshape(x.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
         raise ValueError(f"{name} contains NaN or inf (rows {rows[:8]}{' ...' if len(rows) > 8 else ''})")
+
+
+def check_policy_inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None = None) -> None:
+    """A policy loss's inputs: all (B, R) tensors, finite advantages and rollout weights (ValueError)."""
+    _check_tensors(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    _check_finite("advantages", advantages)
+    if rollout_is_weights is not None:
+        _check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
+        _check_finite("rollout_is_weights", rollout_is_weights)
 
 
 def _check_normalizer(name: str, value: Normalizer) -> None:
@@ -165,8 +174,8 @@ def compute_grpo_advantages(
     (Dr.GRPO), broadcast over ``response_mask``. ``expected_group_size`` (e.g. rollout.n):
     raise ``ValueError`` naming any group of another size.
     """
-    check_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    check_finite("token_level_rewards", token_level_rewards)
+    _check_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    _check_finite("token_level_rewards", token_level_rewards)
     groups = _group_rows(group_ids, token_level_rewards.shape[0])
     if expected_group_size is not None:
         for gid, rows in groups.items():
@@ -203,12 +212,12 @@ def compute_gae_advantages(
     they carry ``V_next`` and ``A_next`` through and are 0 in both outputs.
     ``returns = A + values`` (raw A); the advantages are then whitened over the mask.
     """
-    check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    _check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     for name, x in (("gamma", gamma), ("lam", lam)):
         if isinstance(x, bool) or not isinstance(x, (Real, torch.Tensor)):
             raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    check_finite("token_level_rewards", token_level_rewards)
-    check_finite("values", values)
+    _check_finite("token_level_rewards", token_level_rewards)
+    _check_finite("values", values)
     mask = response_mask.to(values.dtype)
     next_value, last_adv = 0, 0
     reversed_adv = []
@@ -248,7 +257,7 @@ def agg_loss(
       left out the seq-mean (sum over rows / R).
     An all-masked input gives 0. See the module docstring for the global normalisers.
     """
-    check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
+    _check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
     _check_normalizer("global_tokens", global_tokens)
     _check_normalizer("global_seqs", global_seqs)
     _check_normalizer("loss_scale_factor", loss_scale_factor)
@@ -305,13 +314,7 @@ def compute_policy_loss(
     ``old_log_prob - log_prob``) and ``log_ratio_abs_max`` (max of ``|log_prob - old_log_prob|``
     over valid tokens; a MAX, not a share: reduce it with max over pieces).
     """
-    check_tensors(
-        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
-    )
-    check_finite("advantages", advantages)
-    if rollout_is_weights is not None:
-        check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
-        check_finite("rollout_is_weights", rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     for name, x in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
         if not 0 <= x:
             raise ValueError(f"{name} must be >= 0, got {x}")
@@ -359,8 +362,8 @@ def compute_value_loss(
     ``values`` are the critic's current predictions, ``old_values`` those of the rollout.
     Returns ``(vf_loss, {"vf_clipfrac": fraction of tokens where the clipped term won})``.
     """
-    check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
-    check_finite("returns", returns)
+    _check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    _check_finite("returns", returns)
     if not cliprange_value >= 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}")
     clipped = torch.max(torch.min(values, old_values + cliprange_value), old_values - cliprange_value)

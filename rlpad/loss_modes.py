@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from rlpad.algos import (
-    Normalizer, agg_loss, check_finite, check_tensors, compute_policy_loss, masked_abs_max, masked_mean, masked_sum,
-    token_stat,
+    Normalizer, agg_loss, check_policy_inputs, compute_policy_loss, masked_abs_max, masked_mean, masked_sum, token_stat,
 )
 from rlpad.config import ActorConfig
 
@@ -35,15 +34,6 @@ def _bounds(actor: ActorConfig) -> tuple[float, float]:
     low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
     return low, high
-
-
-def _checked(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-             response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> None:
-    check_tensors(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    check_finite("advantages", advantages)
-    if rollout_is_weights is not None:
-        check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
-        check_finite("rollout_is_weights", rollout_is_weights)
 
 
 def _metrics(log_ratio: torch.Tensor, mask: torch.Tensor, global_tokens: Normalizer,
@@ -79,7 +69,7 @@ def gspo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: to
               rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
     """GSPO: ``s_i = exp(mean_t log-ratio)`` per sequence; token ratio ``sg(s_i) * p / sg(p)`` (log
     clamped at 10), PPO-clipped, aggregated seq-mean-token-mean."""
-    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = _bounds(actor)
     log_ratio = log_prob - old_log_prob
     lengths = response_mask.sum(dim=-1).clamp(min=1)
@@ -99,7 +89,7 @@ def cispo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: t
                rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
     """CISPO: ``-sg(clamp(ratio, 1 - low, 1 + high)) * A * log_prob`` per token (log-ratio clamped to
     [-20, 20]); no token loses its gradient."""
-    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = _bounds(actor)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
@@ -117,7 +107,7 @@ def geo_mean_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages
     """GMPO: per sequence ``-mean_t(A) * exp(mean_t clip(log-ratio))`` (the clip in the advantage's
     direction, to [-low, high]); rollout weights enter as their per-sequence geometric mean. Mean
     over the sequences with a valid token (``global_seqs``)."""
-    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = _bounds(actor)
     log_ratio = log_prob - old_log_prob
     sign = torch.sign(advantages)
@@ -145,7 +135,7 @@ def clip_cov_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages
     """Clip-Cov: PPO clip (no dual clip, no ratio clamp); of the unclipped valid tokens whose
     ``(A - mean A)(log_prob - mean log_prob)`` lies in (clip_cov_lb, clip_cov_ub), a random
     ``max(1, int(clip_cov_ratio * tokens))`` get no gradient (``generator`` draws them)."""
-    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = _bounds(actor)
     pl = actor.policy_loss
     log_ratio = log_prob - old_log_prob
@@ -175,7 +165,7 @@ def kl_cov_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
                 rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
     """KL-Cov: ``-A * ratio`` (unclipped); the ``max(1, int(tokens * kl_cov_ratio))`` valid tokens of
     highest covariance ``(A - mean A)(log_prob - mean log_prob)`` add ``ppo_kl_coef * |log-ratio|``."""
-    _checked(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     pl = actor.policy_loss
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
