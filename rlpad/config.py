@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlpad.lora import lora_on
+
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
     "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
@@ -404,8 +406,7 @@ class Config:
     @property
     def ref_in_actor(self) -> bool:
         """The reference log-probs come from the actor with its LoRA adapters disabled (no reference model)."""
-        model = self.actor_rollout_ref.model
-        return self.uses_ref and (model.lora_rank > 0 or model.lora_adapter_path is not None)
+        return self.uses_ref and lora_on(self.actor_rollout_ref.model)
 
     @property
     def builds_ref(self) -> bool:

@@ -46,6 +46,7 @@ class CheckpointMixin:
 
     @property
     def _frozen_base(self) -> bool:
+        """A LoRA actor: its base weights are frozen (the model folder's), its adapters trained."""
         return getattr(self, "lora", None) is not None
 
     def save_checkpoint(self, path: str) -> None:
@@ -66,7 +67,7 @@ class CheckpointMixin:
             },
         }  # fmt: skip
         torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
-        if getattr(self, "lora", None) is not None:  # the adapter also in peft's format (docs/lora.md)
+        if self._frozen_base:  # LoRA: the adapter also in peft's format (docs/lora.md)
             self.save_lora_adapter(os.path.join(path, LORA_ADAPTER_DIR))
         if self.world_size > 1:
             dist.barrier()
