@@ -17,6 +17,7 @@ read the ground truth.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import json
 import select
@@ -32,8 +33,9 @@ START_TIMEOUT_S = 120.0  # the child's start (importing sympy and math-verify)
 _NO_ANSWER = object()
 
 
+@functools.cache
 def available() -> bool:
-    """Whether math-verify is installed."""
+    """Whether math-verify is installed (looked up once: the scorer asks per response)."""
     return importlib.util.find_spec("math_verify") is not None
 
 

@@ -22,11 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rlpad.functions import load_function
+from rlpad.rollout.tools import load_tools  # stdlib-only imports: the worker starts light
 
 __all__ = ["STATUSES", "execute", "main"]
 
-KEY = "actor_rollout_ref.rollout.multi_turn.tools"
 # status -> what the payload is: the output / "Type: message" / the returned type's name / its length
 STATUSES = ("ok", "raised", "not_text", "too_long")
 
@@ -56,10 +55,7 @@ def main(argv: list[str]) -> None:
     os.dup2(2, 1)  # the tools' prints: stderr (the pool logs it), never the message pipe nor the console
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
-        tools = {}
-        for spec in specs:
-            fn = load_function(spec, KEY)
-            tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
+        tools = load_tools(specs)
     except BaseException as e:  # noqa: BLE001 - reported to the pool, which raises it
         outbox.send(("failed", None, f"{type(e).__name__}: {e}"))
         os._exit(1)
