@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlpad.lora import lora_on
-
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
     "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
@@ -85,6 +83,11 @@ class ModelConfig:
     # start from a saved adapter (a peft folder: adapter_config.json + weights); its r, alpha and
     # target modules replace lora_rank, lora_alpha and target_modules
     lora_adapter_path: str | None = None
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA is on: a rank > 0 or a saved adapter to start from."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
 
 @dataclass
@@ -406,7 +409,7 @@ class Config:
     @property
     def ref_in_actor(self) -> bool:
         """The reference log-probs come from the actor with its LoRA adapters disabled (no reference model)."""
-        return self.uses_ref and lora_on(self.actor_rollout_ref.model)
+        return self.uses_ref and self.actor_rollout_ref.model.uses_lora
 
     @property
     def builds_ref(self) -> bool:

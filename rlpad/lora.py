@@ -16,7 +16,7 @@ from typing import Any
 
 
 __all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
-           "lora_key", "lora_on", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
+           "lora_key", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
            "syncs_adapter"]
 
 ALL_LINEAR = "all-linear"  # target_modules entry: every linear of the decoder (never the LM head)
@@ -48,11 +48,6 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
-def lora_on(model: Any) -> bool:
-    """A model config (``ModelConfig``) with LoRA: a rank > 0 or a saved adapter to start from."""
-    return model.lora_rank > 0 or model.lora_adapter_path is not None
-
-
 def _adapter_config(path: str) -> dict[str, Any]:
     config = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config):
@@ -65,7 +60,7 @@ def _adapter_config(path: str) -> dict[str, Any]:
 def lora_spec(model: Any) -> LoraSpec | None:
     """The LoRA of a model config (None: off). With ``lora_adapter_path``, the adapter's own r, alpha
     and target modules (its adapter_config.json)."""
-    if not lora_on(model):
+    if not model.uses_lora:
         return None
     if model.lora_adapter_path is None:
         return LoraSpec(model.lora_rank, float(model.lora_alpha), tuple(model.target_modules),
@@ -81,7 +76,7 @@ def lora_spec(model: Any) -> LoraSpec | None:
 def syncs_adapter(config: Any) -> bool:
     """LoRA is on and each sync sends only the adapter (``rollout.lora_sync=adapter``)."""
     arr = config.actor_rollout_ref
-    return lora_on(arr.model) and arr.rollout.lora_sync == "adapter"
+    return arr.model.uses_lora and arr.rollout.lora_sync == "adapter"
 
 
 def engine_lora_kwargs(config: Any) -> dict[str, int]:
@@ -146,7 +141,7 @@ def lora_value_problems(config: Any) -> list[str]:
         problems.append(f"{key}.lora_rank={model.lora_rank} is above vLLM's largest max_lora_rank "
                         f"{VLLM_MAX_LORA_RANKS[-1]} (its ranks: {', '.join(map(str, VLLM_MAX_LORA_RANKS))}; an "
                         "engine serves rank r with the smallest of them >= r)")
-    if lora_on(model):
+    if model.uses_lora:
         if not model.lora_alpha > 0:
             problems.append(f"{key}.lora_alpha={model.lora_alpha} must be > 0 (the adapter's scale is alpha / rank)")
         if not model.target_modules:
