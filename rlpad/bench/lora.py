@@ -16,11 +16,10 @@ The ratios are printed beside the figures; the 7B formula in docs/lora.md is the
 from __future__ import annotations
 
 import gc
-import statistics
 import tempfile
-import time
 from typing import Any
 
+from rlpad.bench.measure import median_seconds
 from rlpad.bench.table import Table
 
 __all__ = ["LORA_MODELS", "run_lora_bench", "tables"]
@@ -28,16 +27,7 @@ __all__ = ["LORA_MODELS", "run_lora_bench", "tables"]
 LORA_MODELS = ("40m", "qwen2.5-0.5b")  # rows of rlpad.bench.models.MODEL_SHAPES
 
 
-def _median_s(fn, reps: int) -> float:
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
-def _actor(path: str, rank: int, vocab: int):
+def _actor(path: str, rank: int) -> Any:
     from rlpad.config import ActorRolloutRefConfig
     from workers.actor import ActorWorker
 
@@ -71,11 +61,11 @@ def measure(size: str, *, rank: int = 8, reps: int = 3, prompt: int = 32, respon
     with tempfile.TemporaryDirectory(prefix="rlpad-bench-lora-") as folder:
         out["params"] = save_sync_model(size, folder)
         for mode, lora_rank in (("full", 0), ("lora", rank)):
-            worker = _actor(folder, lora_rank, vocab)
+            worker = _actor(folder, lora_rank)
             out[f"{mode}_trainable"] = sum(p.numel() for p in worker.root.parameters() if p.requires_grad)
             worker.update_actor(batch)  # the optimizer state exists from here on; a warm-up step
             out[f"{mode}_optimizer_bytes"] = _optimizer_bytes(worker)
-            out[f"{mode}_step_s"] = _median_s(lambda: worker.update_actor(batch), reps)
+            out[f"{mode}_step_s"] = median_seconds(lambda: worker.update_actor(batch), reps)
             engine = VLLMRollout(folder, rollout, data, **({"lora_rank": rank} if lora_rank else {}))
             try:
                 if lora_rank:
@@ -83,14 +73,14 @@ def measure(size: str, *, rank: int = 8, reps: int = 3, prompt: int = 32, respon
                     adapters = worker.lora_adapters()
                     out["lora_sync_bytes"] = sum(t.numel() * t.element_size() for ab in adapters.values() for t in ab)
                     engine.load_lora_adapter(adapters, worker.lora, next(version))  # warm-up
-                    out["lora_sync_s"] = _median_s(
+                    out["lora_sync_s"] = median_seconds(
                         lambda: engine.load_lora_adapter(worker.lora_adapters(), worker.lora, next(version)), reps)
                 else:
                     state = worker.full_state_dict()
                     out["full_sync_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
                     del state
                     engine.update_weights(worker.full_state_dict())  # warm-up
-                    out["full_sync_s"] = _median_s(lambda: engine.update_weights(worker.full_state_dict()), reps)
+                    out["full_sync_s"] = median_seconds(lambda: engine.update_weights(worker.full_state_dict()), reps)
             finally:
                 engine.shutdown()
             del worker, engine  # (the engine's shutdown also ended the world-1 process group)

@@ -16,7 +16,7 @@ import torch
 
 from rlpad.bench.mfu import achieved_tflops, mfu, peak_bf16_tflops
 
-__all__ = ["device_peak", "interleaved_medians", "path_rates", "require_cuda", "timed"]
+__all__ = ["device_peak", "interleaved_medians", "median_seconds", "path_rates", "require_cuda", "timed"]
 
 
 def require_cuda() -> torch.device:
@@ -43,6 +43,11 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     sync()
     return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], object], reps: int, device: torch.device = torch.device("cpu")) -> float:
+    """Median of ``reps`` :func:`timed` calls of ``fn``."""
+    return statistics.median(timed(fn, device) for _ in range(reps))
 
 
 def interleaved_medians(passes: Mapping[str, Callable[[], object]], reps: int, device: torch.device, *,

@@ -5,24 +5,14 @@ remove-padding on vs off on the same batch, and their ratio. Ray is reached thro
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
-import time
 from typing import Any
 
+from rlpad.bench.measure import median_seconds
 from rlpad.bench.table import Table
 from rlpad.embedded.synthetic import ppo_batch
 
 __all__ = ["run_worker_bench", "tables"]
-
-
-def _timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_worker_bench(
@@ -72,8 +62,8 @@ def run_worker_bench(
             group = WorkerGroup(ActorWorker, cfg, role="actor", world_size=world_size, seed=seed)
             try:
                 group.call_batch("compute_log_prob", batch)  # warm-up
-                t_lp = _timed(lambda: group.call_batch("compute_log_prob", batch), reps)
-                t_up = _timed(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
+                t_lp = median_seconds(lambda: group.call_batch("compute_log_prob", batch), reps)
+                t_up = median_seconds(lambda: group.call_batch("update_actor", batch, chunk_rows=rows), reps)
             finally:
                 group.shutdown()
             result[name] = {"compute_log_prob_s": t_lp, "update_actor_s": t_up,
