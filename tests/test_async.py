@@ -31,6 +31,7 @@ from rlpad.data import build_datasets
 from rlpad.rewards import load_reward_fn, score_batch
 from rlpad.train import fit, resolve_embedded
 from rlpad.trainer import Trainer
+from run_compare import WALL_CLOCK
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -41,7 +42,6 @@ GATED_REWARD = os.path.join(ROOT, "tests", "gated_reward.py")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 STEPS = 4
 BEFORE_ASYNC = "208c2b6cbb0daf3715ddda96f23a0e51a470ee6c"  # main just before asynchronous training (its trainer.py)
-TIMING = ("timing_s/", "worker_s/", "tokens_per_s/", "async/overlap", "async/gen_s")
 
 
 def overrides(out_dir: str, k: int, *extra: str) -> list[str]:
@@ -58,7 +58,7 @@ def records(out_dir: str) -> dict[int, dict]:
 
 
 def numbers(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK)}
 
 
 class Recorder:

