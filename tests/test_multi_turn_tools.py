@@ -6,6 +6,7 @@ The tokenizer is a byte-level BPE trained here (tests/bpe_chatml.py) whose merge
 project's own ChatML one shaped like Qwen2.5 / Qwen3's (a ``<tools>`` section in the system block, one
 ``<tool_response>`` per call, thinking blocks). The tools run in real tool-worker processes."""
 
+import contextlib
 import json
 import random
 
@@ -97,6 +98,16 @@ def call_text(calls, think=None):
     return (f"<think>\n{think}\n</think>\n\n" if think else "") + body
 
 
+def run_script(tok, schemas, turns, prompt_ids, max_turns, max_parallel_calls):
+    """One trajectory of :func:`run_agent_loop` over the engine stand-in :class:`Script` writing ``turns``,
+    with real tool processes (SPECS, hermes)."""
+    tools = ToolSet(SPECS, "hermes", 5.0, 32, lambda s: len(tok.encode(s, add_special_tokens=False)))
+    with contextlib.closing(tools):
+        return run_agent_loop(Script(tok, turns), [prompt_ids], Sampling(1, 1.0, 1.0, -1, 400), tools=tools,
+                              max_turns=max_turns, eos=frozenset({tok.eos_token_id}), decode=tok.decode,
+                              render_tool=tool_turn_renderer(tok, schemas), max_parallel_calls=max_parallel_calls)[0]
+
+
 class Script:
     """An engine stand-in writing ``turns[k]`` (text) in turn k, then EOS."""
 
@@ -118,14 +129,8 @@ def test_parallel_calls_render_as_the_template_renders_them(qwen_like, think):
     calls = [("add", {"a": 2, "b": 3}), ("mul", {"a": 4, "b": 5})]
     user = [{"role": "user", "content": "2+3 and 4*5?"}]
     prompt = tok.apply_chat_template(user, tools=schemas, tokenize=False, add_generation_prompt=True)
-    tools = ToolSet(SPECS, "hermes", 5.0, 32, lambda s: len(tok.encode(s, add_special_tokens=False)))
-    try:
-        traj = run_agent_loop(Script(tok, [call_text(calls, think) + "\n", "5 and 20."]),
-                              [tok.encode(prompt, add_special_tokens=False)], Sampling(1, 1.0, 1.0, -1, 400),
-                              tools=tools, max_turns=3, eos=frozenset({tok.eos_token_id}), decode=tok.decode,
-                              render_tool=tool_turn_renderer(tok, schemas), max_parallel_calls=4)[0]
-    finally:
-        tools.close()
+    traj = run_script(tok, schemas, [call_text(calls, think) + "\n", "5 and 20."],
+                      tok.encode(prompt, add_special_tokens=False), max_turns=3, max_parallel_calls=4)
     assistant = {"role": "assistant", "content": "",
                  "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
     if think:
@@ -142,14 +147,8 @@ def test_parallel_calls_render_as_the_template_renders_them(qwen_like, think):
 def test_parallel_calls_past_the_cap_are_cut_and_counted(qwen_like):
     tok, schemas = qwen_like, tool_schemas(SPECS)
     calls = [("add", {"a": 2, "b": 3}), ("mul", {"a": 4, "b": 5}), ("add", {"a": 1, "b": 1})]
-    tools = ToolSet(SPECS, "hermes", 5.0, 32, lambda s: len(tok.encode(s, add_special_tokens=False)))
-    try:
-        traj = run_agent_loop(Script(tok, [call_text(calls), "ok"]), [tok.encode("?", add_special_tokens=False)],
-                              Sampling(1, 1.0, 1.0, -1, 400), tools=tools, max_turns=2,
-                              eos=frozenset({tok.eos_token_id}), decode=tok.decode,
-                              render_tool=tool_turn_renderer(tok, schemas), max_parallel_calls=2)[0]
-    finally:
-        tools.close()
+    traj = run_script(tok, schemas, [call_text(calls), "ok"], tok.encode("?", add_special_tokens=False),
+                      max_turns=2, max_parallel_calls=2)
     assert (traj.tool_calls, traj.max_turn_calls, traj.calls_dropped) == (2, 2, 1)
     text = tok.decode(traj.tokens)
     assert text.startswith(call_text(calls[:2]) + "<|im_end|>") and text.count("<tool_response>") == 2
