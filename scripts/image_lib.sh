@@ -30,6 +30,15 @@ EOF
     fi
 }
 
+image_layers() { # IMAGE -> its layer digests, one a line
+    if [ "$ENGINE" = docker ]; then docker image inspect -f '{{range .RootFS.Layers}}{{println .}}{{end}}' "$1"
+    else buildah inspect --type image -f '{{range .OCIv1.RootFS.DiffIDs}}{{println .}}{{end}}' "$1"; fi | sed '/^$/d'
+}
+
+image_rm() { # IMAGE
+    if [ "$ENGINE" = docker ]; then docker rmi "$1" >/dev/null; else buildah rmi "$1" >/dev/null; fi
+}
+
 image_config() { # IMAGE FIELD (Entrypoint|Cmd) -> the JSON list
     if [ "$ENGINE" = docker ]; then docker image inspect -f "{{json .Config.$2}}" "$1"
     else buildah inspect --type image "$1" | python3 -c "import json, sys; print(json.dumps(json.load(sys.stdin)['OCIv1']['config'].get('$2') or []))"; fi

@@ -29,10 +29,6 @@ T0=0
 tick() { T0=$(date +%s); }
 tock() { echo $(( $(date +%s) - T0 )); }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-layers() { # IMAGE -> its layer digests, one a line
-    if [ "$ENGINE" = docker ]; then docker image inspect -f '{{range .RootFS.Layers}}{{println .}}{{end}}' "$1"
-    else buildah inspect --type image -f '{{range .OCIv1.RootFS.DiffIDs}}{{println .}}{{end}}' "$1"; fi | sed '/^$/d'
-}
 new_ctr() { CONTAINERS+=("$1"); ctr_create "$@"; }
 drop_ctr() { ctr_rm "$1"; CONTAINERS=("${CONTAINERS[@]/$1}"); }
 
@@ -80,13 +76,21 @@ ray_cluster() {
     drop_ctr "$worker"; drop_ctr "$head"
 }
 
-test_cpu() {
-    local t size out=$WORK/outputs c=rlpad-test-cpu
-    tick; "$ROOT/scripts/build_image.sh" cpu 2>&1 | tee "$WORK/build-cpu.log" | tail -n 15
+build() { # KIND: scripts/build_image.sh KIND, its time and rlpad:KIND's size noted; sets SIZE (MB)
+    local t
+    tick; "$ROOT/scripts/build_image.sh" "$1" 2>&1 | tee "$WORK/build-$1.log" | tail -n 15
     t=$(tock)
-    size=$(image_size rlpad:cpu)
-    note "rlpad:cpu: scripts/build_image.sh took ${t}s (with the layers cached before), ${size} MB"
-    [ "$size" -lt 3000 ] || note "rlpad:cpu is over the 3 GB goal"
+    SIZE=$(image_size "rlpad:$1")
+    note "rlpad:$1: scripts/build_image.sh took ${t}s (with the layers cached before), ${SIZE} MB"
+}
+ray_cpu() { ray_cluster rlpad:cpu /app/docker/ray-node.sh; }
+# vLLM's CUDA build has no CPU backend: the job rolls out with transformers (rollout.name=hf)
+ray_gpu() { ray_cluster rlpad:gpu ray-node.sh actor_rollout_ref.rollout.name=hf; }
+
+test_cpu() {
+    local t out=$WORK/outputs c=rlpad-test-cpu
+    build cpu
+    [ "$SIZE" -lt 3000 ] || note "rlpad:cpu is over the 3 GB goal"
 
     # the default job as uid 1000, outputs on a host folder that outlives the container
     mkdir -p "$out" && chown 1000:1000 "$out"
@@ -112,23 +116,21 @@ test_cpu() {
     echo "# an edit (scripts/test_images.sh)" >>"$ctx/rlpad/cli.py"
     tick; env CONTEXT="$ctx" TAG=rlpad:cpu-edit "$ROOT/scripts/build_image.sh" cpu >"$WORK/rebuild-cpu.log" 2>&1
     t=$(tock)
-    local n_base n_same
-    n_base=$(layers rlpad:cpu | wc -l)
-    n_same=$(comm -12 <(layers rlpad:cpu | sort) <(layers rlpad:cpu-edit | sort) | wc -l)
+    local base n_base n_same
+    base=$(image_layers rlpad:cpu)
+    n_base=$(wc -l <<<"$base")
+    n_same=$(comm -12 <(sort <<<"$base") <(image_layers rlpad:cpu-edit | sort) | wc -l)
     [ "$n_same" -eq $((n_base - 1)) ] || fail "the rebuild after a source edit shares $n_same of $n_base layers (want all but the source's)"
     note "rlpad:cpu rebuilt after a source edit in ${t}s: $n_same of $n_base layers reused (all but the source's)"
-    if [ "$ENGINE" = docker ]; then docker rmi rlpad:cpu-edit >/dev/null; else buildah rmi rlpad:cpu-edit >/dev/null; fi
+    image_rm rlpad:cpu-edit
     rm -rf "$ctx"
 
-    ray_cluster rlpad:cpu /app/docker/ray-node.sh
+    ray_cpu
 }
 
 test_gpu() {
-    local t size c=rlpad-test-gpu
-    tick; "$ROOT/scripts/build_image.sh" gpu 2>&1 | tee "$WORK/build-gpu.log" | tail -n 15
-    t=$(tock)
-    size=$(image_size rlpad:gpu)
-    note "rlpad:gpu: scripts/build_image.sh took ${t}s (with the layers cached before), ${size} MB"
+    local c=rlpad-test-gpu
+    build gpu
     new_ctr "$c" rlpad:gpu
     ctr_exec "$c" 1000:1000 python -c "import torch, vllm, ray, rlpad; print('torch', torch.__version__, 'CUDA build', torch.version.cuda, 'GPU here', torch.cuda.is_available(), 'vllm', vllm.__version__, 'ray', ray.__version__)" \
         | tee "$WORK/imports-gpu.log"
@@ -137,16 +139,15 @@ test_gpu() {
     ctr_exec "$c" 1000:1000 rlpad check | tail -n 5
     note "rlpad:gpu: rlpad check passed on the CPU as uid 1000"
     drop_ctr "$c"
-    # vLLM's CUDA build has no CPU backend: the job rolls out with transformers (rollout.name=hf)
-    ray_cluster rlpad:gpu ray-node.sh actor_rollout_ref.rollout.name=hf
+    ray_gpu
 }
 
 case "$WHICH" in
     cpu) test_cpu ;;
     gpu) test_gpu ;;
     all) test_cpu; test_gpu ;;
-    ray-cpu) ray_cluster rlpad:cpu /app/docker/ray-node.sh ;;   # the cluster part alone, on built images
-    ray-gpu) ray_cluster rlpad:gpu ray-node.sh actor_rollout_ref.rollout.name=hf ;;
+    ray-cpu) ray_cpu ;;   # the cluster part alone, on built images
+    ray-gpu) ray_gpu ;;
     *) echo "usage: scripts/test_images.sh [cpu|gpu|all|ray-cpu|ray-gpu]" >&2; exit 2 ;;
 esac
 echo "[test_images] summary ($ENGINE, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); logs in $WORK):"
