@@ -101,6 +101,10 @@ class RolloutWorker:
         self._check_weights("generate the validation rollout")
         return self._stamp(self.backend.generate_validation(batch, seed=seed, prompt_offset=prompt_offset))
 
+    def _version(self, version: int | None) -> int:
+        """The policy version a load or sync is for: ``version``, or None: the one after the loaded one."""
+        return self.policy_version + 1 if version is None else int(version)
+
     def _load(self, load: Callable[[], float], version: int | None) -> float:
         """Run a weight load of policy ``version`` (None: the next one); a failure is kept
         (:attr:`load_error`) and raised as WorkerFailed naming this replica and the version."""
@@ -109,7 +113,7 @@ class RolloutWorker:
             return load()
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
-            self.load_error_version = self.policy_version + 1 if version is None else int(version)
+            self.load_error_version = self._version(version)
             raise WorkerFailed(f"{self.name}: {self._load_failure()}") from e
 
     def update_weights(self, named_tensors: NamedTensors) -> float:
@@ -125,7 +129,7 @@ class RolloutWorker:
     def load_lora_adapter(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int | None = None) -> float:
         """Serve this LoRA adapter (RolloutBackend.load_lora_adapter) as policy ``version`` (None: the next);
         call :meth:`finish_weight_sync` after it. Returns the seconds."""
-        v = self.policy_version + 1 if version is None else int(version)
+        v = self._version(version)
         return self._load(lambda: self.backend.load_lora_adapter(adapters, spec, v), version)
 
     def load_lora_version(self, adapters: dict[str, tuple[Any, Any]], spec: Any, version: int) -> float:
@@ -172,7 +176,7 @@ class RolloutWorker:
     def finish_weight_sync(self, version: int | None = None) -> bool:
         """After the last bucket: drop what the old weights computed (vLLM's prefix cache); the engine now
         holds policy ``version`` (None: one more than before). Refused (WorkerFailed) after a failed load."""
-        version = self.policy_version + 1 if version is None else int(version)
+        version = self._version(version)
         self._check_weights(f"finish the weight sync of policy version {version}")
         self.backend.finish_weight_update()
         self.policy_version = version
