@@ -32,14 +32,13 @@ from rlpad.rewards import load_reward_fn, score_batch
 from rlpad.train import fit, resolve_embedded
 from rlpad.trainer import Trainer
 from run_compare import WALL_CLOCK
+from paths import CACHE, ROOT, recipe
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
+GRPO = recipe("grpo_tiny")
 GATED_REWARD = os.path.join(ROOT, "tests", "gated_reward.py")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
 STEPS = 4
 BEFORE_ASYNC = "208c2b6cbb0daf3715ddda96f23a0e51a470ee6c"  # main just before asynchronous training (its trainer.py)
 

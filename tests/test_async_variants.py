@@ -9,17 +9,16 @@ checkpoint, which the interrupted subprocess run resumes from too.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import test_async
-from test_async import ROOT, STEPS, interrupt_and_resume, numbers
+from test_async import STEPS, interrupt_and_resume, numbers
 
+from paths import recipe
 from rlpad.async_schedule import Sequential
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-PPO = os.path.join(ROOT, "recipes", "ppo_tiny.yaml")
+PPO = recipe("ppo_tiny")
 K = 2
 ROWS = 32 * 4  # data.train_batch_size x rollout.n
 VARIANT = ("actor_rollout_ref.rollout.num_replicas=2", "trainer.n_gpus_per_node=1")

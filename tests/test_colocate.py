@@ -9,7 +9,6 @@ comes from Ray itself: the state API's placement group and bundle-indexed requir
 (``CPU_group_<i>_<pg id>``), matched to the trainer's actors by pid.
 """
 
-import os
 import re
 
 import pytest
@@ -21,13 +20,12 @@ import ray  # noqa: E402
 from rlpad.config_loader import load_config  # noqa: E402
 from rlpad.train import fit  # noqa: E402
 from run_compare import assert_same_metrics, compared_keys  # noqa: E402
+from paths import CACHE, recipe  # noqa: E402
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
 BUNDLE = re.compile(r"^CPU_group_(\d+)_([0-9a-f]+)$")
 
 

@@ -6,8 +6,8 @@ import sys
 
 from rlpad.config_doc import MARKDOWN_COMMAND, describe, format_console, markdown, missing_meanings, parse_source
 from rlpad.config_loader import load_config
+from paths import ROOT, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "configuration.md")
 
 
@@ -71,7 +71,7 @@ def test_markdown_changes_with_a_default():
 
 
 def test_console_marks_recipe_values_and_keeps_every_key():
-    sections = describe(load_config(os.path.join(ROOT, "recipes", "grpo_tiny.yaml"), ["trainer.log_level=info"]))
+    sections = describe(load_config(recipe("grpo_tiny"), ["trainer.log_level=info"]))
     text = format_console(sections, width=0)
     lines = {line.split()[0]: line for line in text.splitlines() if line and not line.startswith(("#", "*"))}
     assert len(lines) == sum(len(s.keys) for s in sections) > 100

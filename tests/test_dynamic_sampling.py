@@ -19,10 +19,9 @@ from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, group_spread, 
 from rlpad.rewards import place_scores
 from run_compare import WALL_CLOCK
 from rlpad.train import fit, prepare
+from paths import CACHE, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
 
 
 # ----------------------------------------------------------------------------- pure functions

@@ -16,11 +16,10 @@ from rlpad.config_loader import load_config
 from rlpad.errors import WorkerFailed
 from rlpad.train import fit, run
 from run_compare import assert_same_metrics, compared_keys
+from paths import CACHE, ROOT, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-PPO = os.path.join(ROOT, "recipes", "ppo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
+PPO = recipe("ppo_tiny")
 SEED = 5  # trainer.seed: the workers shuffle the 2 mini-batches of each step with it
 
 

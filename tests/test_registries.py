@@ -18,11 +18,10 @@ from rlpad.core.models import load_tokenizer
 from rlpad.rollout import BACKENDS, backend_class, build_rollout
 from rlpad.rollout.base import RolloutBackend
 from rlpad.topology import colocated, rollout_replicas
+from paths import CACHE, ROOT, recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "tests", "fixtures", "grpo_recipe.yaml")
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the shared warm-start cache of the tests
+GRPO = recipe("grpo_tiny")
 
 
 class EchoRollout(RolloutBackend):

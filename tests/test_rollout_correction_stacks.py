@@ -17,6 +17,7 @@ import json
 import os
 
 import pytest
+from paths import CACHE, recipe
 
 ray = pytest.importorskip("ray")
 
@@ -26,9 +27,7 @@ from run_compare import assert_same_metrics, compared_keys  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # shared with `make demo`: the warm start is built once
+GRPO = recipe("grpo_tiny")
 CAP = 1.01
 
 

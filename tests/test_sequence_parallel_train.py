@@ -13,13 +13,12 @@ from run_compare import assert_same_metrics
 from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: loopback only
 from rlpad.config_loader import load_config
 from rlpad.train import fit
+from paths import CACHE, recipe
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
 STEPS = 3
 
 

