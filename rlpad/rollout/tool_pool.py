@@ -104,6 +104,13 @@ class ToolPool:
         self._workers: list[_Worker | None] = [None] * workers
         self._close = weakref.finalize(self, _kill_all, self._workers)  # at exit or when dropped
 
+    def _retire_idle(self) -> None:
+        """Kill the workers with no call in flight that had a call time out or died."""
+        for i, w in enumerate(self._workers):
+            if w is not None and (w.tainted or w.proc.poll() is not None) and not w.inflight:
+                w.kill()
+                self._workers[i] = None
+
     def _start_missing(self) -> None:
         fresh = []
         for i, w in enumerate(self._workers):
@@ -122,10 +129,7 @@ class ToolPool:
         pending = deque(range(len(jobs)))
         workers = self._workers
         while pending or any(w is not None and w.inflight for w in workers):
-            for i, w in enumerate(workers):  # retire killed-to-be workers, start replacements, fill slots
-                if w is not None and (w.tainted or w.proc.poll() is not None) and not w.inflight:
-                    w.kill()
-                    workers[i] = None
+            self._retire_idle()  # then start replacements and fill the slots
             if pending:
                 self._start_missing()
             for w in workers:
@@ -156,10 +160,7 @@ class ToolPool:
                         results[j] = ("timeout", self.timeout)
                         del w.inflight[j]
                         w.tainted = True
-        for i, w in enumerate(workers):  # a worker holding a hung call is not kept
-            if w is not None and w.tainted:
-                w.kill()
-                workers[i] = None
+        self._retire_idle()  # a worker that held a hung call is not kept
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
