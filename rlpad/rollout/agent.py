@@ -27,10 +27,10 @@ from rlpad.rollout.tools import ToolCall, ToolFormat, ToolSet
 
 __all__ = ["AGENT_COUNTS", "Trajectory", "TurnCut", "cut_turn", "multi_turn_metrics", "run_agent_loop", "turn_seed"]
 
-# (contexts, sampling with n=1, one seed per context or None) -> (tokens, log-probs) per context
 # the per-sample counts a rollout batch carries (one tensor each), read by the multi_turn/* metrics
 AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "tool_turns", "max_turn_calls", "calls_dropped")
 
+# (contexts, sampling with n=1, one seed per context or None) -> (tokens, log-probs) per context
 SampleEach = Callable[[list[list[int]], Any, "list[int] | None"], tuple[list[list[int]], list[list[float]]]]
 
 
