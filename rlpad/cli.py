@@ -134,8 +134,8 @@ def _bench(args: argparse.Namespace, command: str) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     """``rlpad config [recipe] [overrides]``: print every key, or write the Markdown reference."""
-    from rlpad.config_doc import describe, format_console, markdown
-    from rlpad.config_loader import load_config
+    from rlpad.config.doc import describe, format_console, markdown
+    from rlpad.recipe.load import load_config
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe and not os.path.isfile(recipe):  # no recipe, only overrides
@@ -160,7 +160,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _merge_lora(args: argparse.Namespace) -> int:
     """``rlpad merge-lora MODEL ADAPTER OUT``: the adapter merged into the model, saved as an HF folder."""
-    from rlpad.lora_peft import merge_adapter_folder
+    from rlpad.lora.adapters import merge_adapter_folder
     import rlpad.embedded.tiny  # noqa: F401  tiny:<arch> model paths
 
     try:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="also write the table(s) into this Markdown file, between the markers "
                             "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")
     cfg = sub.add_parser("config", help="every config key with its value (default, recipe or override), type and "
-                         "meaning, read from rlpad/config.py")
+                         "meaning, read from rlpad/config/schema.py")
     cfg.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the built-in defaults)")
     cfg.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     cfg.add_argument("--markdown", metavar="PATH", default=None,

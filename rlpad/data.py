@@ -5,7 +5,7 @@ A row (parquet or jsonl) has:
 - ``prompt``: a list of chat messages ``{"role", "content"}`` (a plain string is taken as one
   user message); the column name is ``data.prompt_key``,
 - ``reward_model``: a mapping with ``ground_truth`` (any JSON value; rewards compare its text),
-- ``data_source``: which reward applies (see :func:`rlpad.rewards.compute_score`),
+- ``data_source``: which reward applies (see :func:`rlpad.rewards.rules.compute_score`),
 - ``extra_info`` (optional): passed to the reward function as is.
 
 Prompts go through the tokenizer's chat template (``add_generation_prompt=True``; a tokenizer
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlpad.batch import Batch
-from rlpad.config import TRUNCATION_MODES, DataConfig
+from rlpad.config.schema import TRUNCATION_MODES, DataConfig
 from rlpad.core.layout import left_pad, position_ids_from_mask
 
 __all__ = ["PromptDataset", "PromptLoader", "build_datasets", "check_renders_tools", "read_rows", "val_batches", "write_rows"]

@@ -5,7 +5,7 @@ A role of ``world`` ranks with sequence-parallel size sp (``ulysses_sequence_par
 index ``r % sp``. Ranks are numbered node by node, so sp must divide ``trainer.n_gpus_per_node``
 too: a group that crossed nodes would send each layer's two all-to-alls over the network. The batch is split over the groups; every rank of a group gets the same rows and
 runs 1/sp of each packed row (:mod:`rlpad.core.sequence_parallel`). The sizes, and the rules a
-config must meet for them, are written here once: the config checks (rlpad.config_loader) and the
+config must meet for them, are written here once: the config checks (rlpad.recipe.load) and the
 workers (workers/) read them.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from rlpad.advantages import ESTIMATORS
-from rlpad.config import ActorRolloutRefConfig, Config, CriticConfig
+from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.schema import ActorRolloutRefConfig, Config, CriticConfig
 from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_arch, tiny_heads
 
 __all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "role_world", "sequence_parallel_problems",

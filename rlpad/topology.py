@@ -1,6 +1,6 @@
 """Where a config's roles run: the device, the colocated or separate layout, the rollout engines.
 
-The rules config validation (:func:`layout_problems`, from rlpad.config_loader) and the
+The rules config validation (:func:`layout_problems`, from rlpad.recipe.load) and the
 launchers (workers/launcher.py, workers/local.py) apply, each written once. What a rollout
 backend can do comes from its class (rlpad.rollout.backend_class), never from its name; its
 module is imported only when a rule needs it. Torch-free: :func:`resolve_device` asks torch
@@ -9,7 +9,7 @@ only for ``trainer.device=auto``.
 
 from __future__ import annotations
 
-from rlpad.config import Config
+from rlpad.config.schema import Config
 from rlpad.rollout import BACKENDS, backend_class
 
 __all__ = ["colocated", "layout_problems", "resolve_device", "rollout_replicas"]

@@ -23,21 +23,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rlpad.advantages import uses_critic
-from rlpad.config import Config, SFTConfig
-from rlpad.config_loader import load_config, save_config
+from rlpad.algorithms.advantages import uses_critic
+from rlpad.config.schema import Config, SFTConfig
+from rlpad.recipe.load import load_config, save_config
 from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
-from rlpad.lora_peft import check_lora
-from rlpad.metrics import cpu_kernels
-from rlpad.rewards import load_reward_fn
+from rlpad.lora.adapters import check_lora
+from rlpad.training.metrics import cpu_kernels
+from rlpad.rewards.rules import load_reward_fn
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
-from rlpad.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
+from rlpad.training.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
 
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
 

@@ -25,7 +25,7 @@ $PY - <<'PYCODE'
 import sys
 
 # Everything the lane runs: the training entry point and its local stack, the CLI, the harness.
-import rlpad, rlpad.cli, rlpad.config_loader, rlpad.embedded.exactness, rlpad.train, workers.actor, workers.local  # noqa: E401,F401
+import rlpad, rlpad.cli, rlpad.recipe.load, rlpad.embedded.exactness, rlpad.train, workers.actor, workers.local  # noqa: E401,F401
 import omegaconf, torch, transformers
 
 unexpected = [m for m in ("ray", "vllm", "flash_attn") if m in sys.modules]

@@ -8,13 +8,13 @@ import os
 import time
 from typing import Any
 
-from rlpad.rewards import compute_score
+from rlpad.rewards.rules import compute_score
 
 HOLD_WHILE = "RLPAD_TEST_HOLD_WHILE"
 
 
 def score(**kwargs: Any) -> Any:
-    """:func:`rlpad.rewards.compute_score`, held while ``$RLPAD_TEST_HOLD_WHILE`` exists."""
+    """:func:`rlpad.rewards.rules.compute_score`, held while ``$RLPAD_TEST_HOLD_WHILE`` exists."""
     hold = os.environ.get(HOLD_WHILE)
     while hold and os.path.exists(hold):
         time.sleep(0.05)  # a SIGINT lands here as KeyboardInterrupt, as in any step of a real run

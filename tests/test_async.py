@@ -23,14 +23,14 @@ import pytest
 
 from gated_reward import HOLD_WHILE
 from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
-from rlpad.async_schedule import VERSION_KEY, Sequential
-from rlpad.checkpoint import CheckpointDir
-from rlpad.config_loader import load_config
+from rlpad.training.async_schedule import VERSION_KEY, Sequential
+from rlpad.training.checkpoint import CheckpointDir
+from rlpad.recipe.load import load_config
 from rlpad.core.models import load_tokenizer
 from rlpad.data import build_datasets
-from rlpad.rewards import load_reward_fn, score_batch
+from rlpad.rewards.rules import load_reward_fn, score_batch
 from rlpad.train import fit, resolve_embedded
-from rlpad.trainer import Trainer
+from rlpad.training.trainer import Trainer
 from run_compare import WALL_CLOCK
 from paths import CACHE, ROOT, recipe
 
@@ -120,9 +120,9 @@ def stack(tmp_path_factory):
 
 
 def trainer_before_async():
-    """``rlpad.trainer.Trainer`` as it was before this change, from the git history."""
+    """``rlpad.training.trainer.Trainer`` as it was before this change, from the git history."""
     try:
-        source = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ASYNC}:rlpad/trainer.py"], capture_output=True,
+        source = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ASYNC}:rlpad/training/trainer.py"], capture_output=True,
                                 text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"needs the git history (commit {BEFORE_ASYNC[:8]}): {e}")

@@ -3,7 +3,7 @@ versions behind) differs from the proximal one (the actor before the update), th
 gradient of each mode, enumerated exactly over the actions, against the true gradient of E_pi[r].
 
 The batch goes through the trainer's own correction (``Trainer._corrected``, k = 1) and the real
-policy loss (rlpad.algos.compute_policy_loss); the oracle is the score-function gradient in float64.
+policy loss (rlpad.algorithms.losses.compute_policy_loss); the oracle is the score-function gradient in float64.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpad.algos import compute_policy_loss
+from rlpad.algorithms.losses import compute_policy_loss
 from rlpad.batch import Batch
-from rlpad.config_loader import load_config
-from rlpad.trainer import Trainer
+from rlpad.recipe.load import load_config
+from rlpad.training.trainer import Trainer
 
 REWARD = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float64)
 PI = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)  # proximal = the policy being trained, at the update

@@ -1,4 +1,4 @@
-"""The asynchronous schedule's bookkeeping (rlpad.async_schedule) and its config rules, without Ray.
+"""The asynchronous schedule's bookkeeping (rlpad.training.async_schedule) and its config rules, without Ray.
 
 The engine here is a FIFO queue that runs a call only when a result is asked for (as a Ray actor
 runs one caller's calls in order); tests/test_async.py runs the schedule on the real Ray workers.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpad.async_schedule import VERSION_KEY, Done, RolloutAhead, Sequential, generation_version, in_flight_steps
+from rlpad.training.async_schedule import VERSION_KEY, Done, RolloutAhead, Sequential, generation_version, in_flight_steps
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.topology import colocated
 
 
@@ -215,8 +215,8 @@ class Loader:
 
 @pytest.mark.parametrize("held", [False, True])
 def test_a_synchronous_run_resumes_an_asynchronous_checkpoint_only_with_nothing_in_flight(tmp_path, held):
-    from rlpad.checkpoint import CheckpointDir
-    from rlpad.trainer import Trainer
+    from rlpad.training.checkpoint import CheckpointDir
+    from rlpad.training.trainer import Trainer
 
     engine = QueueEngine()
     ahead = RolloutAhead(engine, 1, 4, prompts, seed=lambda t: t)
@@ -263,7 +263,7 @@ def test_valid_async_config_and_separate_default_layout():
 
 
 def test_trainer_refuses_workers_that_cannot_submit_ahead():
-    from rlpad.trainer import Trainer
+    from rlpad.training.trainer import Trainer
 
     class Loader:
         def __len__(self):

@@ -14,7 +14,7 @@ import test_async
 from test_async import STEPS, interrupt_and_resume, numbers
 
 from paths import recipe
-from rlpad.async_schedule import Sequential
+from rlpad.training.async_schedule import Sequential
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.core import attn_choice, attn_dispatch
 from rlpad.core.attn_choice import ATTN_CHOICES, resolve_attn_implementation
 from rlpad.core.attn_dispatch import torch_varlen_missing, varlen_api_missing

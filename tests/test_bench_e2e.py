@@ -6,7 +6,7 @@ import torch
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.bench.e2e import FlopRecorder, overhead, phase_table, summarize_mode
 from rlpad.embedded.tiny import tiny_config
-from rlpad.trainer import _pop_worker_s
+from rlpad.training.trainer import _pop_worker_s
 
 
 def record(scale: float = 1.0) -> dict[str, float]:

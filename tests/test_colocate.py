@@ -17,7 +17,7 @@ from workers.launcher import QUIET_ENV  # workers before ray: Ray stays on the l
 
 import ray  # noqa: E402
 
-from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.train import fit  # noqa: E402
 from run_compare import assert_same_metrics, compared_keys  # noqa: E402
 from paths import CACHE, recipe  # noqa: E402

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from rlpad.config import Config
-from rlpad.config_loader import (
+from rlpad.config.schema import Config
+from rlpad.recipe.load import (
     config_from_dict, config_to_dict, load_config, parse_override, save_config, to_yaml,
 )
 
@@ -233,7 +233,7 @@ def test_loading_a_config_stays_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys; from rlpad.config_loader import load_config; "
+    code = ("import sys; from rlpad.recipe.load import load_config; "
             f"load_config({RECIPE!r}, ['algorithm.adv_estimator=gae', 'critic.ppo_mini_batch_size=4', 'trainer.colocate=false']); "
             "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -245,7 +245,7 @@ def test_loading_a_config_stays_torch_free():
 def test_dtype_names_are_defined_once():
     import torch
 
-    from rlpad.config import DTYPES
+    from rlpad.config.schema import DTYPES
     from rlpad.core.models import DTYPES as TORCH_DTYPES, parse_dtype
 
     assert list(TORCH_DTYPES) == list(DTYPES)
@@ -264,7 +264,7 @@ def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
 
 def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
     """The driver's warm start must not land in the working dir (Ray's package under `ray job submit`)."""
-    from rlpad.config import SFTConfig
+    from rlpad.config.schema import SFTConfig
     from rlpad.embedded.cache import cache_root
 
     monkeypatch.chdir(tmp_path)
@@ -358,7 +358,7 @@ def test_every_config_field_is_read_somewhere():
     """A config key that nothing reads does nothing (trainer.seed, sft.enable and
     optim.total_training_steps once did): every field of every section must be read as
     ``<section>.<field>`` in rlpad/ or workers/ outside the schema's definitions and outside
-    config_loader.py and config_checks.py (checking a value is not using it)."""
+    rlpad/recipe/ (loading or checking a value is not using it)."""
     import dataclasses
     import glob
     import typing
@@ -368,9 +368,9 @@ def test_every_config_field_is_read_somewhere():
     reads: set[tuple[str, str]] = set()
     for path in glob.glob(os.path.join(root, "rlpad", "**", "*.py"), recursive=True) + \
             glob.glob(os.path.join(root, "workers", "**", "*.py"), recursive=True):
-        if path.endswith((os.path.join("rlpad", "config_loader.py"), os.path.join("rlpad", "config_checks.py"))):
+        if os.path.join("rlpad", "recipe", "") in path:
             continue
-        reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config.py")))
+        reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config", "schema.py")))
     unread = [f"{'/'.join(sorted(sections[cls]))}.{name}" for cls in sections if cls is not Config
               for name, tp in typing.get_type_hints(cls).items()
               if not dataclasses.is_dataclass(tp) and (cls.__name__, name) not in reads]
@@ -400,8 +400,8 @@ def test_removed_key_names_its_replacement(tmp_path):
 
 
 def test_warmup_ratio_needs_the_horizon():
-    from rlpad.config import OptimConfig
-    from rlpad.optim import warmup_steps
+    from rlpad.config.schema import OptimConfig
+    from workers.optim import warmup_steps
 
     assert warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.29, total_training_steps=100)) == 29
     assert warmup_steps(OptimConfig(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5, total_training_steps=100)) == 3

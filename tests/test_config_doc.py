@@ -1,11 +1,11 @@
-"""`rlpad config`: every key's meaning comes from rlpad/config.py's comments; docs/configuration.md is its output."""
+"""`rlpad config`: every key's meaning comes from rlpad/config/schema.py's comments; docs/configuration.md is its output."""
 
 import os
 import subprocess
 import sys
 
-from rlpad.config_doc import MARKDOWN_COMMAND, describe, format_console, markdown, missing_meanings, parse_source
-from rlpad.config_loader import load_config
+from rlpad.config.doc import MARKDOWN_COMMAND, describe, format_console, markdown, missing_meanings, parse_source
+from rlpad.recipe.load import load_config
 from paths import ROOT, recipe
 
 DOC = os.path.join(ROOT, "docs", "configuration.md")
@@ -14,7 +14,7 @@ DOC = os.path.join(ROOT, "docs", "configuration.md")
 def test_every_field_has_a_meaning():
     missing = missing_meanings()
     assert not missing, (f"config fields without a comment (add `field: type = default  # meaning` or a comment line "
-                         f"above it in rlpad/config.py, then run `{MARKDOWN_COMMAND}`): {missing}")
+                         f"above it in rlpad/config/schema.py, then run `{MARKDOWN_COMMAND}`): {missing}")
 
 
 def test_parser_reads_comments_above_and_trailing_and_reports_a_missing_one():
@@ -48,7 +48,7 @@ class Bare:
 
 def test_missing_meaning_fails_the_check(monkeypatch):
     """Negative control: a field whose comment is removed shows up in missing_meanings()."""
-    import rlpad.config_doc as doc
+    import rlpad.config.doc as doc
 
     fields, docs = doc._parsed()
     stripped = {cls: dict(fs) for cls, fs in fields.items()}

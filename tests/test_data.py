@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rlpad.config import DataConfig
+from rlpad.config.schema import DataConfig
 from rlpad.data import PromptDataset, PromptLoader, build_datasets, read_rows, val_batches, write_rows
 from rlpad.embedded.tiny import CHARSET, build_tokenizer
 from rlpad.embedded.toy import DATA_SOURCE, make_toy_rows, sft_examples, split_pairs, write_toy_dataset

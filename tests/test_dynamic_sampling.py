@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config_loader import load_config
-from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, group_spread, overlong_penalty, shape_rewards
-from rlpad.rewards import place_scores
+from rlpad.recipe.load import load_config
+from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, group_spread, overlong_penalty, shape_rewards
+from rlpad.rewards.rules import place_scores
 from run_compare import WALL_CLOCK
 from rlpad.train import fit, prepare
 from paths import CACHE, recipe

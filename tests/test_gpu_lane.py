@@ -86,7 +86,7 @@ def test_wheels_and_install_step_from_a_fresh_copy(tmp_path):
     isolated = [sys.executable, "-S", "-c"]
 
     # Negative control: that python has torch and transformers but cannot import rlpad's config (omegaconf).
-    probe = "import torch, transformers, rlpad.config_loader"
+    probe = "import torch, transformers, rlpad.recipe.load"
     bare = run([*isolated, probe], cwd=clone, env={**env, "PYTHONPATH": f"{clone}:{site}"})
     assert bare.returncode != 0 and "No module named 'omegaconf'" in bare.stderr, bare.stderr[-500:]
 

@@ -67,7 +67,7 @@ def test_library_never_imports_ray():
 # model source with rlpad.core.models), the rollout backends, RL math, data, trainer, entry points,
 # benchmarks and the Ray workers all build on it, so none of them may be imported by it.
 CORE = "rlpad.core"
-BELOW_CORE = ("rlpad.config",)
+BELOW_CORE = ("rlpad.config.schema",)
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -88,7 +88,7 @@ def test_core_imports_nothing_above_it():
     """rlpad/core reaches (through every import, lazy ones too) only itself and BELOW_CORE."""
     mods = modules()
     above = {m for m in mods if not _in(m, (CORE, *BELOW_CORE))}
-    assert {"rlpad.rollout", "rlpad.rollout.layout", "rlpad.trainer", "rlpad.train", "workers.actor",
+    assert {"rlpad.rollout", "rlpad.rollout.layout", "rlpad.training.trainer", "rlpad.train", "workers.actor",
             "rlpad.embedded.tiny", "rlpad.embedded.shapes"} <= above
     assert not any(_in(m, BELOW_CORE) for m in above)
     reached: dict[str, str] = {}  # module -> the core module it was reached from
@@ -128,3 +128,26 @@ def test_no_benchmark_in_the_worker_package():
     names = sorted(p.stem for p in (ROOT / "workers").rglob("*.py"))
     bad = [n for n in names if n.startswith("bench") or n.endswith("_bench")]
     assert not bad, f"benchmarks belong in rlpad/bench: {bad}"
+
+
+def test_config_package_is_the_ground_floor():
+    """rlpad/config (the schema and its generated reference) imports nothing else of rlpad."""
+    mods = modules()
+    bad = sorted(f"{m} imports {dep}" for m, p in mods.items() if _in(m, ("rlpad.config",))
+                 for dep in _deps(p, mods) if not _in(dep, ("rlpad.config",)))
+    assert not bad, bad
+
+
+def test_package_inits_hold_only_a_docstring():
+    """Each package of rlpad/ says in its __init__.py what it owns; rlpad.rollout's BACKENDS registry is
+    public API; rlpad holds __version__ (no re-exports of moved modules)."""
+    public_api = {"rlpad", "rlpad.rollout"}  # __version__; the backend registry
+    bad = []
+    for init in sorted((ROOT / "rlpad").rglob("__init__.py")):
+        module = ".".join(init.relative_to(ROOT).parent.parts)
+        tree = ast.parse(init.read_text())
+        if not ast.get_docstring(tree):
+            bad.append(f"{module}: no docstring")
+        if module not in public_api and len(tree.body) > 1:
+            bad.append(f"{module}: holds code beside its docstring")
+    assert not bad, bad

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.errors import WorkerFailed
 from rlpad.train import fit, run
 from run_compare import assert_same_metrics, compared_keys

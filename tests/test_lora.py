@@ -8,15 +8,15 @@ import torch
 from peft import PeftModel
 
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.config import ActorRolloutRefConfig
-from rlpad.config_loader import config_from_dict
+from rlpad.config.schema import ActorRolloutRefConfig
+from rlpad.recipe.load import config_from_dict
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.embedded.synthetic import grpo_batch, ppo_batch
-from rlpad.lora import LoraSpec, engine_max_lora_rank, lora_key, select_targets
+from rlpad.lora.rules import LoraSpec, engine_max_lora_rank, lora_key, select_targets
 from rlpad.cli import main as cli_main
-from rlpad.lora_peft import apply_lora, check_lora, decoder_linear_names, save_adapter
+from rlpad.lora.adapters import apply_lora, check_lora, decoder_linear_names, save_adapter
 from rlpad.train import check_inputs
 from spawn_ranks import spawn_ranks
 from workers.actor import ActorWorker

@@ -13,7 +13,7 @@ from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: Ra
 
 import ray  # noqa: E402
 
-from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.train import fit  # noqa: E402
 from paths import CACHE, recipe  # noqa: E402

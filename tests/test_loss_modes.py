@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from rlpad.config import ActorConfig, ActorRolloutRefConfig, PolicyLossConfig
-from rlpad.config_loader import load_config
+from rlpad.config.schema import ActorConfig, ActorRolloutRefConfig, PolicyLossConfig
+from rlpad.recipe.load import load_config
 from rlpad.embedded.synthetic import ppo_batch
-from rlpad.policy_loss import POLICY_LOSSES, get_policy_loss
+from rlpad.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
 from workers.actor import ActorWorker
 
 B, R = 7, 11

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
-from rlpad.algos import agg_loss, compute_policy_loss, kl_penalty
+from rlpad.algorithms.losses import agg_loss, compute_policy_loss, kl_penalty
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.host_plan import HostBatch, packed_plan
 from rlpad.core.layout import position_ids_from_mask

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.rollout.agent import run_agent_loop
 from rlpad.rollout.base import Sampling
 from rlpad.rollout.tools import ToolCall, ToolSet

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL
-from rlpad.config import DataConfig, MultiTurnConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, MultiTurnConfig, RolloutConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.rollout.agent import run_agent_loop, turn_seed

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.train import run
 from run_compare import RUN_ABS, RUN_REL, assert_same_metrics
 from paths import CACHE, recipe

@@ -3,7 +3,7 @@
 import torch
 
 from rlpad.batch import WORKER_SECONDS
-from rlpad.config import ActorRolloutRefConfig
+from rlpad.config.schema import ActorRolloutRefConfig
 from workers.actor import ActorWorker
 from rlpad.embedded.synthetic import ppo_batch
 from workers.offload import StateOffloader

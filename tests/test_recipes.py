@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))

@@ -1,4 +1,4 @@
-"""The registries: rollout backends (rlpad.rollout.BACKENDS) and advantage estimators (rlpad.advantages).
+"""The registries: rollout backends (rlpad.rollout.BACKENDS) and advantage estimators (rlpad.algorithms.advantages).
 
 A new backend is one module and one BACKENDS entry, a new estimator one function and one
 ESTIMATORS entry: registered here from this test module only, each is accepted by the config
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from rlpad.advantages import ESTIMATORS, AdvantageEstimator, uses_critic
-from rlpad.config_loader import load_config
+from rlpad.algorithms.advantages import ESTIMATORS, AdvantageEstimator, uses_critic
+from rlpad.recipe.load import load_config
 from rlpad.core.models import load_tokenizer
 from rlpad.rollout import BACKENDS, backend_class, build_rollout
 from rlpad.rollout.base import RolloutBackend
@@ -136,7 +136,7 @@ def test_new_backend_and_estimator_run_through_the_local_stack(echo, monkeypatch
 
 
 def test_backend_contract_checks_come_from_the_class(echo, tmp_path):
-    from rlpad.config import DataConfig, RolloutConfig
+    from rlpad.config.schema import DataConfig, RolloutConfig
 
     rollout, data = RolloutConfig(name="echo_whole", n=2), DataConfig(max_prompt_length=4, max_response_length=4)
     engine = build_rollout("tiny:qwen2", rollout, data, device="cpu", sleep_mode=True)

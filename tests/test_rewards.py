@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlpad.batch import Batch
-from rlpad.rewards import (
+from rlpad.rewards.rules import (
     answers_match, boxed_score, compute_score, decode_responses, extract_boxed_answer, extract_gsm8k_answer,
     gsm8k_score, load_reward_fn, normalize_answer, place_scores, score_batch, score_responses,
 )
@@ -102,7 +102,7 @@ def test_toy_rewards():
 
 def test_load_reward_fn(tmp_path, monkeypatch):
     assert load_reward_fn(None) is compute_score
-    assert load_reward_fn("rlpad.rewards:compute_score") is compute_score
+    assert load_reward_fn("rlpad.rewards.rules:compute_score") is compute_score
     assert load_reward_fn("rlpad.embedded.toy:toy_score") is toy_score
     assert load_reward_fn("rlpad.embedded.toy.toy_score") is toy_score
     (tmp_path / "my_reward_mod.py").write_text(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.rollout.hf import HFRollout
 from test_rollout_layout import (EOS, P, R, assert_rollout_layout, make_model, max_log_prob_diff, perturbed,
                                  prompt_batch, save_model)
@@ -170,7 +170,7 @@ def test_rollout_vs_actor_mismatch_on_a_real_rollout(setup):
     an actor whose weights moved (as after an update the engine has not received) is far off, and
     token_tis / seq_mask then act on it."""
     from rlpad.core.forward import compute_log_probs
-    from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
+    from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
     model, _, backend = setup
     out = backend.generate(prompt_batch(), seed=3)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlpad.algos import compute_policy_loss
-from rlpad.config_loader import load_config
-from rlpad.rollout_correction import (CORRECTION_MODES, apply_rollout_correction, log_prob_mismatch, seq_mask,
+from rlpad.algorithms.losses import compute_policy_loss
+from rlpad.recipe.load import load_config
+from rlpad.algorithms.rollout_correction import (CORRECTION_MODES, apply_rollout_correction, log_prob_mismatch, seq_mask,
                                       token_tis_weights)
 
 LN = math.log

@@ -21,7 +21,7 @@ from paths import CACHE, recipe
 
 ray = pytest.importorskip("ray")
 
-from rlpad.config_loader import load_config  # noqa: E402
+from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.train import run  # noqa: E402
 from run_compare import assert_same_metrics, compared_keys  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.rollout.vllm import VLLMRollout
 from rlpad.rollout.hf import HFRollout
@@ -197,7 +197,7 @@ def test_hf_rollout_validation_is_greedy(hf_setup):
 def test_sampled_validation_is_seeded(hf_setup, tmp_path):
     """With ``val_kwargs.do_sample`` the validation rollout depends on the seed the trainer passes (so a
     resumed run's val/* is the uninterrupted run's), not on how many calls the backend made before."""
-    from rlpad.config import ValidationSamplingConfig
+    from rlpad.config.schema import ValidationSamplingConfig
 
     model, _ = hf_setup
     path = save_model(model, tmp_path)

@@ -7,7 +7,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL  # noqa: E402
-from rlpad.config import DataConfig, RolloutConfig  # noqa: E402
+from rlpad.config.schema import DataConfig, RolloutConfig  # noqa: E402
 from rlpad.rollout.hf import HFRollout  # noqa: E402
 from test_rollout_layout import P, R, assert_rollout_layout, make_model, perturbed, prompt_batch, save_model  # noqa: E402
 from workers.rollout import RolloutReplicas  # noqa: E402
@@ -83,7 +83,7 @@ def test_bucketed_weight_push_from_a_two_rank_fsdp_group_to_two_replicas(ray_ses
     new weights (saved with save_hf)."""
     from transformers import AutoModelForCausalLM
 
-    from rlpad.config import ActorRolloutRefConfig
+    from rlpad.config.schema import ActorRolloutRefConfig
     from workers.actor import ActorWorker
     from rlpad.embedded.synthetic import ppo_batch
     from workers.group import WorkerGroup

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL
-from rlpad.algos import compute_policy_loss
+from rlpad.algorithms.losses import compute_policy_loss
 from rlpad.core.attention import BOUNDS_KWARG, PackedBounds
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask

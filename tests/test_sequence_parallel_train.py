@@ -11,7 +11,7 @@ import pytest
 
 from run_compare import assert_same_metrics
 from workers.launcher import QUIET_ENV, init_local_ray  # workers before ray: loopback only
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.train import fit
 from paths import CACHE, recipe
 

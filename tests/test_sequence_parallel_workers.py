@@ -27,7 +27,7 @@ import torch.distributed as dist
 from run_compare import RUN_ABS, RUN_REL
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL
 from rlpad.batch import Batch
-from rlpad.config import ActorRolloutRefConfig, CriticConfig
+from rlpad.config.schema import ActorRolloutRefConfig, CriticConfig
 from rlpad.embedded.synthetic import ppo_batch
 from spawn_ranks import spawn_ranks
 from workers.actor import ActorWorker

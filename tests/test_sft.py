@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlpad.config import SFTConfig
+from rlpad.config.schema import SFTConfig
 from rlpad.embedded.sft import (
     INFO_FILE, cache_key, check_vllm_shape, encode, main, read_info, sft_loss, train_sft, val_accuracy, warm_start,
 )

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlpad.bench.prefix import GROUPS, N, SHAPES
-from rlpad.config import ModelConfig
-from rlpad.config_loader import load_config
+from rlpad.config.schema import ModelConfig
+from rlpad.recipe.load import load_config
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, min_saved_for, prompt_groups, saved_fraction
 from rlpad.embedded.synthetic import grpo_batch

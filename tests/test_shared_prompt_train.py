@@ -8,12 +8,12 @@ import torch
 
 from workers.launcher import QUIET_ENV, init_local_ray, launch_workers  # workers before ray: loopback only
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.data import build_datasets
 from rlpad.core.models import load_tokenizer
-from rlpad.rewards import load_reward_fn
+from rlpad.rewards.rules import load_reward_fn
 from rlpad.train import resolve_embedded
-from rlpad.trainer import Trainer
+from rlpad.training.trainer import Trainer
 from paths import CACHE, recipe
 
 pytest.importorskip("vllm")

@@ -12,13 +12,13 @@ ray = pytest.importorskip("ray")
 from run_compare import RUN_ABS, RUN_REL  # noqa: E402
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL  # noqa: E402
 from rlpad.batch import Batch  # noqa: E402
-from rlpad.config import ActorRolloutRefConfig  # noqa: E402
+from rlpad.config.schema import ActorRolloutRefConfig  # noqa: E402
 from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
 from rlpad.core.shared_prompt import prompt_groups  # noqa: E402
 from rlpad.embedded.synthetic import grpo_batch  # noqa: E402
-from rlpad.micro_batches import micro_batches  # noqa: E402
-from rlpad.seqlen import balance_units_across_ranks, pack_units_by_rows, shared_units  # noqa: E402
+from rlpad.batching.micro_batches import micro_batches  # noqa: E402
+from rlpad.batching.balance import balance_units_across_ranks, pack_units_by_rows, shared_units  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
 from workers.group import WorkerGroup  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_units_respect_budget_and_rows():
 
 
 def test_config_needs_remove_padding():
-    from rlpad.config_loader import load_config
+    from rlpad.recipe.load import load_config
 
     with pytest.raises(ValueError, match="share_prompts=true needs actor_rollout_ref.model.use_remove_padding"):
         load_config("recipes/grpo_tiny.yaml", ["actor_rollout_ref.model.share_prompts=true",

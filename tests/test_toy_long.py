@@ -4,13 +4,13 @@ import os
 
 import pytest
 
-from rlpad.config import SFTConfig
-from rlpad.config_loader import load_config
+from rlpad.config.schema import SFTConfig
+from rlpad.recipe.load import load_config
 from rlpad.data import PromptDataset, read_rows
 from rlpad.embedded import toy_long
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
-from rlpad.rewards import compute_score
+from rlpad.rewards.rules import compute_score
 from rlpad.train import resolve_embedded
 from paths import recipe
 

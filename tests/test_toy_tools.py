@@ -5,7 +5,7 @@ import pytest
 from rlpad.embedded import toy_tools
 from rlpad.embedded.sft import encode
 from rlpad.embedded.tiny import build_tokenizer
-from rlpad.rewards import compute_score
+from rlpad.rewards.rules import compute_score
 
 
 def test_calculator_and_its_errors():

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.train import run
 from paths import CACHE, ROOT, recipe
 
@@ -103,9 +103,9 @@ def test_dead_worker_names_role_rank_and_checkpoint(tmp_path):
 
     from rlpad.data import build_datasets
     from rlpad.core.models import load_tokenizer
-    from rlpad.rewards import load_reward_fn
+    from rlpad.rewards.rules import load_reward_fn
     from rlpad.train import resolve_embedded
-    from rlpad.trainer import Trainer
+    from rlpad.training.trainer import Trainer
     from workers.launcher import launch_workers
 
     cfg = resolve_embedded(config(GRPO, str(tmp_path / "dead"), "trainer.total_training_steps=1",

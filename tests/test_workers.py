@@ -16,10 +16,10 @@ ray = pytest.importorskip("ray")
 from run_compare import RUN_ABS, RUN_REL  # noqa: E402
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL  # noqa: E402
 from rlpad.batch import WORKER_SECONDS, Batch  # noqa: E402
-from rlpad.config import ActorRolloutRefConfig  # noqa: E402
+from rlpad.config.schema import ActorRolloutRefConfig  # noqa: E402
 from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
-from rlpad.seqlen import count_micro_batches  # noqa: E402
+from rlpad.batching.balance import count_micro_batches  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
 from rlpad.embedded.synthetic import ppo_batch  # noqa: E402
 from workers.group import WorkerGroup  # noqa: E402

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from run_compare import RUN_ABS, RUN_REL
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.config import ActorRolloutRefConfig, CriticConfig
+from rlpad.config.schema import ActorRolloutRefConfig, CriticConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.models import load_causal_lm
 from workers.actor import ActorWorker, update_contract

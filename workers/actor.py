@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from rlpad.algos import agg_loss, kl_penalty
+from rlpad.algorithms.losses import agg_loss, kl_penalty
 from rlpad.batch import Batch
-from rlpad.config import ActorRolloutRefConfig
+from rlpad.config.schema import ActorRolloutRefConfig
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
-from rlpad.lora import LoraSpec, lora_spec
-from rlpad.lora_peft import adapter_disabled, apply_lora, load_adapter_weights
-from rlpad.policy_loss import get_policy_loss
+from rlpad.lora.rules import LoraSpec, lora_spec
+from rlpad.lora.adapters import adapter_disabled, apply_lora, load_adapter_weights
+from rlpad.algorithms.policy_loss import get_policy_loss
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
 from workers.offload import StateOffloader
@@ -143,7 +143,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
     # ------------------------------------------------------------------ update
 
     def _policy_loss(self, piece: Batch, norms: dict[str, float], temperature: float, generator: torch.Generator):
-        """The piece's loss share: ``policy_loss.loss_mode``'s (rlpad.policy_loss) + entropy and KL terms."""
+        """The piece's loss share: ``policy_loss.loss_mode``'s (rlpad.algorithms.policy_loss) + entropy and KL terms."""
         acfg = self.config.actor
         mask = piece["response_mask"]
         log_prob, entropy = self._log_probs(piece, temperature, acfg.entropy_coeff != 0)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpad.algos import compute_value_loss, masked_sum
+from rlpad.algorithms.losses import compute_value_loss, masked_sum
 from rlpad.batch import Batch
-from rlpad.config import CriticConfig
+from rlpad.config.schema import CriticConfig
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
 from workers.contract import FORWARD, batch_method, forward_plus

@@ -37,17 +37,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlpad.algos import batch_normalizers
+from rlpad.algorithms.losses import batch_normalizers
 from rlpad.batch import Batch, worker_seconds
-from rlpad.config import ModelConfig
-from rlpad.optim import build_lr_scheduler, build_optimizer
-from rlpad.micro_batches import micro_batches
+from rlpad.config.schema import ModelConfig
+from workers.optim import build_lr_scheduler, build_optimizer
+from rlpad.batching.micro_batches import micro_batches
 from rlpad.core.host_plan import HostBatch
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
 from rlpad.core.shared_prompt import min_saved_for
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import data_parallel_groups, dp_size, sp_size
-from rlpad.seqlen import restore_order
+from rlpad.batching.balance import restore_order
 from workers.collectives import RankCollectives
 from workers.fsdp_checkpoint import CheckpointMixin
 from workers.net import free_port, pin_interface
@@ -249,7 +249,7 @@ class FSDPWorker(CheckpointMixin, RankCollectives):
 
     def _pieces(self, batch: Batch, micro_rows: int | None, max_tokens: int | None):
         """``(pieces, real)``: a generator of ``(piece on device, is_real)`` per micro-batch
-        (:func:`rlpad.micro_batches.micro_batches`, the count agreed over the ranks; an empty one
+        (:func:`rlpad.batching.micro_batches.micro_batches`, the count agreed over the ranks; an empty one
         becomes a dummy copy of row 0), and the index lists of the real micro-batches."""
         budget = max_tokens * self.sp_size if max_tokens is not None else None  # the row is split over sp ranks
         parts = micro_batches(batch, micro_rows, budget, share_prompts=self.config.model.share_prompts,

@@ -12,7 +12,7 @@ reserved by the caller (the colocated pool, shared with other groups, each rank 
 fraction of its bundle) instead of reserving its own.
 
 ``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
-(rlpad.seqlen), runs the method on every rank and merges the results back in the caller's row
+(rlpad.batching.balance), runs the method on every rank and merges the results back in the caller's row
 order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. With
 sequence parallelism (sp ranks per group, rlpad.parallel) the rows are split over the ``world / sp``
 data-parallel groups of consecutive ranks, every rank of a group gets the group's rows, and the
@@ -31,7 +31,7 @@ from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.errors import WorkerFailed
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.parallel import data_parallel_groups, dp_size
-from rlpad.seqlen import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
+from rlpad.batching.balance import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
 from workers.contract import contract_of
 from workers.net import free_port
 from workers.placement import Node, my_placement, plan_nodes, release, reserve

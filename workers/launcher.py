@@ -1,10 +1,10 @@
 """The Ray side of the trainer: start the worker groups and the rollout actor for a config.
 
 ``launch_workers(config)`` returns :class:`RayWorkers`, which implements
-:class:`rlpad.trainer.Workers`. Locally (no RAY_ADDRESS) it starts a Ray head on 127.0.0.1;
+:class:`rlpad.training.trainer.Workers`. Locally (no RAY_ADDRESS) it starts a Ray head on 127.0.0.1;
 under ``ray job submit`` it joins the job's cluster.
 
-Two layouts (``trainer.colocate``, rlpad.config.colocated):
+Two layouts (``trainer.colocate``, rlpad.config.schema.colocated):
 
 - separate: each group (actor, ref, critic) reserves its own bundles (a GPU each on CUDA) and the
   rollout replicas take GPUs of their own; actor rank 0 pushes the weights to every replica.
@@ -16,7 +16,7 @@ Two layouts (``trainer.colocate``, rlpad.config.colocated):
   :meth:`RayWorkers.sync_weights` move memory as described there; actor rank i feeds replica i.
 
 Asynchronous training (``trainer.max_off_policy_steps >= 1``, separate layout): :class:`RayWorkers`
-also implements :class:`rlpad.async_schedule.AsyncWorkers`: the driver submits every call an engine
+also implements :class:`rlpad.training.async_schedule.AsyncWorkers`: the driver submits every call an engine
 gets (generations, and the weight loads of the buckets actor rank 0 put in the object store), so
 each engine runs them in the schedule's order (:meth:`RayWorkers.submit_weight_sync`).
 """
@@ -33,11 +33,11 @@ from typing import Any
 
 import ray
 
-from rlpad.advantages import uses_critic
+from rlpad.algorithms.advantages import uses_critic
 from rlpad.batch import Batch
-from rlpad.config import Config
+from rlpad.config.schema import Config
 from rlpad.embedded.cache import cache_root
-from rlpad.lora import engine_lora_kwargs, lora_spec, syncs_adapter
+from rlpad.lora.rules import engine_lora_kwargs, lora_spec, syncs_adapter
 from rlpad.rollout import backend_class
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
@@ -74,7 +74,7 @@ def driver_built_paths(config: Config) -> list[str]:
 
 
 class RayWorkers:
-    """Actor (+ ref, + critic) FSDP groups and the rollout replicas; see rlpad.trainer.Workers."""
+    """Actor (+ ref, + critic) FSDP groups and the rollout replicas; see rlpad.training.trainer.Workers."""
 
     def __init__(self, config: Config, *, owns_ray: bool = False):
         self.config, self._owns_ray = config, owns_ray
@@ -156,7 +156,7 @@ class RayWorkers:
         return self.rollout.generate_validation(batch, seed=seed)
 
     def submit_generate(self, batch: Batch, seed: int) -> PendingRollout:
-        """:meth:`generate` without waiting (rlpad.async_schedule.AsyncWorkers)."""
+        """:meth:`generate` without waiting (rlpad.training.async_schedule.AsyncWorkers)."""
         return self.rollout.submit_generate(batch, seed=seed)
 
     def submit_weight_sync(self, version: int) -> PendingRollout:
@@ -164,7 +164,7 @@ class RayWorkers:
 
         The actor ranks gather the full tensors in buckets and rank 0 streams them into the weight stash
         (workers.weight_stash; waited for: the actor's own work); the driver then submits each replica's
-        load from the stash and returns (rlpad.async_schedule.AsyncWorkers). No weight passes through
+        load from the stash and returns (rlpad.training.async_schedule.AsyncWorkers). No weight passes through
         the driver, and the object store holds only the buckets in flight. With ``rollout.lora_sync=adapter`` only
         the adapter tensors go (KBs to MBs, gathered by rank 0 and put in the object store by the driver), each
         replica serving them when its queue reaches the load.

@@ -24,10 +24,10 @@ import os
 import time
 from typing import Any
 
-from rlpad.advantages import uses_critic
+from rlpad.algorithms.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.config import Config
-from rlpad.lora import engine_lora_kwargs, syncs_adapter
+from rlpad.config.schema import Config
+from rlpad.lora.rules import engine_lora_kwargs, syncs_adapter
 from rlpad.rollout import build_rollout
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -40,7 +40,7 @@ __all__ = ["LocalWorkers", "launch_local_workers"]
 class LocalWorkers:
     """Actor (+ ref, + critic) FSDP2 workers of world size 1 and a rollout backend, all in this process.
 
-    Implements :class:`rlpad.trainer.Workers`; rows go to the workers in the caller's order, as a
+    Implements :class:`rlpad.training.trainer.Workers`; rows go to the workers in the caller's order, as a
     one-rank Ray worker group would get them.
     """
 

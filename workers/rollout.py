@@ -12,7 +12,7 @@ Separate layout: rank 0 feeds every replica; colocated layout: each replica is f
 on its own bundle (node-local objects). The engine lives inside the actor process: vLLM-CPU pins the
 process's torch threads, so it should not share a process with an FSDP worker.
 
-Asynchronous training (rlpad.async_schedule) drives the replicas from the driver alone:
+Asynchronous training (rlpad.training.async_schedule) drives the replicas from the driver alone:
 :meth:`RolloutReplicas.submit_generate` and :meth:`RolloutReplicas.submit_weights` return at once,
 and Ray runs one caller's calls on an actor in the order they were submitted, so a weight load
 lands between two generations, after those submitted before it. The weights wait in a
@@ -34,9 +34,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import torch
 
-from rlpad.async_schedule import VERSION_KEY
+from rlpad.training.async_schedule import VERSION_KEY
 from rlpad.batch import WORKER_SECONDS, Batch, worker_seconds
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.errors import WorkerFailed
 from rlpad.rollout import build_rollout
 from rlpad.rollout.base import NamedTensors, named_pairs

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rlpad.core.models import load_tokenizer
-from rlpad.lora import lora_key
-from rlpad.lora_peft import merged_weight, save_adapter
+from rlpad.lora.rules import lora_key
+from rlpad.lora.adapters import merged_weight, save_adapter
 from rlpad.rollout.buckets import plan_buckets
 from workers.fsdp import full_tensor
 
@@ -63,7 +63,7 @@ class WeightExportMixin:
 
     def _full(self, state: dict[str, Any], name: str, key: str, merges: dict[str, tuple[str, str]]) -> torch.Tensor:
         """The full tensor of ``name`` (a collective); a LoRA linear's weight with its adapter merged in
-        (``W + (alpha / r) B A``, :func:`rlpad.lora_peft.merged_weight`)."""
+        (``W + (alpha / r) B A``, :func:`rlpad.lora.adapters.merged_weight`)."""
         full = full_tensor(state[key]).detach()
         if name in merges:
             a, b = (full_tensor(state[k]).detach() for k in merges[name])

@@ -7,7 +7,7 @@ and the object store only carries buckets in flight: actor rank 0 streams each b
 (:func:`workers.weight_push.stream_buckets`, at most ``max_in_flight`` outstanding) and each replica pulls
 them back when its queue reaches the load (:meth:`workers.rollout.RolloutWorker.load_from_stash`, at most
 ``max_in_flight`` outstanding). A version is dropped once every replica has taken it; nothing is kept
-for a version no engine will load (the last step's, without validation: rlpad.async_schedule).
+for a version no engine will load (the last step's, without validation: rlpad.training.async_schedule).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def phase_table(rmpad: dict[str, Any], padded: dict[str, Any]) -> list[dict[str,
 def _run_mode(recipe: str, steps: int, use_remove_padding: bool, overrides: Sequence[str], out_dir: str) -> dict:
     from transformers import AutoConfig
 
-    from rlpad.config_loader import load_config
+    from rlpad.recipe.load import load_config
     from rlpad.train import fit, resolve_embedded
 
     config = load_config(recipe, [

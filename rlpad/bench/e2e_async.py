@@ -65,7 +65,7 @@ def ideal_speedup(sync: dict[str, float]) -> dict[str, float]:
 
 
 def _config(recipe: str, k: int, out_dir: str, overrides: Sequence[str], timing: bool, steps: int | None):
-    from rlpad.config_loader import load_config
+    from rlpad.recipe.load import load_config
 
     runs = [f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
             "trainer.resume_mode=disable", f"trainer.max_off_policy_steps={k}"]

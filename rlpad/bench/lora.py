@@ -28,7 +28,7 @@ LORA_MODELS = ("40m", "qwen2.5-0.5b")  # rows of rlpad.bench.models.MODEL_SHAPES
 
 
 def _actor(path: str, rank: int) -> Any:
-    from rlpad.config import ActorRolloutRefConfig
+    from rlpad.config.schema import ActorRolloutRefConfig
     from workers.actor import ActorWorker
 
     cfg = ActorRolloutRefConfig()
@@ -49,7 +49,7 @@ def measure(size: str, *, rank: int = 8, reps: int = 3, prompt: int = 32, respon
     """The figures of one model size (see the module docstring)."""
     from rlpad.bench.models import bench_config
     from rlpad.bench.sync import save_sync_model
-    from rlpad.config import DataConfig, RolloutConfig
+    from rlpad.config.schema import DataConfig, RolloutConfig
     from rlpad.embedded.synthetic import ppo_batch
     from rlpad.rollout.vllm import VLLMRollout
 

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.train import fit
 from workers.launcher import QUIET_ENV, local_ray, object_store_bytes_used as store_bytes_used
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from rlpad.bench.rollout import random_prompts
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.embedded.tiny import build_tokenizer, tiny_model
 
 __all__ = ["run_replica_bench"]

@@ -7,7 +7,7 @@ samples; random weights rarely emit EOS, so responses run near full length) and 
 of the full state dict. The mismatch compares the engine's ``rollout_log_probs`` of the sampled
 tokens with rlpad's fp32 remove-padding forward of the same weights (what the actor computes),
 for the engine in fp32 and, in a second engine, in each of ``mismatch_dtypes``
-(:func:`rlpad.rollout_correction.log_prob_mismatch`; ``d = actor - rollout``).
+(:func:`rlpad.algorithms.rollout_correction.log_prob_mismatch`; ``d = actor - rollout``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.bench.table import Table
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.rollout import build_rollout
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.tiny import build_tokenizer, tiny_model
-from rlpad.rollout_correction import log_prob_mismatch
+from rlpad.algorithms.rollout_correction import log_prob_mismatch
 
 __all__ = ["run_rollout_bench", "tables"]
 

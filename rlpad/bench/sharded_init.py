@@ -37,7 +37,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from rlpad.config import ActorRolloutRefConfig
+    from rlpad.config.schema import ActorRolloutRefConfig
     from rlpad.core.models import load_causal_lm
     from workers.actor import ActorWorker
 

@@ -59,7 +59,7 @@ def save_sync_model(size: str, path: str, seed: int = 0) -> int:
 def measure_one(path: str, *, reps: int = 3, bucket_mb: float = 512.0, seed: int = 0) -> dict[str, Any]:
     """The measurements for the checkpoint at ``path`` in THIS process (a fresh one, which never
     loaded the model: see the module docstring)."""
-    from rlpad.config import ActorRolloutRefConfig, DataConfig, RolloutConfig
+    from rlpad.config.schema import ActorRolloutRefConfig, DataConfig, RolloutConfig
     from workers.actor import ActorWorker
     from workers.group import WorkerGroup
     from workers.launcher import local_ray

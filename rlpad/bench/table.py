@@ -83,8 +83,8 @@ def format_markdown(tables: Sequence[Table]) -> str:
 
 def machine() -> str:
     """``2 cores (AMD EPYC 7B13, AVX2 kernels)``: the CPU count, model name and the vector unit torch's
-    kernels use (:func:`rlpad.metrics.cpu_kernels`)."""
-    from rlpad.metrics import cpu_kernels
+    kernels use (:func:`rlpad.training.metrics.cpu_kernels`)."""
+    from rlpad.training.metrics import cpu_kernels
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -33,7 +33,7 @@ def run_worker_bench(
     Starts a local Ray (127.0.0.1) if none is running and shuts it down afterwards.
     """
     from rlpad.bench.models import MODEL_SHAPES, bench_model
-    from rlpad.config import ActorRolloutRefConfig
+    from rlpad.config.schema import ActorRolloutRefConfig
     from rlpad.core.models import model_config
     from rlpad.embedded.tiny import build_tokenizer
     from workers.actor import ActorWorker

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rlpad.config import SFTConfig
+from rlpad.config.schema import SFTConfig
 
 __all__ = ["cache_root"]
 

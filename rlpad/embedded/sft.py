@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlpad.config import SFTConfig
+from rlpad.config.schema import SFTConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
 from rlpad.embedded.cache import cache_root

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlpad.config import SFTConfig
+from rlpad.config.schema import SFTConfig
 from rlpad.embedded import toy, toy_long, toy_tools
 
 __all__ = ["TASKS", "EmbeddedTask", "get_task"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 
 if TYPE_CHECKING:
     from rlpad.rollout.base import RolloutBackend

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.rollout.agent import AGENT_COUNTS, run_agent_loop
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
 from rlpad.rollout.tools import ToolSet, tool_schemas
@@ -212,7 +212,7 @@ class RolloutBackend(ABC):
     def load_lora_adapter(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], spec: Any,
                           version: int) -> float:
         """Generate from now on with this LoRA adapter (HF module name -> ``(lora_A (r, in), lora_B (out, r))``,
-        :class:`rlpad.lora.LoraSpec` ``spec``) over the loaded weights, as policy ``version``; returns the
+        :class:`rlpad.lora.rules.LoraSpec` ``spec``) over the loaded weights, as policy ``version``; returns the
         seconds. Backends with ``serves_lora`` only."""
         raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters (serves_lora is false)")
 

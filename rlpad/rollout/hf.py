@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from rlpad.config import DataConfig, RolloutConfig
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.core.models import load_causal_lm, load_tokenizer
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.rollout.base import NamedTensors, RolloutBackend, Sampling, eos_token_ids, named_pairs

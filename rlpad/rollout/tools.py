@@ -144,7 +144,7 @@ def tool_schemas(specs: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def multi_turn_problems(mt: Any) -> list[str]:
-    """What is wrong with a ``rollout.multi_turn`` section (:class:`rlpad.config.MultiTurnConfig`), one
+    """What is wrong with a ``rollout.multi_turn`` section (:class:`rlpad.config.schema.MultiTurnConfig`), one
     line per problem naming its key; the tools are imported (and their schemas read) when enabled."""
     problems: list[str] = []
     if not mt.enable:

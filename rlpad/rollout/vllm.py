@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from rlpad.config import DTYPES, DataConfig, RolloutConfig
-from rlpad.lora import LoraSpec, engine_max_lora_rank
-from rlpad.lora_peft import save_adapter
+from rlpad.config.schema import DTYPES, DataConfig, RolloutConfig
+from rlpad.lora.rules import LoraSpec, engine_max_lora_rank
+from rlpad.lora.adapters import save_adapter
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs
 
 __all__ = ["QUIET_FILTERS", "KnownWarningFilter", "VLLMRollout"]

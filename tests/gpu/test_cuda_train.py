@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rlpad.config_loader import load_config
+from rlpad.recipe.load import load_config
 from rlpad.train import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rlpad.batch import Batch
-from rlpad.config import ActorRolloutRefConfig
+from rlpad.config.schema import ActorRolloutRefConfig
 from rlpad.embedded.exactness import BF16_BOUNDS, PathResult, errors, oracle, violations
 from rlpad.embedded.tiny import tiny_model
 from workers.actor import ActorWorker

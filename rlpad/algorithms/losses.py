@@ -1,8 +1,7 @@
-"""RL math on ``(B, R)`` response tensors: advantages, policy/value losses, KL penalties.
+"""RL math on ``(B, R)`` response tensors: masked reductions, policy/value losses, KL penalties.
 
-Pure torch, no Ray. For the same inputs the numbers match verl's ``core_algos`` (GRPO
-outcome advantage, GAE, vanilla PPO policy loss with dual clip, value loss, KL estimators,
-``agg_loss``; verl's quirks kept, e.g. an integer mask makes the counts in masked means
+Pure torch, no Ray. For the same inputs the numbers match verl's ``core_algos`` (vanilla PPO policy
+loss with dual clip, value loss, KL estimators, ``agg_loss``; verl's quirks kept, e.g. an integer mask makes the counts in masked means
 float32, a group of one divides by float32 ``1 + epsilon``), with these deliberate differences:
 
 * Bad input raises: ``TypeError`` for non-tensors, ``ValueError`` naming the culprit for
@@ -25,23 +24,21 @@ pieces.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from numbers import Real
 
-import numpy as np
 import torch
 
-from rlpad.config import KL_KINDS, LOSS_AGG_MODES, kl_kind
+from rlpad.config.schema import KL_KINDS, LOSS_AGG_MODES, kl_kind
 
 __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "agg_loss",
     "batch_normalizers",
+    "check_finite",
     "check_policy_inputs",
-    "compute_gae_advantages",
-    "compute_grpo_advantages",
-    "compute_policy_loss",
+    "check_tensors",
+        "compute_policy_loss",
     "compute_value_loss",
     "kl_penalty",
     "masked_abs_max",
@@ -58,7 +55,7 @@ Normalizer = float | int | torch.Tensor | None
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_tensors(**tensors: torch.Tensor) -> None:
+def check_tensors(**tensors: torch.Tensor) -> None:
     """All tensors, all 2-D, all the shape of the first one."""
     ref_name, ref_shape = None, None
     for name, x in tensors.items():
@@ -72,7 +69,7 @@ def _check_tensors(**tensors: torch.Tensor) -> None:
             raise ValueError(f"mismatched shapes: {name} {tuple(x.shape)} vs {ref_name} {tuple(ref_shape)}")
 
 
-def _check_finite(name: str, x: torch.Tensor) -> None:
+def check_finite(name: str, x: torch.Tensor) -> None:
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         rows = (~finite).reshape(x.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
@@ -82,11 +79,11 @@ def _check_finite(name: str, x: torch.Tensor) -> None:
 def check_policy_inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None = None) -> None:
     """A policy loss's inputs: all (B, R) tensors, finite advantages and rollout weights (ValueError)."""
-    _check_tensors(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    _check_finite("advantages", advantages)
+    check_tensors(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    check_finite("advantages", advantages)
     if rollout_is_weights is not None:
-        _check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
-        _check_finite("rollout_is_weights", rollout_is_weights)
+        check_tensors(rollout_is_weights=rollout_is_weights, response_mask=response_mask)
+        check_finite("rollout_is_weights", rollout_is_weights)
 
 
 def _check_normalizer(name: str, value: Normalizer) -> None:
@@ -139,101 +136,6 @@ def batch_normalizers(response_mask: torch.Tensor) -> dict[str, float]:
     return {"global_tokens": float(per_row.sum()), "global_seqs": float((per_row > 0).sum())}
 
 
-# ----------------------------------------------------------------------------- advantages
-
-
-def _group_rows(group_ids: Sequence[Hashable] | np.ndarray | torch.Tensor, n: int) -> dict[Hashable, list[int]]:
-    if isinstance(group_ids, (np.ndarray, torch.Tensor)):
-        group_ids = group_ids.tolist()
-    if isinstance(group_ids, (str, bytes)) or not isinstance(group_ids, Sequence):
-        raise TypeError(f"group_ids must be a list, numpy array or tensor of ids, got {type(group_ids).__name__}")
-    if len(group_ids) != n:
-        raise ValueError(f"mismatched row counts: group_ids has {len(group_ids)} entries, token_level_rewards {n}")
-    groups: dict[Hashable, list[int]] = {}
-    for row, gid in enumerate(group_ids):
-        if not isinstance(gid, Hashable):
-            raise TypeError(f"group id of row {row} is not hashable: {gid!r}")
-        groups.setdefault(gid, []).append(row)
-    return groups
-
-
-@torch.no_grad()
-def compute_grpo_advantages(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: Sequence[Hashable] | np.ndarray | torch.Tensor,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-    expected_group_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO outcome advantages ``(B, R)``, returned twice as ``(advantages, returns)``.
-
-    Score of a row = sum of its token rewards. Per group (rows sharing an id): mean and
-    unbiased std (``torch.std``); a group of one has mean 0 and std 1. Advantage =
-    ``(score - mean) / (std + epsilon)``, or ``score - mean`` with ``norm_adv_by_std=False``
-    (Dr.GRPO), broadcast over ``response_mask``. ``expected_group_size`` (e.g. rollout.n):
-    raise ``ValueError`` naming any group of another size.
-    """
-    _check_tensors(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    _check_finite("token_level_rewards", token_level_rewards)
-    groups = _group_rows(group_ids, token_level_rewards.shape[0])
-    if expected_group_size is not None:
-        for gid, rows in groups.items():
-            if len(rows) != expected_group_size:
-                raise ValueError(
-                    f"group {gid!r} has {len(rows)} rows, expected {expected_group_size} (rows {rows[:8]})"
-                )
-    scores = token_level_rewards.sum(dim=-1)
-    adv = torch.empty_like(scores)
-    for rows in groups.values():
-        idx = torch.tensor(rows, device=scores.device)
-        s = scores[idx]
-        if len(rows) == 1:
-            mean, std = torch.tensor(0.0), torch.tensor(1.0)
-        else:
-            mean, std = torch.mean(s), torch.std(s)
-        adv[idx] = (s - mean) / (std + epsilon) if norm_adv_by_std else s - mean
-    advantages = adv.unsqueeze(-1) * response_mask
-    return advantages, advantages.clone()
-
-
-@torch.no_grad()
-def compute_gae_advantages(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the response tokens: ``(whitened advantages, returns)``, both ``(B, R)``.
-
-    Backwards over t: ``delta = r_t + gamma * V_next - V_t``, ``A_t = delta + gamma * lam *
-    A_next``; masked-out positions (padding, tool output inside a multi-turn response) are skipped:
-    they carry ``V_next`` and ``A_next`` through and are 0 in both outputs.
-    ``returns = A + values`` (raw A); the advantages are then whitened over the mask.
-    """
-    _check_tensors(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
-    for name, x in (("gamma", gamma), ("lam", lam)):
-        if isinstance(x, bool) or not isinstance(x, (Real, torch.Tensor)):
-            raise TypeError(f"{name} must be a number, got {type(x).__name__}")
-    _check_finite("token_level_rewards", token_level_rewards)
-    _check_finite("values", values)
-    mask = response_mask.to(values.dtype)
-    next_value, last_adv = 0, 0
-    reversed_adv = []
-    for t in reversed(range(token_level_rewards.shape[-1])):
-        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        adv_t = delta + gamma * lam * last_adv
-        m = mask[:, t]
-        next_value = values[:, t] * m + (1 - m) * next_value
-        last_adv = adv_t * m + (1 - m) * last_adv
-        reversed_adv.append(last_adv)
-    advantages = torch.stack(reversed_adv[::-1], dim=1)
-    # Masked-out positions (padding, multi-turn tool output) are exactly 0 in both outputs.
-    returns = (advantages + values) * mask
-    return masked_whiten(advantages, response_mask) * mask, returns
-
-
 # ----------------------------------------------------------------------------- losses
 
 
@@ -257,7 +159,7 @@ def agg_loss(
       left out the seq-mean (sum over rows / R).
     An all-masked input gives 0. See the module docstring for the global normalisers.
     """
-    _check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
+    check_tensors(loss_mat=loss_mat, loss_mask=loss_mask)
     _check_normalizer("global_tokens", global_tokens)
     _check_normalizer("global_seqs", global_seqs)
     _check_normalizer("loss_scale_factor", loss_scale_factor)
@@ -308,7 +210,7 @@ def compute_policy_loss(
     ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``; per token
     ``max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high))``, and for ``A < 0`` that is
     capped at ``-A * clip_ratio_c``. ``rollout_is_weights`` (B, R), e.g. truncated importance
-    weights pi_old / pi_rollout (:mod:`rlpad.rollout_correction`), multiply each token's term
+    weights pi_old / pi_rollout (:mod:`rlpad.algorithms.rollout_correction`), multiply each token's term
     (detached). Metrics (0-d detached): ``pg_clipfrac`` (the clipped term won),
     ``pg_clipfrac_lower`` (the dual clip cap bound), ``ppo_kl`` (mean of
     ``old_log_prob - log_prob``) and ``log_ratio_abs_max`` (max of ``|log_prob - old_log_prob|``
@@ -362,8 +264,8 @@ def compute_value_loss(
     ``values`` are the critic's current predictions, ``old_values`` those of the rollout.
     Returns ``(vf_loss, {"vf_clipfrac": fraction of tokens where the clipped term won})``.
     """
-    _check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
-    _check_finite("returns", returns)
+    check_tensors(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    check_finite("returns", returns)
     if not cliprange_value >= 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}")
     clipped = torch.max(torch.min(values, old_values + cliprange_value), old_values - cliprange_value)

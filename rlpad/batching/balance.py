@@ -12,7 +12,7 @@ Everything here works on a list of per-row lengths (valid tokens, e.g.
   balanced by Karmarkar-Karp, as few as the search finds (at least ``min_num_micro_batches``).
 * Every rank must run the SAME number of micro-batches, or the collectives of the extra
   backward passes deadlock: each rank computes ``count_micro_batches`` locally, all-reduces
-  the MAX, and passes it as ``min_num_micro_batches`` (rlpad/micro_batches.py).
+  the MAX, and passes it as ``min_num_micro_batches`` (rlpad/batching/micro_batches.py).
 * ``restore_order`` puts outputs computed partition by partition back in the original order.
 * Shared prompts (``model.share_prompts``): ``shared_units`` cuts the groups of rows sharing a
   prompt into units a split keeps whole; a unit costs ``P + sum(R_i)`` tokens (the prompt once).

@@ -59,7 +59,7 @@ class Done(Generic[T]):
 
 
 class AsyncWorkers(Protocol):
-    """What the asynchronous schedule needs from the workers on top of :class:`rlpad.trainer.Workers`.
+    """What the asynchronous schedule needs from the workers on top of :class:`rlpad.training.trainer.Workers`.
 
     Both calls return at once. Calls reach each rollout engine in the order they were submitted.
     """

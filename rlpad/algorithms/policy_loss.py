@@ -1,11 +1,11 @@
 """Policy-loss modes by name (``actor_rollout_ref.actor.policy_loss.loss_mode``): one registry.
 
 :data:`POLICY_LOSSES` maps a name to the function computing it and the loss aggregations it
-admits; the config check (rlpad.config_loader) and the actor worker read it and nothing else, so
-a new mode is one function (rlpad/loss_modes.py) and one entry here. Every function has the
+admits; the config check (rlpad.recipe.load) and the actor worker read it and nothing else, so
+a new mode is one function (rlpad/algorithms/loss_modes.py) and one entry here. Every function has the
 signature of :data:`LossFn` and returns the same metric keys (``pg_clipfrac``,
 ``pg_clipfrac_lower``, ``ppo_kl``, ``log_ratio_abs_max``) as shares of the mini-batch (see
-:mod:`rlpad.algos`). This module stays torch-free: the functions are imported when first used.
+:mod:`rlpad.algorithms.losses`). This module stays torch-free: the functions are imported when first used.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlpad.config import LOSS_AGG_MODES
+from rlpad.config.schema import LOSS_AGG_MODES
 
 if TYPE_CHECKING:
     import torch
@@ -42,18 +42,18 @@ class PolicyLoss:
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "vanilla": PolicyLoss("rlpad.loss_modes:vanilla_loss",
+    "vanilla": PolicyLoss("rlpad.algorithms.loss_modes:vanilla_loss",
                           summary="PPO clip (clip_ratio_low / clip_ratio_high) with dual clip clip_ratio_c"),
-    "gspo": PolicyLoss("rlpad.loss_modes:gspo_loss", ("seq-mean-token-mean",),
+    "gspo": PolicyLoss("rlpad.algorithms.loss_modes:gspo_loss", ("seq-mean-token-mean",),
                        summary="GSPO: one length-normalised ratio per sequence, clipped; gradient per token"),
-    "cispo": PolicyLoss("rlpad.loss_modes:cispo_loss",
+    "cispo": PolicyLoss("rlpad.algorithms.loss_modes:cispo_loss",
                         summary="CISPO: -sg(clip(ratio)) * A * log_prob; every token keeps a gradient"),
-    "geo_mean": PolicyLoss("rlpad.loss_modes:geo_mean_loss", ("seq-mean-token-mean",),
+    "geo_mean": PolicyLoss("rlpad.algorithms.loss_modes:geo_mean_loss", ("seq-mean-token-mean",),
                            summary="GMPO: geometric mean of token-clipped ratios per sequence"),
-    "clip_cov": PolicyLoss("rlpad.loss_modes:clip_cov_loss",
+    "clip_cov": PolicyLoss("rlpad.algorithms.loss_modes:clip_cov_loss",
                            summary="Clip-Cov: PPO clip, plus clip_cov_ratio of the tokens with covariance in "
                                    "(clip_cov_lb, clip_cov_ub) get no gradient"),
-    "kl_cov": PolicyLoss("rlpad.loss_modes:kl_cov_loss",
+    "kl_cov": PolicyLoss("rlpad.algorithms.loss_modes:kl_cov_loss",
                          summary="KL-Cov: unclipped ratio; the kl_cov_ratio highest-covariance tokens add "
                                  "ppo_kl_coef * |log-ratio|"),
 }

@@ -1,13 +1,13 @@
 """The single-controller GRPO/PPO loop.
 
 One step: prompts -> rollout (n per prompt) -> reward (with ``algorithm.filter_groups``: groups without
-reward spread dropped, more prompts generated; then ``reward_model.overlong_buffer``, rlpad.dynamic_sampling)
+reward spread dropped, more prompts generated; then ``reward_model.overlong_buffer``, rlpad.training.dynamic_sampling)
 -> old log-probs (actor) -> ref log-probs
--> values (PPO) -> advantages (rlpad.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
+-> values (PPO) -> advantages (rlpad.algorithms.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
 validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
-With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.async_schedule.RolloutAhead`,
+With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.training.async_schedule.RolloutAhead`,
 generated up to k steps ahead while the actor trains (the workers then also implement
-:class:`rlpad.async_schedule.AsyncWorkers`); k = 0 is the synchronous loop.
+:class:`rlpad.training.async_schedule.AsyncWorkers`); k = 0 is the synchronous loop.
 
 The trainer talks to the workers only through :class:`Workers`; ``workers/launcher.py``
 implements it with Ray actors, and anything else with the same methods (a test double, a
@@ -27,19 +27,19 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlpad.advantages import get_estimator
-from rlpad.algos import kl_penalty, masked_mean
-from rlpad.async_schedule import RolloutAhead, in_flight_steps
+from rlpad.algorithms.advantages import get_estimator
+from rlpad.algorithms.losses import kl_penalty, masked_mean
+from rlpad.training.async_schedule import RolloutAhead, in_flight_steps
 from rlpad.batch import WORKER_SECONDS, Batch
-from rlpad.checkpoint import CheckpointDir
-from rlpad.config import Config
+from rlpad.training.checkpoint import CheckpointDir
+from rlpad.config.schema import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
-from rlpad.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
+from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
-from rlpad.metrics import MetricsLogger, plot_reward_curve
-from rlpad.rewards import score_batch
+from rlpad.training.metrics import MetricsLogger, plot_reward_curve
+from rlpad.rewards.rules import score_batch
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
-from rlpad.rollout_correction import apply_rollout_correction, log_prob_mismatch
+from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
 __all__ = ["GenerationPhases", "Trainer", "Workers", "fill_lr_horizons", "total_training_steps"]
 
@@ -121,7 +121,7 @@ class Trainer:
         if k:
             if not callable(getattr(workers, "submit_generate", None)):
                 raise ValueError(f"trainer.max_off_policy_steps={k} needs workers that submit generations ahead "
-                                 "(rlpad.async_schedule.AsyncWorkers: the Ray backend); "
+                                 "(rlpad.training.async_schedule.AsyncWorkers: the Ray backend); "
                                  f"{type(workers).__name__} does not")
             self.ahead = RolloutAhead(workers, k, self.total_steps, train_loader.next_batch, self._seed)
 
@@ -404,7 +404,7 @@ class Trainer:
 
 
 def _mismatch_metrics(batch: Batch, prefix: str) -> dict[str, float]:
-    """:func:`rlpad.rollout_correction.log_prob_mismatch` of the batch, keys prefixed (none without rollout log-probs)."""
+    """:func:`rlpad.algorithms.rollout_correction.log_prob_mismatch` of the batch, keys prefixed (none without rollout log-probs)."""
     if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
         return {}
     stats = log_prob_mismatch(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])

@@ -1,12 +1,12 @@
 """Math answers checked by HF's ``math-verify`` (as verl scores math), with a timeout per call.
 
-:func:`verify_answer` decides for :func:`rlpad.rewards.math_verify_score`, the scorer of the math data
-sources in :data:`rlpad.rewards.SCORERS`.
+:func:`verify_answer` decides for :func:`rlpad.rewards.rules.math_verify_score`, the scorer of the math data
+sources in :data:`rlpad.rewards.rules.SCORERS`.
 The ground truth is read as a boxed LaTeX answer, the response's answer is extracted by math-verify
 (a ``\\boxed{}``, else the last LaTeX / plain expression), and the two compare symbolically:
 ``\\frac{3}{4}`` = ``0.75``, ``\\sqrt{2}/2`` = ``\\frac{\\sqrt{2}}{2}``, ``(0, 1]`` != ``[0, 1)``.
 
-Each check runs in one child process of the driver (``python -m rlpad.math_reward``, started on first
+Each check runs in one child process of the driver (``python -m rlpad.rewards.math_verifier``, started on first
 use, kept; it imports math-verify and nothing of rlpad's): a pathological
 answer (``9^{9^{9^{9}}}``: sympy computes the power in C, where no signal reaches it) cannot hang a
 step. Past ``timeout_s`` the child is killed (the next call starts another) and there is no verdict:
@@ -50,7 +50,7 @@ def _check(parse: Any, verify: Any, truth: str, solution: str) -> bool | None:
 
 
 def _serve() -> None:
-    """The child (``python -m rlpad.math_reward``): one JSON ``[truth, solution]`` per stdin line, one JSON
+    """The child (``python -m rlpad.rewards.math_verifier``): one JSON ``[truth, solution]`` per stdin line, one JSON
     verdict (true / false / null) per stdout line."""
     import logging
 
@@ -81,7 +81,7 @@ class _Child:
         return json.loads(line) if line else _NO_ANSWER
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlpad.math_reward"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlpad.rewards.math_verifier"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         if self._read(START_TIMEOUT_S) != "ready":
             self._kill()

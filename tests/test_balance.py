@@ -1,4 +1,4 @@
-"""rlpad.seqlen: property tests for rank balancing, token-budget micro-batches and order restoration."""
+"""rlpad.batching.balance: property tests for rank balancing, token-budget micro-batches and order restoration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlpad.seqlen import (
+from rlpad.batching.balance import (
     balance_across_ranks,
     count_micro_batches,
     karmarkar_karp,
@@ -34,7 +34,7 @@ def assert_budget(parts, lengths, budget):
 
 
 def split_like_ranks(per_rank, budget, min_num=1):
-    """The workers' recipe (rlpad.micro_batches): each rank counts locally, all-reduce MAX, then
+    """The workers' recipe (rlpad.batching.micro_batches): each rank counts locally, all-reduce MAX, then
     every rank splits with that count as its minimum."""
     common = max(count_micro_batches(ls, budget, min_num) for ls in per_rank)
     return [split_by_token_budget(ls, budget, min_num_micro_batches=common) for ls in per_rank]
@@ -258,13 +258,13 @@ def test_restore_order_2d_and_errors():
         restore_order("abc", parts)
 
 
-# ----------------------------------------------------------------------------- rlpad.micro_batches
+# ----------------------------------------------------------------------------- rlpad.batching.micro_batches
 
 
 def test_micro_batches_by_rows_budget_and_agreed_count():
     from rlpad.batch import Batch
     from rlpad.embedded.synthetic import rollout_batch
-    from rlpad.micro_batches import micro_batches
+    from rlpad.batching.micro_batches import micro_batches
 
     batch = Batch(rollout_batch(7, 6, 10, vocab_size=50, seed=3))
     lengths = batch["attention_mask"].sum(-1).tolist()

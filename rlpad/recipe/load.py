@@ -1,10 +1,10 @@
-"""Loading a :class:`~rlpad.config.Config`: YAML recipe + ``a.b.c=value`` overrides + checks.
+"""Loading a :class:`~rlpad.config.schema.Config`: YAML recipe + ``a.b.c=value`` overrides + checks.
 
 Layers, later wins: the dataclass defaults, the recipe file, each CLI override in order.
 Every key is checked against the schema first, so a typo fails with the full dotted key and a
 close match; values are then merged with OmegaConf (structured config), which converts
 ``"16"`` to ``16`` and ``"false"`` to ``False`` and rejects what does not fit the declared type.
-Finally :func:`rlpad.config_checks.validate_config` checks the values against each other (batch sizes,
+Finally :func:`rlpad.recipe.checks.validate_config` checks the values against each other (batch sizes,
 modes, ...).
 
 Override values are read according to the field they set: ``str`` fields take the text as is,
@@ -28,8 +28,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config import REMOVED_KEYS, Config
-from rlpad.config_checks import validate_config
+from rlpad.config.schema import REMOVED_KEYS, Config
+from rlpad.recipe.checks import validate_config
 
 __all__ = ["config_from_dict", "config_to_dict", "load_config", "parse_override", "save_config", "to_yaml"]
 

@@ -1,6 +1,6 @@
 """Typed configuration: dataclasses with verl's key names, loaded from YAML recipes.
 
-``load_config(path, overrides)`` lives in :mod:`rlpad.config_loader`; this module only defines
+``load_config(path, overrides)`` lives in :mod:`rlpad.recipe.load`; this module only defines
 the schema, so every component can import its section without pulling in YAML handling.
 """
 
@@ -18,8 +18,8 @@ __all__ = [
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
-# Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.advantages.ESTIMATORS),
-# actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.metrics.LOGGERS).
+# Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.algorithms.advantages.ESTIMATORS),
+# actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.training.metrics.LOGGERS).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 
@@ -41,7 +41,7 @@ BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)
 ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
 # algorithm.filter_groups.metric: the per-response value whose spread within a group decides if it is kept
-# (rlpad/dynamic_sampling.py); each is read before the overlong shaping
+# (rlpad/training/dynamic_sampling.py); each is read before the overlong shaping
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 LOG_LEVELS = ("error", "warning", "info", "debug")  # trainer.log_level, most to least severe
@@ -92,7 +92,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its LR schedule (rlpad/optim.py): linear warm-up, then constant; the schedule
+    """AdamW and its LR schedule (workers/optim.py): linear warm-up, then constant; the schedule
     advances once per training step (one update call), as verl's does."""
 
     lr: float = 1e-6  # peak learning rate
@@ -113,9 +113,9 @@ class FSDPConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """The policy-loss mode and its keys (verl's names; the modes: rlpad/policy_loss.py, docs/dapo.md)."""
+    """The policy-loss mode and its keys (verl's names; the modes: rlpad/algorithms/policy_loss.py, docs/dapo.md)."""
 
-    loss_mode: str = "vanilla"  # a name in rlpad.policy_loss.POLICY_LOSSES: vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov
+    loss_mode: str = "vanilla"  # a name in rlpad.algorithms.policy_loss.POLICY_LOSSES: vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of a micro-batch's tokens whose gradient is cut
     clip_cov_lb: float = 1.0  # clip_cov: a token is a candidate when its covariance is above this...
     clip_cov_ub: float = 5.0  # clip_cov: ... and below this
@@ -218,7 +218,7 @@ class RolloutConfig:
     # tensor_model_parallel_size, on CPU 1 (see rlpad.topology.rollout_replicas).
     num_replicas: int | None = None
     weight_sync_bucket_mb: float = 512.0  # actor -> engines weight sync: full tensors per bucket (MiB)
-    # with LoRA: how each sync reaches the engines (rlpad.lora.LORA_SYNC_MODES): adapter: only the adapter
+    # with LoRA: how each sync reaches the engines (rlpad.lora.rules.LORA_SYNC_MODES): adapter: only the adapter
     # tensors, served by vLLM's LoRA over the base weights the engines started with; merged: the full
     # weights with the adapter merged in, through the full-weight path (any rollout backend)
     lora_sync: str = "adapter"
@@ -259,7 +259,7 @@ class CriticConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Correct the policy gradient for rollout-vs-actor log-prob mismatch (rlpad/rollout_correction.py)."""
+    """Correct the policy gradient for rollout-vs-actor log-prob mismatch (rlpad/algorithms/rollout_correction.py)."""
 
     mode: str = "none"  # none | token_tis | seq_mask
     threshold: float = 2.0  # C: token_tis caps weights at C, seq_mask keeps geometric-mean ratios in [1/C, C]
@@ -268,7 +268,7 @@ class RolloutCorrectionConfig:
 @dataclass
 class FilterGroupsConfig:
     """Dynamic sampling (DAPO): drop groups whose responses all got the same metric, generate more
-    prompts until ``data.train_batch_size`` groups are kept (rlpad/dynamic_sampling.py)."""
+    prompts until ``data.train_batch_size`` groups are kept (rlpad/training/dynamic_sampling.py)."""
 
     enable: bool = False  # filter zero-spread groups and refill from the loader (data.gen_batch_size prompts at a time)
     metric: str = "acc"  # acc | score | seq_reward | seq_final_reward (all before the overlong shaping)
@@ -279,7 +279,7 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     """Advantages, the KL penalty in the reward, and rollout correction."""
 
-    adv_estimator: str = "grpo"  # a name in rlpad.advantages.ESTIMATORS: grpo | gae (PPO, with a critic)
+    adv_estimator: str = "grpo"  # a name in rlpad.algorithms.advantages.ESTIMATORS: grpo | gae (PPO, with a critic)
     norm_adv_by_std_in_grpo: bool = True  # GRPO divides by the group's std; false: Dr.GRPO (mean only)
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
@@ -312,7 +312,7 @@ class DataConfig:
 class RewardConfig:
     """The rule-based reward function."""
 
-    fn: str = "rlpad.rewards:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
+    fn: str = "rlpad.rewards.rules:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
 
 
 @dataclass
@@ -358,7 +358,7 @@ class SFTConfig:
 
 @dataclass
 class TrainerConfig:
-    """The loop, its outputs and where it runs (rlpad/trainer.py, workers/launcher.py)."""
+    """The loop, its outputs and where it runs (rlpad/training/trainer.py, workers/launcher.py)."""
 
     project_name: str = "rlpad"  # the wandb project
     experiment_name: str = "run"  # the wandb run name
@@ -372,7 +372,7 @@ class TrainerConfig:
     # metrics.jsonl, config.yaml, run.log, checkpoints and the reward curve go here
     default_local_dir: str = "outputs/run"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # names in rlpad.metrics.LOGGERS
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # names in rlpad.training.metrics.LOGGERS
     # The least severe message of Ray, vLLM and the workers shown on the console: error | warning | info |
     # debug (`--verbose`: info). All of it, at warning or lower, also goes to <default_local_dir>/run.log.
     log_level: str = "error"

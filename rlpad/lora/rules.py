@@ -1,7 +1,7 @@
 """LoRA's rules, torch-free: which modules get an adapter, the ranks vLLM serves, the config checks,
 and how an adapter's parameter names map to the model's (docs/lora.md).
 
-The peft side (applying adapters, merging, saving) is :mod:`rlpad.lora_peft`; the config loader and
+The peft side (applying adapters, merging, saving) is :mod:`rlpad.lora.adapters`; the config loader and
 the weight export read the rules here, so a name is matched one way everywhere.
 """
 

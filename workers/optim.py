@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlpad.config import OptimConfig
+from rlpad.config.schema import OptimConfig
 
 __all__ = ["build_lr_scheduler", "build_optimizer", "warmup_steps"]
 

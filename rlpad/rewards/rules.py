@@ -26,7 +26,7 @@ import torch
 
 from rlpad.batch import Batch
 from rlpad.functions import load_function
-from rlpad.math_reward import TIMEOUT_S, verify_answer
+from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
 
 __all__ = [
     "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
@@ -136,7 +136,7 @@ def boxed_score(solution_str: str, ground_truth: Any, extra_info: Any = None) ->
 def math_verify_score(solution_str: str, ground_truth: Any, extra_info: Any = None,
                       timeout_s: float = TIMEOUT_S) -> float:
     """1.0 if math-verify finds the response's answer equal to the ground truth's final answer, else 0.0
-    (:func:`rlpad.math_reward.verify_answer`, at most ``timeout_s`` seconds); :func:`boxed_score` (rlpad's
+    (:func:`rlpad.rewards.math_verifier.verify_answer`, at most ``timeout_s`` seconds); :func:`boxed_score` (rlpad's
     normaliser) where math-verify gives no verdict: not installed, timed out, ground truth unreadable."""
     verdict = verify_answer(solution_str, final_answer(ground_truth), timeout_s)
     return boxed_score(solution_str, ground_truth, extra_info) if verdict is None else float(verdict)
@@ -163,7 +163,7 @@ def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> f
 SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
-    # math: math-verify (rlpad/math_reward.py), rlpad's normaliser where it is not installed
+    # math: math-verify (rlpad/rewards/math_verifier.py), rlpad's normaliser where it is not installed
     "lighteval/MATH": math_verify_score,
     "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
     "HuggingFaceH4/MATH-500": math_verify_score,
@@ -181,7 +181,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     """The default reward: the scorer registered for ``data_source`` (see ``SCORERS``).
 
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
-    :func:`rlpad.math_reward.math_verify_score`.
+    :func:`rlpad.rewards.math_verifier.math_verify_score`.
     """
     scorer = SCORERS.get(data_source)
     if scorer is None:
@@ -198,7 +198,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
 
 def load_reward_fn(spec: str | None) -> RewardFn:
     """The function named by ``"pkg.module:function"`` or ``"path/to/file.py:function"`` (None: default)."""
-    if spec is None or spec == "rlpad.rewards:compute_score":
+    if spec is None or spec == "rlpad.rewards.rules:compute_score":
         return compute_score
     return load_function(spec, "reward.fn")
 

@@ -1,7 +1,7 @@
 """The config's semantic checks: every value against its choices and the others (batch arithmetic,
-modes, layouts), each problem named by its dotted key; run by :mod:`rlpad.config_loader` on every
-loaded config. The rules of one feature live with it (``*_problems`` in rlpad.lora, rlpad.parallel,
-rlpad.policy_loss, rlpad.rollout.tools, rlpad.topology) and are gathered here. Torch-free.
+modes, layouts), each problem named by its dotted key; run by :mod:`rlpad.recipe.load` on every
+loaded config. The rules of one feature live with it (``*_problems`` in rlpad.lora.rules, rlpad.parallel,
+rlpad.algorithms.policy_loss, rlpad.rollout.tools, rlpad.topology) and are gathered here. Torch-free.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlpad.advantages import ESTIMATORS
-from rlpad.config import (
+from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.schema import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
     ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
-from rlpad.lora import lora_value_problems, syncs_adapter
-from rlpad.metrics import LOGGERS
+from rlpad.lora.rules import lora_value_problems, syncs_adapter
+from rlpad.training.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
-from rlpad.policy_loss import policy_loss_problems
+from rlpad.algorithms.policy_loss import policy_loss_problems
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
 from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
@@ -26,7 +26,7 @@ __all__ = ["validate_config"]
 
 
 def _dapo_problems(config: Config) -> list[str]:
-    """algorithm.filter_groups, data.gen_batch_size and reward_model.overlong_buffer (rlpad/dynamic_sampling.py)."""
+    """algorithm.filter_groups, data.gen_batch_size and reward_model.overlong_buffer (rlpad/training/dynamic_sampling.py)."""
     fg, d, ob = config.algorithm.filter_groups, config.data, config.reward_model.overlong_buffer
     problems = []
     if fg.metric not in FILTER_METRICS:

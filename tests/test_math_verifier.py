@@ -1,4 +1,4 @@
-"""The math verifier (rlpad/math_reward.py through rlpad.rewards.math_verify_score): real math-verify on
+"""The math verifier (rlpad/rewards/math_verifier.py through rlpad.rewards.rules.math_verify_score): real math-verify on
 boxed answers, LaTeX fractions, intervals and symbolic forms the normaliser cannot read; a pathological
 answer is cut off by the timeout; without math-verify the normaliser decides."""
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlpad.math_reward import available, verify_answer
-from rlpad.rewards import boxed_score, compute_score, math_verify_score
+from rlpad.rewards.math_verifier import available, verify_answer
+from rlpad.rewards.rules import boxed_score, compute_score, math_verify_score
 
 pytestmark = pytest.mark.skipif(not available(), reason="math-verify is not installed (pip install math-verify)")
 
@@ -53,7 +53,7 @@ def test_without_math_verify_the_normaliser_decides():
     code = ("import sys; sys.modules['math_verify'] = None\n"
             "import importlib.util as u; u.find_spec = lambda name, *a, _f=u.find_spec: None if name == 'math_verify' "
             "else _f(name, *a)\n"
-            "from rlpad.rewards import compute_score\n"
+            "from rlpad.rewards.rules import compute_score\n"
             "print(compute_score('math', '\\\\boxed{\\\\frac{6}{8}}', '0.75'),"
             " compute_score('math', '\\\\boxed{\\\\frac{\\\\sqrt{2}}{2}}', '\\\\sqrt{2}/2'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

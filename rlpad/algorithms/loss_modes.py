@@ -1,12 +1,12 @@
-"""The policy-loss modes' math (registered by name in :mod:`rlpad.policy_loss`).
+"""The policy-loss modes' math (registered by name in :mod:`rlpad.algorithms.policy_loss`).
 
 Each function takes ``(old_log_prob, log_prob, advantages, response_mask)``, all ``(B, R)``,
 the actor's config section (clip ratios, ``loss_agg_mode``, ``policy_loss.*``) and the keywords of
-:func:`rlpad.algos.compute_policy_loss` (global normalisers, ``rollout_is_weights``), and returns
+:func:`rlpad.algorithms.losses.compute_policy_loss` (global normalisers, ``rollout_is_weights``), and returns
 ``(loss share, metric shares)``. For the same inputs the losses equal verl 0.9.1's
 ``compute_policy_loss_<mode>`` (tests/test_loss_modes.py, fp64). Deliberate differences: bad input
 raises; masked-out NaN never reaches the loss; the normalisers are the mini-batch's (see
-:mod:`rlpad.algos`); ``geo_mean`` averages over the sequences with a valid token (verl: every row of
+:mod:`rlpad.algorithms.losses`); ``geo_mean`` averages over the sequences with a valid token (verl: every row of
 the micro-batch, the same where no row is fully masked); ``clip_cov`` draws its random choice from
 ``generator`` (verl: the global RNG); every mode reports the same metrics (``ppo_kl`` is the signed
 mean log-ratio for every mode; verl's kl_cov reports its absolute value).
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from rlpad.algos import (
+from rlpad.algorithms.losses import (
     Normalizer, agg_loss, check_policy_inputs, compute_policy_loss, masked_abs_max, masked_mean, masked_sum, token_stat,
 )
-from rlpad.config import ActorConfig
+from rlpad.config.schema import ActorConfig
 
 __all__ = ["cispo_loss", "clip_cov_loss", "geo_mean_loss", "gspo_loss", "kl_cov_loss", "vanilla_loss"]
 
@@ -56,7 +56,7 @@ def vanilla_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages:
                  response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
                  global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
                  rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
-    """PPO clip with dual clip: :func:`rlpad.algos.compute_policy_loss`."""
+    """PPO clip with dual clip: :func:`rlpad.algorithms.losses.compute_policy_loss`."""
     low, high = _bounds(actor)
     return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, low, high, actor.clip_ratio_c,
                                actor.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,

@@ -1,4 +1,4 @@
-"""rlpad.algos against hand-worked numbers and independent plain-Python loops."""
+"""rlpad.algorithms.losses and rlpad.algorithms.estimators against hand-worked numbers and independent plain-Python loops."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlpad.algos import (
+from rlpad.algorithms.estimators import compute_gae_advantages, compute_grpo_advantages
+from rlpad.algorithms.losses import (
     agg_loss,
     batch_normalizers,
-    compute_gae_advantages,
-    compute_grpo_advantages,
     compute_policy_loss,
     compute_value_loss,
     kl_penalty,

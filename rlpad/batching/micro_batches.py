@@ -1,9 +1,9 @@
 """Micro-batch plans: which rows of a worker's batch go through each forward (and backward).
 
 By rows (``micro_rows`` per micro-batch) or by a token budget (at most ``max_tokens`` valid tokens
-each, :func:`rlpad.seqlen.split_by_token_budget`). With shared prompts (``model.share_prompts``)
+each, :func:`rlpad.batching.balance.split_by_token_budget`). With shared prompts (``model.share_prompts``)
 every micro-batch holds whole prompt groups, a group costing its prompt once (``P + sum(R_i)``,
-:func:`rlpad.seqlen.shared_units`).
+:func:`rlpad.batching.balance.shared_units`).
 
 Every rank of a worker group must run the same number of micro-batches, since each one joins
 FSDP's collectives: ``agree`` turns this rank's ``[count, longest row]`` into the element-wise max
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from rlpad.batch import Batch
 from rlpad.core.shared_prompt import prompt_groups
-from rlpad.seqlen import count_micro_batches, pack_units_by_rows, shared_units, split_by_token_budget
+from rlpad.batching.balance import count_micro_batches, pack_units_by_rows, shared_units, split_by_token_budget
 
 __all__ = ["micro_batches"]
 

@@ -1,7 +1,7 @@
 """LoRA with Hugging Face peft: adapters on a causal LM, their merge into full weights, the adapter
 folder (peft's format) and its merge into a Hugging Face model folder (docs/lora.md).
 
-The rules (targets, ranks, names) are :mod:`rlpad.lora`'s; this module applies them with peft.
+The rules (targets, ranks, names) are :mod:`rlpad.lora.rules`'s; this module applies them with peft.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlpad.lora import LoraSpec, lora_spec, select_targets
+from rlpad.lora.rules import LoraSpec, lora_spec, select_targets
 
 __all__ = ["ADAPTER_PREFIX", "adapter_disabled", "apply_lora", "check_lora", "decoder_linear_names",
            "load_adapter_weights", "merge_adapter_folder", "merged_weight", "save_adapter"]

@@ -1,9 +1,9 @@
 """Advantage estimators by name (``algorithm.adv_estimator``): one registry.
 
 :data:`ESTIMATORS` maps a name to its function and what it needs. The config's valid names and
-checks (rlpad.config_loader), whether a run builds a critic (:func:`uses_critic`) and the
+checks (rlpad.recipe.load), whether a run builds a critic (:func:`uses_critic`) and the
 trainer's advantage step all derive from it, so a new estimator is one function and one entry
-here (its math may live in rlpad.algos). The functions import the torch side when they run:
+here (its math: rlpad.algorithms.estimators). The functions import the torch side when they run:
 this module stays torch-free, so loading a config does too (tests/test_config.py checks).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlpad.config import Config
+from rlpad.config.schema import Config
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ class AdvantageEstimator:
 
 
 def _grpo(batch: Batch, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    from rlpad.algos import compute_grpo_advantages
+    from rlpad.algorithms.estimators import compute_grpo_advantages
 
     return compute_grpo_advantages(
         batch["token_level_rewards"], batch["response_mask"].float(), batch["uid"],
@@ -44,7 +44,7 @@ def _grpo(batch: Batch, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gae(batch: Batch, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    from rlpad.algos import compute_gae_advantages
+    from rlpad.algorithms.estimators import compute_gae_advantages
 
     algo = config.algorithm
     return compute_gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"].float(),

@@ -1,0 +1,4 @@
+"""The single-controller loop on the driver: one training step as its stages (trainer.py), which
+policy version generates each step's batch (async_schedule.py), DAPO's group filter and overlong
+shaping (dynamic_sampling.py), trainer checkpoints (checkpoint.py) and the step metrics and their
+loggers (metrics.py). Talks to workers only through ``trainer.Workers``; never imports Ray."""
