@@ -37,7 +37,8 @@ from rlpad.rewards.rules import load_reward_fn
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
-from rlpad.training.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
+from rlpad.training.step_metrics import summarize
+from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_steps
 
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
 

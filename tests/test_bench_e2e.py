@@ -6,7 +6,7 @@ import torch
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.bench.e2e import FlopRecorder, overhead, phase_table, summarize_mode
 from rlpad.embedded.tiny import tiny_config
-from rlpad.training.trainer import _pop_worker_s
+from rlpad.training.stage_clock import pop_worker_seconds
 
 
 def record(scale: float = 1.0) -> dict[str, float]:
@@ -58,10 +58,10 @@ def test_phase_table_ratio_is_padded_over_rmpad():
 def test_trainer_takes_worker_seconds_out_of_results():
     seconds: dict[str, float] = {}
     batch = Batch({"x": torch.zeros(2)}, meta={WORKER_SECONDS: 1.25, "temperature": 1.0})
-    _pop_worker_s(batch, seconds, "old_log_prob")
+    pop_worker_seconds(batch, seconds, "old_log_prob")
     metrics = {"actor/pg_loss": 0.1, WORKER_SECONDS: 2.0}
-    _pop_worker_s(metrics, seconds, "update_actor")
-    _pop_worker_s({"actor/pg_loss": 0.1}, seconds, "ref")  # a worker that reports nothing
+    pop_worker_seconds(metrics, seconds, "update_actor")
+    pop_worker_seconds({"actor/pg_loss": 0.1}, seconds, "ref")  # a worker that reports nothing
     assert seconds == {"old_log_prob": 1.25, "update_actor": 2.0}
     assert batch.meta == {"temperature": 1.0} and metrics == {"actor/pg_loss": 0.1}
 

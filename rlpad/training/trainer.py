@@ -1,10 +1,12 @@
-"""The single-controller GRPO/PPO loop.
+"""The single-controller GRPO/PPO loop: :meth:`Trainer.fit` runs steps, each a sequence of named stages.
 
-One step: prompts -> rollout (n per prompt) -> reward (with ``algorithm.filter_groups``: groups without
-reward spread dropped, more prompts generated; then ``reward_model.overlong_buffer``, rlpad.training.dynamic_sampling)
--> old log-probs (actor) -> ref log-probs
--> values (PPO) -> advantages (rlpad.algorithms.advantages: GRPO, GAE) -> critic and actor updates -> weight sync ->
-validation every ``test_freq`` steps -> metrics -> checkpoint every ``save_freq`` steps.
+One step (:meth:`Trainer.train_step`), each stage a method, timed by :class:`StageClock`:
+``generate_and_reward`` (the rollout, n per prompt, scored; with ``algorithm.filter_groups`` groups
+without reward spread dropped and more prompts generated) -> ``shape_rewards`` (``reward_model.overlong_buffer``)
+-> ``compute_old_log_prob`` (actor) -> ``compute_ref_log_prob`` -> ``compute_values`` (a critic)
+-> ``compute_advantage`` (rlpad.algorithms.advantages: GRPO, GAE) -> ``update_critic`` -> ``update_actor``
+-> ``sync_weights``; then ``validate`` every ``test_freq`` steps, the metrics, ``save_checkpoint`` every
+``save_freq`` steps.
 With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.training.async_schedule.RolloutAhead`,
 generated up to k steps ahead while the actor trains (the workers then also implement
 :class:`rlpad.training.async_schedule.AsyncWorkers`); k = 0 is the synchronous loop.
@@ -18,28 +20,28 @@ moves GPU memory between the engine and the actor there).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from rlpad.algorithms.advantages import get_estimator
 from rlpad.algorithms.losses import kl_penalty, masked_mean
 from rlpad.training.async_schedule import RolloutAhead, in_flight_steps
-from rlpad.batch import WORKER_SECONDS, Batch
+from rlpad.batch import Batch
 from rlpad.training.checkpoint import CheckpointDir
 from rlpad.config.schema import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
+from rlpad.training.stage_clock import StageClock
+from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.rewards.rules import score_batch
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
-from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
+from rlpad.algorithms.rollout_correction import apply_rollout_correction
 
 __all__ = ["GenerationPhases", "Trainer", "Workers", "fill_lr_horizons", "total_training_steps"]
 
@@ -82,21 +84,6 @@ class GenerationPhases(Protocol):
     def end_generation(self) -> bool: ...
 
 
-@contextmanager
-def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
-
-
-def _pop_worker_s(result: Batch | dict[str, Any], worker_s: dict[str, float], name: str) -> None:
-    """Move the seconds a worker measured for itself (``WORKER_SECONDS``) out of a result into ``worker_s``."""
-    store = result.meta if isinstance(result, Batch) else result
-    seconds = store.pop(WORKER_SECONDS, None) if isinstance(store, dict) else None
-    if seconds is not None:
-        worker_s[name] = worker_s.get(name, 0.0) + float(seconds)
-
-
 def _check_finite(name: str, value: Any, step: int) -> None:
     tensor = torch.as_tensor(value, dtype=torch.float64)
     if not torch.isfinite(tensor).all():
@@ -132,9 +119,9 @@ class Trainer:
         extra = gen_batch * 1_000_000 + 500_000 if gen_batch else 0
         return self.config.actor_rollout_ref.rollout.seed + step + extra
 
-    def _scored(self, batch: Batch, timing: dict[str, float]) -> Batch:
-        """``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
-        with _timed(timing, "reward"):
+    def _scored(self, batch: Batch, clock: StageClock) -> Batch:
+        """Stage ``reward``: ``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
+        with clock.stage("reward"):
             batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_batch(batch, self.tokenizer,
                                                                                     self.reward_fn)
             _check_finite("reward", batch[SEQ_SCORE], self.step)
@@ -194,106 +181,130 @@ class Trainer:
 
     def train_step(self, prompts: Batch | None) -> dict[str, float]:
         """One GRPO/PPO step on a batch of prompts (None: the batch the asynchronous schedule generated
-        for this step); returns its metrics.
-
-        ``timing_s/<phase>`` is the driver's wall time of each phase, ``worker_s/<phase>`` the
-        seconds the workers measured inside themselves for it (when they report them), and
-        ``timing_s/overhead`` the step's wall time minus the workers' seconds: what the trainer
-        itself costs (reward, advantages, moving batches through Ray, splitting and merging).
-        """
-        step_start = time.perf_counter()
-        cfg, algo = self.config, self.config.algorithm
-        estimator = get_estimator(algo.adv_estimator)
-        timing: dict[str, float] = {}
-        worker_s: dict[str, float] = {}
-
-        def generate_scored(prompts: Batch, gen_batch: int) -> Batch:
-            with self._generation(timing), _timed(timing, "gen"):
-                batch = self.workers.generate(prompts, seed=self._seed(self.step, gen_batch))
-            _pop_worker_s(batch, worker_s, "gen")
-            return self._scored(batch, timing)
-
-        async_metrics: dict[str, float] = {}
-        if self.ahead is None:  # with algorithm.filter_groups: generation batches until enough groups have spread
-            batch, metrics = collect_batch(cfg, prompts, self.train_loader.next_batch, generate_scored)
-        else:  # generated while earlier steps trained: the step waits only for what is not done yet
-            ahead, async_metrics = self.ahead.take(self.step)
-            timing["wait_rollout"] = async_metrics.pop("timing_s/wait_rollout")
-            batch, metrics = collect_batch(cfg, None, self.train_loader.next_batch,  # filter_groups: refused
-                                           lambda _p, _j: self._scored(ahead, timing))
-        seq_scores, shaping = shape_rewards(batch, cfg)  # reward_model.overlong_buffer, after the filter
-        scores = batch["token_level_scores"]
-        metrics.update(shaping)
-        with _timed(timing, "old_log_prob"):
-            out = self.workers.compute_log_prob(batch)
-        _pop_worker_s(out, worker_s, "old_log_prob")
-        batch.update(out)
-        metrics.update(_mismatch_metrics(batch, "mismatch/"))
-        if cfg.uses_ref:
-            with _timed(timing, "ref"):
-                out = self.workers.compute_ref_log_prob(batch)
-            _pop_worker_s(out, worker_s, "ref")
-            batch.update(out)
-        if estimator.uses_critic:
-            with _timed(timing, "values"):
-                out = self.workers.compute_values(batch)
-            _pop_worker_s(out, worker_s, "values")
-            batch.update(out)
-        mask = batch["response_mask"].float()
-        rewards = scores
-        if algo.use_kl_in_reward:
-            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo.kl_penalty) * mask
-            rewards = scores - algo.kl_coef * kl
-            metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
-        batch["token_level_rewards"] = rewards
-        with _timed(timing, "adv"):
-            batch["advantages"], batch["returns"] = estimator.compute(batch, cfg)
-        if estimator.uses_critic:
-            with _timed(timing, "update_critic"):
-                critic_metrics = self.workers.update_critic(batch)
-            _pop_worker_s(critic_metrics, worker_s, "update_critic")
-            metrics.update(critic_metrics)
-        actor_batch, corr_metrics = self._corrected(batch)
-        metrics.update(corr_metrics)
-        with _timed(timing, "update_actor"):
-            actor_metrics = self.workers.update_actor(actor_batch)
-        _pop_worker_s(actor_metrics, worker_s, "update_actor")
-        metrics.update(actor_metrics)
-        # The workers skip the optimizer step on a non-finite gradient norm; stop here so the
-        # run ends with the weights of the last good step.
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
-            if key in metrics:
-                _check_finite(key, metrics[key], self.step)
-        with _timed(timing, "sync"):
-            if self.ahead is None:
-                sync_s = self.workers.sync_weights()
-            else:  # the last step's weights reach the engines only for the final validation
-                sync_s = self.ahead.sync(self.step, load=self.step < self.total_steps or self.val_dataset is not None)
-        if isinstance(sync_s, int | float):
-            worker_s["sync"] = float(sync_s)
-        metrics.update(self._batch_metrics(batch, seq_scores, timing))
+        for this step), stage by stage; returns its metrics (stage timings: :mod:`rlpad.training.stage_clock`)."""
+        clock = StageClock()
+        uses_critic = get_estimator(self.config.algorithm.adv_estimator).uses_critic
+        batch, metrics, async_metrics = self.generate_and_reward(prompts, clock)
+        seq_scores = self.shape_rewards(batch, metrics)
+        self.compute_old_log_prob(batch, clock, metrics)
+        if self.config.uses_ref:
+            self.compute_ref_log_prob(batch, clock)
+        if uses_critic:
+            self.compute_values(batch, clock)
+        self.compute_advantage(batch, clock, metrics)
+        if uses_critic:
+            metrics.update(self.update_critic(batch, clock))
+        metrics.update(self.update_actor(batch, clock))
+        self.sync_weights(clock)
+        metrics.update(self._batch_metrics(batch, seq_scores, clock.wall))
         if async_metrics:
             metrics.update(async_metrics)
             if async_metrics["async/gen_s"] > 0:
                 metrics["tokens_per_s/gen"] = float(batch["response_mask"].sum()) / async_metrics["async/gen_s"]
-        wall = time.perf_counter() - step_start
-        metrics["timing_s/step_wall"] = wall
-        metrics.update({f"worker_s/{k}": v for k, v in worker_s.items()})
-        if worker_s:
-            metrics["timing_s/overhead"] = wall - sum(worker_s.values())
+        metrics.update(clock.metrics())
         return metrics
 
+    # ---- the stages of a step ----------------------------------------------------------------------
+
+    def generate_and_reward(self, prompts: Batch | None, clock: StageClock
+                            ) -> tuple[Batch, dict[str, float], dict[str, float]]:
+        """Stages ``gen`` and ``reward``: the rollout of ``prompts`` scored by the reward function. With
+        ``algorithm.filter_groups``, generation batches until enough groups have reward spread; with
+        ``trainer.max_off_policy_steps`` the batch generated ahead for this step (stage ``wait_rollout``:
+        what the step still waited for). Returns (batch, metrics, the asynchronous schedule's metrics)."""
+        cfg = self.config
+
+        def generate_scored(prompts: Batch, gen_batch: int) -> Batch:
+            with self._generation(clock):
+                batch = clock.call("gen", self.workers.generate, prompts, seed=self._seed(self.step, gen_batch))
+            return self._scored(batch, clock)
+
+        if self.ahead is None:
+            batch, metrics = collect_batch(cfg, prompts, self.train_loader.next_batch, generate_scored)
+            return batch, metrics, {}
+        ahead, async_metrics = self.ahead.take(self.step)
+        clock.add("wait_rollout", async_metrics.pop("timing_s/wait_rollout"))
+        batch, metrics = collect_batch(cfg, None, self.train_loader.next_batch,  # filter_groups: refused
+                                       lambda _p, _j: self._scored(ahead, clock))
+        return batch, metrics, async_metrics
+
+    def shape_rewards(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+        """``reward_model.overlong_buffer`` after the filter (rlpad.training.dynamic_sampling); the
+        sequence scores the step reports."""
+        seq_scores, shaping = shape_rewards(batch, self.config)
+        metrics.update(shaping)
+        return seq_scores
+
+    def compute_old_log_prob(self, batch: Batch, clock: StageClock, metrics: dict[str, float]) -> None:
+        """Stage ``old_log_prob``: the actor's log-probs (and entropies) of the sampled tokens, and
+        their mismatch with the rollout's (``mismatch/*``)."""
+        batch.update(clock.call("old_log_prob", self.workers.compute_log_prob, batch))
+        metrics.update(mismatch_metrics(batch, "mismatch/"))
+
+    def compute_ref_log_prob(self, batch: Batch, clock: StageClock) -> None:
+        """Stage ``ref``: the reference policy's log-probs (KL loss or KL in reward)."""
+        batch.update(clock.call("ref", self.workers.compute_ref_log_prob, batch))
+
+    def compute_values(self, batch: Batch, clock: StageClock) -> None:
+        """Stage ``values``: the critic's values (estimators that use a critic: GAE)."""
+        batch.update(clock.call("values", self.workers.compute_values, batch))
+
+    def compute_advantage(self, batch: Batch, clock: StageClock, metrics: dict[str, float]) -> None:
+        """``token_level_rewards`` (the scores, less ``algorithm.kl_coef`` x KL with ``use_kl_in_reward``),
+        then stage ``adv``: ``advantages`` and ``returns`` by ``algorithm.adv_estimator``."""
+        algo = self.config.algorithm
+        scores = batch["token_level_scores"]
+        rewards = scores
+        if algo.use_kl_in_reward:
+            mask = batch["response_mask"].float()
+            kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo.kl_penalty) * mask
+            rewards = scores - algo.kl_coef * kl
+            metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
+        batch["token_level_rewards"] = rewards
+        with clock.stage("adv"):
+            batch["advantages"], batch["returns"] = get_estimator(algo.adv_estimator).compute(batch, self.config)
+
+    def update_critic(self, batch: Batch, clock: StageClock) -> dict[str, float]:
+        """Stage ``update_critic``: the critic's PPO epochs on the batch; its metrics."""
+        metrics = clock.call("update_critic", self.workers.update_critic, batch)
+        for key in ("critic/vf_loss", "critic/grad_norm"):
+            if key in metrics:
+                _check_finite(key, metrics[key], self.step)
+        return metrics
+
+    def update_actor(self, batch: Batch, clock: StageClock) -> dict[str, float]:
+        """Stage ``update_actor``: the actor's PPO epochs on the batch, after ``algorithm.rollout_correction``;
+        its metrics and the correction's. A non-finite loss or gradient norm stops the run here: the
+        workers skipped that optimizer step, so the weights are those of the last good step."""
+        actor_batch, metrics = self._corrected(batch)
+        metrics.update(clock.call("update_actor", self.workers.update_actor, actor_batch))
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            if key in metrics:
+                _check_finite(key, metrics[key], self.step)
+        return metrics
+
+    def sync_weights(self, clock: StageClock) -> None:
+        """Stage ``sync``: the actor's new weights into the rollout engines (asynchronously: into the
+        stash the engines load from; the last step's reach the engines only for a final validation)."""
+        with clock.stage("sync"):
+            if self.ahead is None:
+                sync_s = self.workers.sync_weights()
+            else:
+                sync_s = self.ahead.sync(self.step, load=self.step < self.total_steps or self.val_dataset is not None)
+        if isinstance(sync_s, int | float):
+            clock.worker["sync"] = float(sync_s)
+
     @contextmanager
-    def _generation(self, timing: dict[str, float] | None = None) -> Iterator[None]:
+    def _generation(self, clock: StageClock | None = None) -> Iterator[None]:
         """The workers' optional :class:`GenerationPhases` hooks around a generation; the seconds of
         hooks that report work done (return True) are ``timing_s/switch``."""
-        timing = {} if timing is None else timing
+        clock = StageClock() if clock is None else clock
 
         def run(name: str) -> None:
             hook = getattr(self.workers, name, None)
             start = time.perf_counter()
             if hook is not None and hook():
-                timing["switch"] = timing.get("switch", 0.0) + time.perf_counter() - start
+                clock.add("switch", time.perf_counter() - start)
 
         run("begin_generation")
         yield
@@ -318,22 +329,8 @@ class Trainer:
         return out, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
     def _batch_metrics(self, batch: Batch, seq_scores: torch.Tensor, timing: dict[str, float]) -> dict[str, float]:
-        mask = batch["response_mask"].float()
-        attention = batch["attention_mask"]
-        valid, response_tokens = float(attention.sum()), float(mask.sum())
-        epochs = self.config.actor_rollout_ref.actor.ppo_epochs
-        out = {
-            "reward/mean": float(seq_scores.mean()), "reward/std": float(seq_scores.std()) if len(seq_scores) > 1 else 0.0,
-            "response_length/mean": float(mask.sum(1).mean()), "response_length/max": float(mask.sum(1).max()),
-            "padding_ratio": 1.0 - valid / attention.numel(),
-        }
-        out.update(self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}"))
-        out.update({f"timing_s/{k}": v for k, v in timing.items()})
-        throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
-                      "update_actor": valid * epochs, "update_critic": valid * epochs}
-        out.update({f"tokens_per_s/{k}": throughput[k] / t for k, t in timing.items() if k in throughput and t > 0})
-        out["timing_s/step"] = sum(timing.values())
-        return out
+        return (batch_metrics(batch, seq_scores) | self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}")
+                | stage_metrics(batch, timing, self.config.actor_rollout_ref.actor.ppo_epochs))
 
     def _multi_turn_metrics(self, batch: Batch, prefix: str, where: str) -> dict[str, float]:
         """``{prefix}*`` metrics of a multi-turn batch; a warning line queued when most tool calls failed."""
@@ -364,7 +361,7 @@ class Trainer:
         if batches:
             out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))
         if parts:
-            out.update(_mismatch_metrics(Batch.concat(parts), "val/mismatch/"))
+            out.update(mismatch_metrics(Batch.concat(parts), "val/mismatch/"))
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
@@ -401,35 +398,3 @@ class Trainer:
             self.ahead.restore(path, self.step)
         self.last_checkpoint = path
         print(f"resumed from {path} at step {self.step}")
-
-
-def _mismatch_metrics(batch: Batch, prefix: str) -> dict[str, float]:
-    """:func:`rlpad.algorithms.rollout_correction.log_prob_mismatch` of the batch, keys prefixed (none without rollout log-probs)."""
-    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
-        return {}
-    stats = log_prob_mismatch(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
-    return {f"{prefix}{k}": v for k, v in stats.items()}
-
-
-def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
-    """Initial/final validation reward and mean per-phase throughput of a run."""
-    val = [r["val/reward"] for r in history if "val/reward" in r]
-    steps = [r for r in history if "reward/mean" in r]
-    out: dict[str, float] = {}
-    if val:
-        out["val_reward_initial"], out["val_reward_final"] = val[0], val[-1]
-    for key in sorted({k for r in steps for k in r if k.startswith("tokens_per_s/")}):
-        values = [r[key] for r in steps if key in r and math.isfinite(r[key])]
-        if values:
-            out[key] = float(np.median(values))
-    for key in ("mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/k3_kl"):
-        values = [r[key] for r in steps if key in r]
-        if values:
-            out[key] = float(np.median(values))
-    val_mismatch = [r for r in history if "val/mismatch/abs_diff_mean" in r]
-    if val_mismatch:
-        out.update({k: v for k, v in val_mismatch[-1].items() if k.startswith("val/mismatch/")})
-    if steps:
-        out["padding_ratio"] = float(np.mean([r["padding_ratio"] for r in steps]))
-        out["step_s"] = float(np.median([r["timing_s/step"] for r in steps]))
-    return out
