@@ -11,8 +11,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["RankCollectives"]
+__all__ = ["RankCollectives", "full_tensor"]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective); a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class RankCollectives:

@@ -20,7 +20,7 @@ from rlpad.core.models import load_tokenizer
 from rlpad.lora.rules import lora_key
 from rlpad.lora.adapters import merged_weight, save_adapter
 from rlpad.rollout.buckets import plan_buckets
-from workers.fsdp import full_tensor
+from workers.collectives import full_tensor
 
 __all__ = ["WeightExportMixin", "hf_name"]
 
