@@ -202,7 +202,7 @@ def test_rollout_replicas_default_and_explicit():
      "num_replicas=1: with trainer.colocate=true every bundle of the pool hosts one engine, so it must be null or 2"),
     (["trainer.colocate=true", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"],
      "the hf backend cannot be split into replicas"),
-    (["trainer.colocate=false", "actor_rollout_ref.actor.fsdp.param_offload=true"],
+    (["trainer.colocate=false", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
      "param_offload / optimizer_offload need trainer.colocate=true"),
 ])
 def test_colocate_config_errors(overrides, wanted):
@@ -222,7 +222,7 @@ def test_colocate_default_and_replicas():
     assert not colocated(tp, cuda=True)  # auto never picks a layout it cannot build
     forced = load_config(RECIPE, ["trainer.colocate=true", "trainer.n_gpus_per_node=2"])
     assert colocated(forced, cuda=False) and rollout_replicas(forced, cuda=False) == 2
-    offload = load_config(RECIPE, ["actor_rollout_ref.actor.fsdp.optimizer_offload=true"])  # colocate: auto
+    offload = load_config(RECIPE, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])  # colocate: auto
     assert colocated(offload, cuda=True)
     with pytest.raises(ValueError, match="need trainer.colocate=true"):
         colocated(offload, cuda=False)  # auto resolves to false on CPU: the offload would do nothing
@@ -257,9 +257,9 @@ def test_dtype_names_are_defined_once():
 
 def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
     with pytest.raises(ValueError, match="param_offload / optimizer_offload need trainer.colocate=true"):
-        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp.param_offload=true"])
-    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # colocated on CUDA
-    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # decided at launch
+        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])  # colocated on CUDA
+    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])  # decided at launch
 
 
 def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
@@ -301,6 +301,24 @@ def _sections() -> dict[type, set[str]]:
     return out
 
 
+def _section_paths() -> dict[type, set[str]]:
+    """Each config dataclass -> the dotted paths it lives at (``RefFSDPConfig`` -> {"actor_rollout_ref.ref.fsdp_config"})."""
+    import dataclasses
+    import typing
+
+    out: dict[type, set[str]] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                out.setdefault(tp, set()).add(prefix + f.name)
+                walk(tp, prefix + f.name + ".")
+
+    walk(Config, "")
+    return out
+
+
 def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool) -> set[tuple[str, str]]:
     """``(section class name, field)`` for every read ``<section>.field`` in the file at ``path``.
 
@@ -311,7 +329,10 @@ def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool
     """
     import ast
 
-    by_attr = {attr: {cls.__name__} for cls, attrs in sections.items() for attr in attrs}
+    by_attr: dict[str, set[str]] = {}  # ``model`` is a ModelConfig (actor_rollout_ref) or a CriticModelConfig
+    for cls, attrs in sections.items():
+        for attr in attrs:
+            by_attr.setdefault(attr, set()).add(cls.__name__)
     names = {cls.__name__ for cls in sections}
     tree = ast.parse(open(path, encoding="utf-8").read())
 
@@ -358,10 +379,13 @@ def test_every_config_field_is_read_somewhere():
     """A config key that nothing reads does nothing (trainer.seed, sft.enable and
     optim.total_training_steps once did): every field of every section must be read as
     ``<section>.<field>`` in rlpad/ or workers/ outside the schema's definitions and outside
-    rlpad/recipe/ (loading or checking a value is not using it)."""
+    rlpad/recipe/ (loading or checking a value is not using it). The exceptions are the verl keys of
+    NO_EFFECT_KEYS, whose only effect is the start-up warning naming them."""
     import dataclasses
     import glob
     import typing
+
+    from rlpad.config.schema import NO_EFFECT_KEYS
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sections = _sections()
@@ -373,7 +397,9 @@ def test_every_config_field_is_read_somewhere():
         reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config", "schema.py")))
     unread = [f"{'/'.join(sorted(sections[cls]))}.{name}" for cls in sections if cls is not Config
               for name, tp in typing.get_type_hints(cls).items()
-              if not dataclasses.is_dataclass(tp) and (cls.__name__, name) not in reads]
+              if not dataclasses.is_dataclass(tp)  # a read typed as a base class (ModelConfig) serves its subclasses
+              and not any((base.__name__, name) in reads for base in cls.__mro__)
+              and not all(f"{path}.{name}" in NO_EFFECT_KEYS for path in _section_paths()[cls])]
     assert unread == [], f"config fields read nowhere: {unread}"
 
 

@@ -192,10 +192,10 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     def offload_state(self) -> int:
         """Before generation in the colocated layout: parameters (+ gradients) and / or optimizer
-        state to host memory, as ``actor.fsdp.param_offload`` / ``optimizer_offload`` say
+        state to host memory, as ``actor.fsdp_config.param_offload`` / ``optimizer_offload`` say
         (:class:`workers.offload.StateOffloader`, bit-identical round trip); returns the bytes moved."""
         self._require_model()
-        fsdp = self.config.actor.fsdp
+        fsdp = self.config.actor.fsdp_config
         parts = ["params"] * fsdp.param_offload + ["optimizer"] * (fsdp.optimizer_offload and self.optimizer is not None)
         if parts and self._offloader is None:
             self._offloader = StateOffloader(self.root, self.optimizer)

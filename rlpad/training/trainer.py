@@ -37,6 +37,7 @@ from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
+from rlpad.training.warmup import actor_updates
 from rlpad.rewards.rules import score_batch
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
@@ -255,10 +256,11 @@ class Trainer:
             metrics.update(critic_metrics)
         actor_batch, corr_metrics = self._corrected(batch)
         metrics.update(corr_metrics)
-        with _timed(timing, "update_actor"):
-            actor_metrics = self.workers.update_actor(actor_batch)
-        _pop_worker_s(actor_metrics, worker_s, "update_actor")
-        metrics.update(actor_metrics)
+        if actor_updates(cfg, self.step):  # trainer.critic_warmup: before it, the critic trains alone
+            with _timed(timing, "update_actor"):
+                actor_metrics = self.workers.update_actor(actor_batch)
+            _pop_worker_s(actor_metrics, worker_s, "update_actor")
+            metrics.update(actor_metrics)
         # The workers skip the optimizer step on a non-finite gradient norm; stop here so the
         # run ends with the weights of the last good step.
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
