@@ -56,21 +56,22 @@ REMOVED_KEYS = {
 }
 # verl keys rlpad accepts but has no use for: each is named, with why, in the one warning line a run
 # starts with when its value differs from the default (rlpad.recipe.checks.no_effect_notice).
-_REF_CRITIC_OFFLOAD = ("rlpad moves only the actor's state to host memory (around generation in the colocated "
-                       "layout: actor_rollout_ref.actor.fsdp_config.*); the reference and the critic stay on their device")
+_REF_CRITIC_OFFLOAD = ("rlpad moves only the actor's state to host memory, around generation in the colocated layout "
+                       "with actor_rollout_ref.actor.fsdp_config.*, and keeps the reference and the critic on their device")
+_NO_SHM = "rlpad reads model.path where it is, with no copy into /dev/shm"
 NO_EFFECT_KEYS = {
-    "data.return_raw_chat": "rlpad's batches always carry the chat messages (raw_prompt)",
-    "actor_rollout_ref.model.use_shm": "rlpad reads model.path where it is (no copy into /dev/shm)",
-    "critic.model.use_shm": "rlpad reads model.path where it is (no copy into /dev/shm)",
+    "data.return_raw_chat": "rlpad's batches always carry the chat messages as raw_prompt",
+    "actor_rollout_ref.model.use_shm": _NO_SHM,
+    "critic.model.use_shm": _NO_SHM,
     "actor_rollout_ref.rollout.load_format": "the engines load model.path themselves and every sync replaces their "
                                              "weights with the actor's",
-    "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets "
-                                                "(rollout.weight_sync_bucket_mb)",
-    "actor_rollout_ref.rollout.mode": "rlpad's trainer hands each step's prompts to its engines itself (one way)",
+    "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets of "
+                                                "rollout.weight_sync_bucket_mb",
+    "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
     "actor_rollout_ref.ref.fsdp_config.param_offload": _REF_CRITIC_OFFLOAD,
     "critic.model.fsdp_config.param_offload": _REF_CRITIC_OFFLOAD,
     "critic.model.fsdp_config.optimizer_offload": _REF_CRITIC_OFFLOAD,
-    "trainer.use_legacy_worker_impl": "verl's choice between its two worker implementations; rlpad has one",
+    "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
 }
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.doc import format_value
 from rlpad.config.schema import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
     NO_EFFECT_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
@@ -72,7 +73,7 @@ def no_effect_notice(config: Config) -> str | None:
         return None
     reasons: dict[str, list[str]] = {}  # reason -> its keys, in table order
     for key in changed:
-        reasons.setdefault(NO_EFFECT_KEYS[key], []).append(f"{key}={_value(config, key)!r}")
+        reasons.setdefault(NO_EFFECT_KEYS[key], []).append(f"{key}={format_value(_value(config, key))}")
     return "warning: verl keys with no effect in rlpad: " + "; ".join(
         f"{', '.join(keys)} ({reason})" for reason, keys in reasons.items())
 
