@@ -56,8 +56,6 @@ REMOVED_KEYS = {
 }
 # verl keys rlpad accepts but has no use for: each is named, with why, in the one warning line a run
 # starts with when its value differs from the default (rlpad.recipe.checks.no_effect_notice).
-_REF_CRITIC_OFFLOAD = ("rlpad moves only the actor's state to host memory, around generation in the colocated layout "
-                       "with actor_rollout_ref.actor.fsdp_config.*, and keeps the reference and the critic on their device")
 _NO_SHM = "rlpad reads model.path where it is, with no copy into /dev/shm"
 NO_EFFECT_KEYS = {
     "data.return_raw_chat": "rlpad's batches always carry the chat messages as raw_prompt",
@@ -68,9 +66,6 @@ NO_EFFECT_KEYS = {
     "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets of "
                                                 "rollout.weight_sync_bucket_mb",
     "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
-    "actor_rollout_ref.ref.fsdp_config.param_offload": _REF_CRITIC_OFFLOAD,
-    "critic.model.fsdp_config.param_offload": _REF_CRITIC_OFFLOAD,
-    "critic.model.fsdp_config.optimizer_offload": _REF_CRITIC_OFFLOAD,
     "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
 }
 
@@ -134,17 +129,17 @@ class FSDPConfig:
 
 @dataclass
 class RefFSDPConfig:
-    """verl's FSDP settings of the reference model: accepted, no effect in rlpad (NO_EFFECT_KEYS)."""
+    """The reference model's state between its calls (verl's keys; workers/offload.py, any layout)."""
 
-    param_offload: bool = False  # verl: the reference's parameters in host memory; rlpad keeps them on the device
+    param_offload: bool = False  # parameters in host memory, on the device only while the reference log-probs run
 
 
 @dataclass
 class CriticFSDPConfig:
-    """verl's FSDP settings of the critic: accepted, no effect in rlpad (NO_EFFECT_KEYS)."""
+    """The critic's state between its calls (verl's keys; workers/offload.py, any layout)."""
 
-    param_offload: bool = False  # verl: the critic's parameters in host memory; rlpad keeps them on the device
-    optimizer_offload: bool = False  # verl: the critic's optimizer state in host memory; rlpad keeps it on the device
+    param_offload: bool = False  # parameters and gradients in host memory, on the device only while the critic runs
+    optimizer_offload: bool = False  # optimizer state (AdamW moments) in host memory, on the device only in its update
 
 
 @dataclass
