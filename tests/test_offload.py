@@ -1,6 +1,7 @@
 """workers.offload: the actor's parameters and optimizer state leave the device and come back bit for bit;
 the reference's and the critic's live in host memory between their calls (verl's fsdp_config keys)."""
 
+import pytest
 import torch
 
 from rlpad.batch import WORKER_SECONDS
@@ -10,6 +11,10 @@ from workers.critic import CriticWorker
 from rlpad.embedded.synthetic import ppo_batch
 from workers.offload import StateOffloader
 from worker_state import snapshot
+from paths import CACHE, recipe
+from rlpad.recipe.load import load_config
+from rlpad.train import fit
+from run_compare import assert_same_metrics, compared_keys
 
 P, R, VOCAB = 8, 10, 128
 
@@ -141,3 +146,25 @@ def test_critic_param_offload_alone_leaves_the_optimizer_state():
     critic = make_critic(True, False)
     critic.update_critic(ppo_batch(8, P, R, vocab_size=VOCAB, seed=1))
     assert _stored_bytes(critic.root) == 0 and _optimizer_bytes(critic.optimizer) > 0
+
+
+@pytest.mark.ray
+@pytest.mark.exactness
+def test_ref_and_critic_offload_on_the_ray_stack_train_as_without(tmp_path):
+    """PPO with a KL loss on Ray (reference and critic as Ray actors, offloaded between calls) against the
+    local stack without offload: the same metrics (two stacks: rounding only, tests/run_compare.py)."""
+
+    def train(out: str, *overrides: str) -> dict[int, dict]:
+        history = fit(load_config(recipe("ppo_tiny"), [
+            f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+            "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "data.val_files=[]",
+            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.use_kl_loss=true", *overrides]))
+        return {r["step"]: r for r in history}
+
+    ray_ = train(str(tmp_path / "ray"), "trainer.backend=ray", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                 "critic.model.fsdp_config.param_offload=true", "critic.model.fsdp_config.optimizer_offload=true")
+    local = train(str(tmp_path / "local"), "trainer.backend=local")
+    for step in (1, 2):
+        assert {"actor/kl_loss", "critic/vf_loss", "critic/grad_norm"} <= set(compared_keys(local[step], ray_[step]))
+    assert assert_same_metrics(local, ray_, steps=(1, 2)) > 20
