@@ -219,6 +219,7 @@ def test_missing_or_malformed_recipe(tmp_path):
     (["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "algorithm.filter_groups.enable=true"],
      "algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2"),
     (["trainer.critic_warmup=-1"], "trainer.critic_warmup=-1 must be >= 0"),
+    (["actor_rollout_ref.rollout.mode=asyn"], "actor_rollout_ref.rollout.mode='asyn' is not valid; choose one of sync, async"),
     (["trainer.critic_warmup=2"], "algorithm.adv_estimator=grpo has no critic: nothing would train"),
 ])
 def test_semantic_checks(overrides, wanted):

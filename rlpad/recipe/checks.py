@@ -119,6 +119,7 @@ def validate_config(config: Config) -> Config:
             problems.append(f"{key}={kind!r}: {e}")
     one_of("data.truncation", d.truncation, TRUNCATION_MODES)
     one_of("actor_rollout_ref.rollout.name", rollout.name, list(ROLLOUT_BACKENDS))
+    one_of("actor_rollout_ref.rollout.mode", rollout.mode, ("sync", "async"))  # verl's values; no effect here
     for key, dt in (("actor_rollout_ref.model.dtype", arr.model.dtype), ("critic.model.dtype", critic.model.dtype),
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, list(DTYPES))
