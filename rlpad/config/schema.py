@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticFSDPConfig", "CriticModelConfig",
-    "DataConfig", "FSDPConfig",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticFSDPConfig",
+    "CriticModelConfig", "DataConfig", "FSDPConfig",
     "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
-    "RefConfig", "RefFSDPConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig",
+    "RefConfig", "RefFSDPConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig",
+    "SFTConfig", "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
     "NO_EFFECT_KEYS", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
 ]

@@ -8,7 +8,8 @@ Finally :func:`rlpad.recipe.checks.validate_config` checks the values against ea
 modes, ...).
 
 Override values are read according to the field they set: ``str`` fields take the text as is
-(unless it reads as a YAML list or mapping, which such a field refuses), list and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``), and
+(unless it reads as a YAML list or mapping, which such a field refuses, as Hydra reads it), list
+and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``), and
 ``null`` clears an optional field. A single string given to a list field becomes a one-item
 list (``data.train_files=train.parquet``), as verl accepts.
 """
