@@ -141,7 +141,11 @@ def check_renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> None:
 
 
 class PromptDataset:
-    """Validated, tokenized prompts from one or more files; :meth:`collate` makes left-padded batches."""
+    """Validated, tokenized prompts from one or more files; :meth:`collate` makes left-padded batches.
+
+    A prompt longer than ``max_prompt_length`` tokens (after the chat template) is dropped with
+    ``filter_overlong`` (counted in ``num_filtered``, one line printed), else cut or refused as
+    ``truncation`` says."""
 
     def __init__(
         self,
@@ -152,6 +156,7 @@ class PromptDataset:
         truncation: str = "error",
         prompt_key: str = "prompt",
         tools: list[dict[str, Any]] | None = None,
+        filter_overlong: bool = False,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {TRUNCATION_MODES}")
@@ -168,6 +173,7 @@ class PromptDataset:
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.rows: list[dict[str, Any]] = []
         self.token_ids: list[list[int]] = []
+        self.num_filtered = 0  # prompts dropped for their length (filter_overlong)
         for path in files:
             for i, raw in enumerate(read_rows(path)):
                 where = f"{path}: row {i}"
@@ -176,6 +182,9 @@ class PromptDataset:
                 if not ids:
                     raise ValueError(f"{where}: column {prompt_key!r} is empty after the chat template (0 tokens)")
                 if len(ids) > max_prompt_length:
+                    if filter_overlong:
+                        self.num_filtered += 1
+                        continue
                     if truncation == "error":
                         raise ValueError(
                             f"{where}: the prompt is {len(ids)} tokens (after the chat template), longer than "
@@ -184,16 +193,21 @@ class PromptDataset:
                     ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
                 self.rows.append(row)
                 self.token_ids.append(ids)
+        if self.num_filtered:
+            print(f"data: dropped {self.num_filtered} of {self.num_filtered + len(self.rows)} prompts of {files}: "
+                  f"longer than data.max_prompt_length={max_prompt_length} tokens (data.filter_overlong_prompts)",
+                  flush=True)
         if not self.rows:
-            raise ValueError(f"no rows in data files {files}")
+            dropped = f" ({self.num_filtered} dropped by data.filter_overlong_prompts)" if self.num_filtered else ""
+            raise ValueError(f"no rows in data files {files}{dropped}")
 
     @classmethod
     def from_config(cls, files: Sequence[str], tokenizer: Any, data: DataConfig,
                     tools: list[dict[str, Any]] | None = None) -> PromptDataset:
-        """A dataset of ``files`` with ``data``'s prompt length, truncation and prompt key; prompts
-        rendered with ``tools`` (schemas) when given."""
+        """A dataset of ``files`` with ``data``'s prompt length, truncation, overlong filter and prompt
+        key; prompts rendered with ``tools`` (schemas) when given."""
         return cls(files, tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-                   prompt_key=data.prompt_key, tools=tools)
+                   prompt_key=data.prompt_key, tools=tools, filter_overlong=data.filter_overlong_prompts)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -38,12 +38,12 @@ def _splitting_backends() -> str:
 
 
 def _offload_problem(config: Config, on: bool, cuda: bool) -> str | None:
-    """``actor.fsdp`` offload without the colocated layout (nothing would use the freed memory)."""
+    """``actor.fsdp_config`` offload without the colocated layout (nothing would use the freed memory)."""
     trainer, arr = config.trainer, config.actor_rollout_ref
-    fsdp = arr.actor.fsdp
+    fsdp = arr.actor.fsdp_config
     if on or not (fsdp.param_offload or fsdp.optimizer_offload):
         return None
-    return ("actor_rollout_ref.actor.fsdp.param_offload / optimizer_offload need trainer.colocate=true (they free "
+    return ("actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload need trainer.colocate=true (they free "
             "the actor's memory for the rollout engine on the same GPU); it resolves to false here "
             f"(colocate={trainer.colocate}, {'cuda' if cuda else 'cpu'}, backend={trainer.backend}, "
             f"tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size})")
@@ -65,7 +65,7 @@ def _colocate(config: Config, cuda: bool) -> bool:
 def colocated(config: Config, cuda: bool) -> bool:
     """Whether the run uses the colocated layout: ``trainer.colocate``, or its default (true on CUDA
     with ``backend=ray``, ``tensor_model_parallel_size=1``, a rollout backend that can fill the
-    pool and ``max_off_policy_steps=0``, false otherwise). Raises ValueError when ``actor.fsdp`` offload
+    pool and ``max_off_policy_steps=0``, false otherwise). Raises ValueError when ``actor.fsdp_config`` offload
     is asked for without it."""
     on = _colocate(config, cuda)
     problem = _offload_problem(config, on, cuda)

@@ -25,6 +25,7 @@ from typing import Any
 
 from rlpad.algorithms.advantages import uses_critic
 from rlpad.config.schema import Config, SFTConfig
+from rlpad.recipe.checks import no_effect_notice
 from rlpad.recipe.load import load_config, save_config
 from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
@@ -164,8 +165,12 @@ def prepare(config: Config) -> Prepared:
     """Check the inputs, resolve embedded names, load the tokenizer, the datasets and the reward.
 
     Everything a user can get wrong in a recipe fails here, with ValueError / FileNotFoundError
-    naming it, before Ray or vLLM start.
+    naming it, before Ray or vLLM start. verl keys set that change nothing here are named in one
+    warning line on stderr (:func:`rlpad.recipe.checks.no_effect_notice`).
     """
+    notice = no_effect_notice(config)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     check_inputs(config)
     config = resolve_embedded(config)
     check_lora(config)  # the target modules and a saved adapter against the model (built on the meta device)

@@ -90,8 +90,8 @@ def test_colocated_equals_separate_with_offload_and_shares_bundles(ray_session, 
     separate, sep = run(ray_session, str(tmp_path / "separate"), "trainer.colocate=false",
                         "actor_rollout_ref.rollout.num_replicas=2")
     colocated, col = run(ray_session, str(tmp_path / "colocated"), "trainer.colocate=true",
-                         "actor_rollout_ref.actor.fsdp.param_offload=true",
-                         "actor_rollout_ref.actor.fsdp.optimizer_offload=true")
+                         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
 
     # On CPU, one line says the engines' sleep frees nothing (the colocated run only), not one per call.
     assert capsys.readouterr().out.count("colocated layout (on CPU): the engines' sleep / wake_up calls run each "

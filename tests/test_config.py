@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
+import typing
 
 import pytest
 
@@ -104,6 +107,66 @@ def test_wrong_type_names_the_key(override, key, expected):
     assert key in str(e.value) and expected in str(e.value)
 
 
+def _leaf_keys(want) -> list[str]:
+    """Every dotted leaf key of the schema whose declared type (``X | None`` unwrapped) passes ``want``."""
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in typing.get_type_hints(cls).items():
+            if typing.get_origin(tp) in (typing.Union, types.UnionType):
+                tp = next(a for a in typing.get_args(tp) if a is not type(None))
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.")
+            elif want(tp):
+                out.append(prefix + name)
+
+    walk(Config, "")
+    return out
+
+
+LIST_KEYS = _leaf_keys(lambda tp: typing.get_origin(tp) is list)
+STR_KEYS = _leaf_keys(lambda tp: tp is str)
+
+
+def _one_line_error(override: str, key: str, capsys) -> None:
+    """``override`` fails at load naming ``key`` in one line, and ``python -m rlpad.train`` exits 2 with
+    that one ``error:`` line (no traceback)."""
+    from rlpad.train import main
+
+    with pytest.raises(ValueError) as e:
+        load_config(RECIPE, [override])
+    assert f"config key {key!r} expects" in str(e.value) and "\n" not in str(e.value)
+    assert main(["--config", RECIPE, override]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and key in err[0], err
+
+
+def test_the_key_lists_are_the_schema():
+    assert {"data.train_files", "data.val_files", "trainer.logger", "actor_rollout_ref.actor.optim.betas",
+            "actor_rollout_ref.rollout.multi_turn.tools"} <= set(LIST_KEYS)
+    assert {"trainer.resume_mode", "data.truncation", "reward.fn", "actor_rollout_ref.model.path"} <= set(STR_KEYS)
+    assert not set(LIST_KEYS) & set(STR_KEYS)
+
+
+@pytest.mark.parametrize("key", LIST_KEYS)
+def test_a_mapping_for_a_list_key_is_a_one_line_error(key, capsys):
+    _one_line_error(f"{key}={{a: 1}}", key, capsys)
+
+
+@pytest.mark.parametrize("key", STR_KEYS)
+def test_a_list_or_mapping_for_a_string_key_is_a_one_line_error(key, capsys):
+    _one_line_error(f"{key}=[1, 2]", key, capsys)
+    _one_line_error(f"{key}={{a: 1}}", key, capsys)
+
+
+def test_list_and_string_keys_still_take_their_values():
+    """Negative control for the two tests above: the same keys take a list and a string."""
+    cfg = load_config(RECIPE, ["data.train_files=[a.parquet, b.parquet]", "trainer.resume_mode=disable",
+                               "trainer.experiment_name=[run", "trainer.project_name=x]"])
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"] and cfg.trainer.resume_mode == "disable"
+    assert cfg.trainer.experiment_name == "[run" and cfg.trainer.project_name == "x]"  # not YAML: text as is
+
+
 def test_wrong_type_in_recipe(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\ndata:\n  max_response_length: [1, 2]\n")
@@ -153,11 +216,26 @@ def test_missing_or_malformed_recipe(tmp_path):
     (["trainer.backend=local", "actor_rollout_ref.rollout.num_replicas=2"], "trainer.backend=local runs one rollout"),
     (["actor_rollout_ref.rollout.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb=0.0 must be > 0"),
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"], "tensor_model_parallel_size=0 must be >= 1"),
+    (["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "algorithm.filter_groups.enable=true"],
+     "algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2"),
+    (["trainer.critic_warmup=-1"], "trainer.critic_warmup=-1 must be >= 0"),
+    (["actor_rollout_ref.rollout.mode=asyn"], "actor_rollout_ref.rollout.mode='asyn' is not valid; choose one of sync, async"),
+    (["trainer.critic_warmup=2"], "algorithm.adv_estimator=grpo has no critic: nothing would train"),
 ])
 def test_semantic_checks(overrides, wanted):
     with pytest.raises(ValueError) as e:
         load_config(RECIPE, overrides)
     assert wanted in str(e.value)
+
+
+def test_filter_groups_and_critic_warmup_load_where_they_mean_something():
+    """Negative controls of the three checks above: n = 2 filters, a critic warms up."""
+    ppo = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4"]
+    cfg = load_config(RECIPE, [*ppo, "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true",
+                               "trainer.critic_warmup=2"])
+    assert cfg.algorithm.filter_groups.enable and cfg.trainer.critic_warmup == 2
+    load_config(RECIPE, [*ppo, "actor_rollout_ref.rollout.n=1"])  # no filter: n = 1 is fine
+    assert load_config(RECIPE, ["trainer.critic_warmup=1"]).trainer.critic_warmup == 1  # GRPO: 1 = from step 1
 
 
 def test_all_problems_reported_at_once():
@@ -202,7 +280,7 @@ def test_rollout_replicas_default_and_explicit():
      "num_replicas=1: with trainer.colocate=true every bundle of the pool hosts one engine, so it must be null or 2"),
     (["trainer.colocate=true", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"],
      "the hf backend cannot be split into replicas"),
-    (["trainer.colocate=false", "actor_rollout_ref.actor.fsdp.param_offload=true"],
+    (["trainer.colocate=false", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
      "param_offload / optimizer_offload need trainer.colocate=true"),
 ])
 def test_colocate_config_errors(overrides, wanted):
@@ -222,7 +300,7 @@ def test_colocate_default_and_replicas():
     assert not colocated(tp, cuda=True)  # auto never picks a layout it cannot build
     forced = load_config(RECIPE, ["trainer.colocate=true", "trainer.n_gpus_per_node=2"])
     assert colocated(forced, cuda=False) and rollout_replicas(forced, cuda=False) == 2
-    offload = load_config(RECIPE, ["actor_rollout_ref.actor.fsdp.optimizer_offload=true"])  # colocate: auto
+    offload = load_config(RECIPE, ["actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])  # colocate: auto
     assert colocated(offload, cuda=True)
     with pytest.raises(ValueError, match="need trainer.colocate=true"):
         colocated(offload, cuda=False)  # auto resolves to false on CPU: the offload would do nothing
@@ -257,9 +335,9 @@ def test_dtype_names_are_defined_once():
 
 def test_offload_without_colocation_fails_at_load_when_the_device_is_known():
     with pytest.raises(ValueError, match="param_offload / optimizer_offload need trainer.colocate=true"):
-        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp.param_offload=true"])
-    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # colocated on CUDA
-    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp.param_offload=true"])  # decided at launch
+        load_config(RECIPE, ["trainer.device=cpu", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+    load_config(RECIPE, ["trainer.device=cuda", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])  # colocated on CUDA
+    load_config(RECIPE, ["trainer.device=auto", "actor_rollout_ref.actor.fsdp_config.param_offload=true"])  # decided at launch
 
 
 def test_warm_start_cache_is_per_user_not_the_working_dir(monkeypatch, tmp_path):
@@ -301,6 +379,24 @@ def _sections() -> dict[type, set[str]]:
     return out
 
 
+def _section_paths() -> dict[type, set[str]]:
+    """Each config dataclass -> the dotted paths it lives at (``RefFSDPConfig`` -> {"actor_rollout_ref.ref.fsdp_config"})."""
+    import dataclasses
+    import typing
+
+    out: dict[type, set[str]] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                out.setdefault(tp, set()).add(prefix + f.name)
+                walk(tp, prefix + f.name + ".")
+
+    walk(Config, "")
+    return out
+
+
 def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool) -> set[tuple[str, str]]:
     """``(section class name, field)`` for every read ``<section>.field`` in the file at ``path``.
 
@@ -311,7 +407,10 @@ def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool
     """
     import ast
 
-    by_attr = {attr: {cls.__name__} for cls, attrs in sections.items() for attr in attrs}
+    by_attr: dict[str, set[str]] = {}  # ``model`` is a ModelConfig (actor_rollout_ref) or a CriticModelConfig
+    for cls, attrs in sections.items():
+        for attr in attrs:
+            by_attr.setdefault(attr, set()).add(cls.__name__)
     names = {cls.__name__ for cls in sections}
     tree = ast.parse(open(path, encoding="utf-8").read())
 
@@ -358,10 +457,13 @@ def test_every_config_field_is_read_somewhere():
     """A config key that nothing reads does nothing (trainer.seed, sft.enable and
     optim.total_training_steps once did): every field of every section must be read as
     ``<section>.<field>`` in rlpad/ or workers/ outside the schema's definitions and outside
-    rlpad/recipe/ (loading or checking a value is not using it)."""
+    rlpad/recipe/ (loading or checking a value is not using it). The exceptions are the verl keys of
+    NO_EFFECT_KEYS, whose only effect is the start-up warning naming them."""
     import dataclasses
     import glob
     import typing
+
+    from rlpad.config.schema import NO_EFFECT_KEYS
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sections = _sections()
@@ -373,7 +475,9 @@ def test_every_config_field_is_read_somewhere():
         reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config", "schema.py")))
     unread = [f"{'/'.join(sorted(sections[cls]))}.{name}" for cls in sections if cls is not Config
               for name, tp in typing.get_type_hints(cls).items()
-              if not dataclasses.is_dataclass(tp) and (cls.__name__, name) not in reads]
+              if not dataclasses.is_dataclass(tp)  # a read typed as a base class (ModelConfig) serves its subclasses
+              and not any((base.__name__, name) in reads for base in cls.__mro__)
+              and not all(f"{path}.{name}" in NO_EFFECT_KEYS for path in _section_paths()[cls])]
     assert unread == [], f"config fields read nowhere: {unread}"
 
 

@@ -78,6 +78,32 @@ def test_truncation_modes(tmp_path, tok):
         PromptDataset(tmp_path / "d.parquet", tok, max_prompt_length=4, truncation="middle")
 
 
+def test_filter_overlong_prompts_drops_and_counts(tmp_path, tok, capsys):
+    """``data.filter_overlong_prompts``: prompts longer than max_prompt_length (tokens after the chat
+    template; this tokenizer has none and one token per character) are dropped, the rest kept in order,
+    and the count printed; truncation=error then has nothing to refuse."""
+    contents = ["1+2=", "0123456789", "10+20=", "123456789+1=", "9+9+9+9=", "1"]
+    write_rows([row(c) for c in contents], tmp_path / "d.jsonl")
+    limit = 8
+    kept = [c for c in contents if len(tok(c, add_special_tokens=False)["input_ids"]) <= limit]
+    assert 0 < len(kept) < len(contents) and any(len(c) == limit for c in kept)  # the limit itself is kept
+    ds = PromptDataset(tmp_path / "d.jsonl", tok, max_prompt_length=limit, truncation="error", filter_overlong=True)
+    assert [r["raw_prompt"][0]["content"] for r in ds.rows] == kept and ds.num_filtered == len(contents) - len(kept)
+    assert f"dropped {len(contents) - len(kept)} of {len(contents)} prompts" in capsys.readouterr().out
+    assert all(len(ids) <= limit for ids in ds.token_ids)
+    # Through the config, for the validation set too.
+    cfg = DataConfig(train_files=[str(tmp_path / "d.jsonl")], val_files=[str(tmp_path / "d.jsonl")],
+                     train_batch_size=2, max_prompt_length=limit, filter_overlong_prompts=True)
+    loader, val = build_datasets(cfg, tok)
+    assert len(loader.dataset) == len(val) == len(kept)
+    # Negative control: without the filter, truncation=error refuses the first long prompt.
+    with pytest.raises(ValueError, match=r"row 1: the prompt is 10 tokens"):
+        PromptDataset(tmp_path / "d.jsonl", tok, max_prompt_length=limit)
+    write_rows([row(c) for c in contents if len(c) > limit], tmp_path / "long.jsonl")  # every prompt too long
+    with pytest.raises(ValueError, match=r"no rows .*\(2 dropped by data.filter_overlong_prompts\)"):
+        PromptDataset(tmp_path / "long.jsonl", tok, max_prompt_length=limit, filter_overlong=True)
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"reward_model": {"ground_truth": "1"}, "data_source": "s"}, r"row 2: missing column 'prompt'"),
     ({"prompt": "1+1=", "data_source": "s"}, r"row 2: missing column 'reward_model'"),

@@ -212,7 +212,7 @@ def test_ray_vllm_colocated_stack_trains_only_groups_with_spread(tmp_path):
     the actor's state offloaded around every generation batch)."""
     pytest.importorskip("vllm")
     records, spy, cfg = dapo_run(str(tmp_path / "ray"), "trainer.total_training_steps=2", "trainer.colocate=true",
-                                 "actor_rollout_ref.actor.fsdp.param_offload=true", backend="ray", rollout="vllm",
+                                 "actor_rollout_ref.actor.fsdp_config.param_offload=true", backend="ray", rollout="vllm",
                                  spy=PhaseSpy)
     check_trained_batches(spy, records, cfg)
     assert sorted(records) == [1, 2] and isinstance(spy, PhaseSpy)

@@ -32,7 +32,7 @@ from rlpad.lora.adapters import adapter_disabled, apply_lora, load_adapter_weigh
 from rlpad.algorithms.policy_loss import get_policy_loss
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
-from workers.offload import StateOffloader
+from workers.offload import StateOffloader, resident, start_resting
 from workers.weight_export import WeightExportMixin, hf_name
 
 __all__ = ["ActorWorker", "update_contract"]
@@ -87,6 +87,8 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         self.root = self._shard_from_rank0(LogProbModel(model), model)
         if self.role == "actor":
             self._build_optimizer(self.config.actor.optim)
+        else:  # verl's ref.fsdp_config.param_offload: the reference's parameters in host memory between calls
+            start_resting(self, self.config.ref.fsdp_config.param_offload, False)
 
     # ------------------------------------------------------------------ log-probs
 
@@ -127,6 +129,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     @reports_seconds
     @batch_method(FORWARD)
+    @resident
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs`` (B, R); micro-batches follow ``ref.log_prob_*``. On a LoRA actor: with its
         adapters disabled, i.e. the base model (the reference for free)."""
@@ -192,10 +195,10 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     def offload_state(self) -> int:
         """Before generation in the colocated layout: parameters (+ gradients) and / or optimizer
-        state to host memory, as ``actor.fsdp.param_offload`` / ``optimizer_offload`` say
+        state to host memory, as ``actor.fsdp_config.param_offload`` / ``optimizer_offload`` say
         (:class:`workers.offload.StateOffloader`, bit-identical round trip); returns the bytes moved."""
         self._require_model()
-        fsdp = self.config.actor.fsdp
+        fsdp = self.config.actor.fsdp_config
         parts = ["params"] * fsdp.param_offload + ["optimizer"] * (fsdp.optimizer_offload and self.optimizer is not None)
         if parts and self._offloader is None:
             self._offloader = StateOffloader(self.root, self.optimizer)

@@ -15,6 +15,7 @@ from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
 from workers.contract import FORWARD, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
+from workers.offload import resident, start_resting
 
 __all__ = ["CriticWorker"]
 
@@ -50,6 +51,8 @@ class CriticWorker(FSDPWorker):
         self.root = self._shard_from_rank0(value_model, value_model.backbone)
         self.model = value_model.backbone
         self._build_optimizer(self.config.optim)
+        fsdp = self.config.model.fsdp_config  # verl's: the state in host memory between calls
+        start_resting(self, fsdp.param_offload, fsdp.optimizer_offload)
 
     def _values(self, piece: Batch):
         args, kwargs = self._scoring_args(piece, self.config.model)
@@ -61,6 +64,7 @@ class CriticWorker(FSDPWorker):
 
     @reports_seconds
     @batch_method(FORWARD)
+    @resident
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` (B, R) of the response tokens (0 on padding)."""
         (values,) = self._forward_all(batch, *self._micro(), lambda p: (self._values(p),))
@@ -79,6 +83,7 @@ class CriticWorker(FSDPWorker):
 
     @reports_seconds
     @batch_method(UPDATE)
+    @resident
     def update_critic(self, batch: Batch, *, return_grads: bool = False) -> dict[str, Any]:
         """Clipped value-loss update (same epochs / mini / micro-batch rules and loss scaling as the actor)."""
         c = self.config
@@ -88,3 +93,13 @@ class CriticWorker(FSDPWorker):
             micro_rows=micro_rows, max_tokens=max_tokens, grad_clip=c.grad_clip, loss_fn=self._value_loss,
             prefix="critic", return_grads=return_grads,
         )  # fmt: skip
+
+    @resident
+    def save_checkpoint(self, path: str) -> None:
+        """:meth:`FSDPWorker.save_checkpoint`, the state on the device for it (``model.fsdp_config``)."""
+        super().save_checkpoint(path)
+
+    @resident
+    def load_checkpoint(self, path: str) -> None:
+        """:meth:`FSDPWorker.load_checkpoint`, the state on the device for it (``model.fsdp_config``)."""
+        super().load_checkpoint(path)

@@ -229,7 +229,7 @@ class RayWorkers:
 
     def begin_generation(self) -> bool:
         """Colocated, before each generation: the engines' weights wake up (unless a sync already woke
-        them), the actor's parameters / optimizer state go to host memory (``actor.fsdp.param_offload``
+        them), the actor's parameters / optimizer state go to host memory (``actor.fsdp_config.param_offload``
         / ``optimizer_offload``) and every group's cached CUDA blocks go back to the device, then the
         engines' KV cache wakes up. Separate layout: nothing. Returns whether it did anything."""
         self.last_offload_bytes = 0

@@ -1,7 +1,9 @@
 """Move a worker's parameters and optimizer state to host memory and back, bit for bit.
 
 For the colocated layout: while the rollout engine generates on a GPU, the actor's state sits in
-host memory. The offloader works on storages, not modules: each unique storage behind a
+host memory. For the reference and the critic (verl's ``fsdp_config.param_offload`` /
+``optimizer_offload`` of those roles): their state sits in host memory between their calls
+(:func:`start_resting`, :func:`resident`). The offloader works on storages, not modules: each unique storage behind a
 parameter (FSDP2's sharded buffers included), its gradient and every optimizer-state tensor is
 copied into a host buffer, then resized to 0 bytes, so the device memory is given back while
 every tensor object (and FSDP2's references to it) stays valid. :meth:`StateOffloader.reload`
@@ -11,13 +13,15 @@ exact path (the "device" storage is freed and restored) without saving anything.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StateOffloader"]
+__all__ = ["StateOffloader", "resident", "start_resting"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -75,3 +79,35 @@ class StateOffloader:
             storage.copy_(host, non_blocking=storage.device.type == "cuda")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- between calls (verl's offload)
+
+
+def start_resting(worker: Any, params: bool, optimizer: bool) -> None:
+    """verl's ``fsdp_config.param_offload`` / ``optimizer_offload`` of a reference or critic worker: from
+    now on its parameters (+ gradients) / optimizer state live in host memory between calls, and each
+    :func:`resident` method brings them back for its own duration. Call at the end of ``init_model``."""
+    worker.resting = ("params",) * params + ("optimizer",) * (optimizer and worker.optimizer is not None)
+    if worker.resting:
+        worker.rest_offloader = StateOffloader(worker.root, worker.optimizer)
+        for part in worker.resting:
+            worker.rest_offloader.offload(part)
+
+
+def resident(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker method that needs its state on the device: with :func:`start_resting` in effect, the
+    state comes back first and goes to host memory again afterwards (also when the method raises)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        parts = getattr(self, "resting", ())
+        for part in parts:
+            self.rest_offloader.reload(part)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for part in parts:
+                self.rest_offloader.offload(part)
+
+    return wrapper

@@ -109,7 +109,8 @@ def describe(config: Config | None = None) -> list[Section]:
         nested: list[tuple[Any, Any, str, str]] = []
         for f in dataclasses.fields(obj):
             value, dflt = getattr(obj, f.name), getattr(default, f.name)
-            tp, text = fields[cls][f.name]
+            tp, text = next(fields[c.__name__][f.name] for c in type(obj).__mro__  # an inherited field: its base's
+                            if f.name in fields.get(c.__name__, {}))
             name = f"{path}.{f.name}" if path else f.name
             if dataclasses.is_dataclass(value):
                 doc = docs[type(value).__name__]

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticFSDPConfig",
+    "CriticModelConfig", "DataConfig", "FSDPConfig",
     "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
-    "RefConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig",
+    "RefConfig", "RefFSDPConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig",
+    "SFTConfig", "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
-    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
+    "NO_EFFECT_KEYS", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -53,6 +54,20 @@ REMOVED_KEYS = {
     "sft.enable": "the supervised warm start runs whenever a model path is embedded:<task> and never "
                   "otherwise (a random tiny model is tiny:<arch>); delete the key",
 }
+# verl keys rlpad accepts but has no use for: each is named, with why, in the one warning line a run
+# starts with when its value differs from the default (rlpad.recipe.checks.no_effect_notice).
+_NO_SHM = "rlpad reads model.path where it is, with no copy into /dev/shm"
+NO_EFFECT_KEYS = {
+    "data.return_raw_chat": "rlpad's batches always carry the chat messages as raw_prompt",
+    "actor_rollout_ref.model.use_shm": _NO_SHM,
+    "critic.model.use_shm": _NO_SHM,
+    "actor_rollout_ref.rollout.load_format": "the engines load model.path themselves and every sync replaces their "
+                                             "weights with the actor's",
+    "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets of "
+                                                "rollout.weight_sync_bucket_mb",
+    "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
+    "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
+}
 
 
 @dataclass
@@ -83,6 +98,7 @@ class ModelConfig:
     # start from a saved adapter (a peft folder: adapter_config.json + weights); its r, alpha and
     # target modules replace lora_rank, lora_alpha and target_modules
     lora_adapter_path: str | None = None
+    use_shm: bool = False  # verl: copy the checkpoint into /dev/shm first; no effect here (NO_EFFECT_KEYS)
 
     @property
     def uses_lora(self) -> bool:
@@ -109,6 +125,21 @@ class FSDPConfig:
 
     param_offload: bool = False  # parameters and gradients to host memory while the engine generates
     optimizer_offload: bool = False  # optimizer state (AdamW moments) to host memory while the engine generates
+
+
+@dataclass
+class RefFSDPConfig:
+    """The reference model's state between its calls (verl's keys; workers/offload.py, any layout)."""
+
+    param_offload: bool = False  # parameters in host memory, on the device only while the reference log-probs run
+
+
+@dataclass
+class CriticFSDPConfig:
+    """The critic's state between its calls (verl's keys; workers/offload.py, any layout)."""
+
+    param_offload: bool = False  # parameters and gradients in host memory, on the device only while the critic runs
+    optimizer_offload: bool = False  # optimizer state (AdamW moments) in host memory, on the device only in its update
 
 
 @dataclass
@@ -152,7 +183,7 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
     @property
     def old_log_probs_split_as_update(self: ActorConfig) -> bool:
@@ -168,6 +199,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a row count
     log_prob_max_token_len_per_gpu: int = 16384  # the token budget with log_prob_use_dynamic_bsz
     ulysses_sequence_parallel_size: int | None = None  # the reference's sequence parallelism; null: the actor's
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
 
 
 @dataclass
@@ -222,6 +254,9 @@ class RolloutConfig:
     # tensors, served by vLLM's LoRA over the base weights the engines started with; merged: the full
     # weights with the adapter merged in, through the full-weight path (any rollout backend)
     lora_sync: str = "adapter"
+    load_format: str = "dummy"  # verl: how the engines get their first weights; no effect here (NO_EFFECT_KEYS)
+    layered_summon: bool = False  # verl: gather the LoRA weights layer by layer; no effect here (NO_EFFECT_KEYS)
+    mode: str = "async"  # verl: sync | async engine driving; no effect here (NO_EFFECT_KEYS)
     # rows per forward of the old log-probs on each rank (with actor.old_log_prob_layout=log_prob)
     log_prob_micro_batch_size_per_gpu: int | None = 8
     log_prob_use_dynamic_bsz: bool = False  # old log-prob micro-batches by a token budget (layout log_prob)
@@ -241,10 +276,17 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig(ModelConfig):
+    """The critic's model keys (as the actor's) and verl's ``critic.model.fsdp_config``."""
+
+    fsdp_config: CriticFSDPConfig = field(default_factory=CriticFSDPConfig)
+
+
+@dataclass
 class CriticConfig:
     """The value model of PPO (algorithm.adv_estimator=gae; workers/critic.py)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # the critic's base model (a value head is added)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # the critic's base model (a value head is added)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n
     ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward on each rank
@@ -306,6 +348,10 @@ class DataConfig:
     truncation: str = "error"  # a longer prompt: error | left (keep its end) | right (keep its start)
     shuffle: bool = True  # shuffle the training prompts each epoch
     seed: int = 1  # the shuffle's seed
+    # drop the prompts longer than max_prompt_length (after the chat template) when the dataset is built,
+    # the count logged, before truncation applies; verl's key
+    filter_overlong_prompts: bool = False
+    return_raw_chat: bool = True  # verl: keep the chat messages in the batch; no effect here (NO_EFFECT_KEYS)
 
 
 @dataclass
@@ -386,6 +432,10 @@ class TrainerConfig:
     # backend=ray, tensor_model_parallel_size=1, max_off_policy_steps=0), false on CPU (rlpad.topology.colocated).
     colocate: bool | None = None
     max_off_policy_steps: int = 0  # k >= 1: generate the next k steps' batches while the actor trains; 0: synchronous
+    # PPO: the actor is updated from step critic_warmup on (verl's rule, steps counted from 1: the first
+    # critic_warmup - 1 steps train the critic alone); 0 or 1: from the first step
+    critic_warmup: int = 0
+    use_legacy_worker_impl: str = "auto"  # verl: which of its worker implementations; no effect here (NO_EFFECT_KEYS)
 
 
 @dataclass

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.doc import format_value
 from rlpad.config.schema import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
-    ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
+    NO_EFFECT_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
 )
 from rlpad.lora.rules import lora_value_problems, syncs_adapter
 from rlpad.training.metrics import LOGGERS
@@ -22,7 +23,7 @@ from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
 from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
 
-__all__ = ["validate_config"]
+__all__ = ["no_effect_notice", "validate_config"]
 
 
 def _dapo_problems(config: Config) -> list[str]:
@@ -38,6 +39,11 @@ def _dapo_problems(config: Config) -> list[str]:
         problems.append(f"data.gen_batch_size={d.gen_batch_size} differs from data.train_batch_size="
                         f"{d.train_batch_size}: generation batches of another size need "
                         "algorithm.filter_groups.enable=true (dynamic sampling)")
+    n = config.actor_rollout_ref.rollout.n
+    if fg.enable and n == 1:
+        problems.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2: it keeps the groups "
+                        "whose responses differ in the metric, and a group of one response has no spread (it is kept, "
+                        "as in verl), so the filter would keep every group")
     k = config.trainer.max_off_policy_steps
     if fg.enable and k >= 1:
         problems.append(f"algorithm.filter_groups.enable=true is not supported with trainer.max_off_policy_steps={k}: "
@@ -50,6 +56,37 @@ def _dapo_problems(config: Config) -> list[str]:
         if ob.penalty_factor < 0:
             problems.append(f"reward_model.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
     return problems
+
+
+def _value(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def no_effect_notice(config: Config) -> str | None:
+    """The one warning line naming the keys of :data:`rlpad.config.schema.NO_EFFECT_KEYS` set to a value
+    other than their default (verl's), each with why it changes nothing in rlpad; None when there are none."""
+    default = Config()
+    changed = [key for key in NO_EFFECT_KEYS if _value(config, key) != _value(default, key)]
+    if not changed:
+        return None
+    reasons: dict[str, list[str]] = {}  # reason -> its keys, in table order
+    for key in changed:
+        reasons.setdefault(NO_EFFECT_KEYS[key], []).append(f"{key}={format_value(_value(config, key))}")
+    return "warning: verl keys with no effect in rlpad: " + "; ".join(
+        f"{', '.join(keys)} ({reason})" for reason, keys in reasons.items())
+
+
+def _warmup_problems(config: Config, uses_critic: bool) -> list[str]:
+    """trainer.critic_warmup (rlpad/training/warmup.py)."""
+    w = config.trainer.critic_warmup
+    if w < 0:
+        return [f"trainer.critic_warmup={w} must be >= 0"]
+    if w > 1 and not uses_critic:
+        return [f"trainer.critic_warmup={w} holds the actor back while the critic trains, but "
+                f"algorithm.adv_estimator={config.algorithm.adv_estimator} has no critic: nothing would train; set 0"]
+    return []
 
 
 def validate_config(config: Config) -> Config:
@@ -82,6 +119,7 @@ def validate_config(config: Config) -> Config:
             problems.append(f"{key}={kind!r}: {e}")
     one_of("data.truncation", d.truncation, TRUNCATION_MODES)
     one_of("actor_rollout_ref.rollout.name", rollout.name, list(ROLLOUT_BACKENDS))
+    one_of("actor_rollout_ref.rollout.mode", rollout.mode, ("sync", "async"))  # verl's values; no effect here
     for key, dt in (("actor_rollout_ref.model.dtype", arr.model.dtype), ("critic.model.dtype", critic.model.dtype),
                     ("actor_rollout_ref.rollout.dtype", rollout.dtype)):
         one_of(key, dt, list(DTYPES))
@@ -113,6 +151,7 @@ def validate_config(config: Config) -> Config:
                         "algorithm.rollout_correction.mode to token_tis or seq_mask to correct for the policy that "
                         "generated them (the behaviour policy, rollout_log_probs)")
     problems += _dapo_problems(config)
+    problems += _warmup_problems(config, uses_critic)
     one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)

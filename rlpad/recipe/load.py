@@ -7,8 +7,9 @@ close match; values are then merged with OmegaConf (structured config), which co
 Finally :func:`rlpad.recipe.checks.validate_config` checks the values against each other (batch sizes,
 modes, ...).
 
-Override values are read according to the field they set: ``str`` fields take the text as is,
-list and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``), and
+Override values are read according to the field they set: ``str`` fields take the text as is
+(unless it reads as a YAML list or mapping, which such a field refuses, as Hydra reads it), list
+and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``), and
 ``null`` clears an optional field. A single string given to a list field becomes a one-item
 list (``data.train_files=train.parquet``), as verl accepts.
 """
@@ -126,6 +127,8 @@ def _check_keys(raw: Any, cls: type, prefix: str, source: str) -> dict[str, Any]
             out[key] = _check_keys(value, tp, full + ".", source)
         elif typing.get_origin(tp) is list and isinstance(value, str) and "${" not in value:
             out[key] = [value]
+        elif typing.get_origin(tp) is list and value is not None and not isinstance(value, list | tuple | str):
+            raise ValueError(f"{source}: config key {full!r} expects {_type_name(fields[key])}, got {value!r}")
         elif typing.get_origin(tp) is list and isinstance(value, list | tuple) and any(
                 isinstance(v, Mapping | list | tuple) for v in value):
             raise ValueError(f"{source}: config key {full!r} expects {_type_name(tp)}, got {value!r}")
@@ -151,7 +154,14 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"override {text!r}: unknown config key {key!r}{_suggest(key)}") from None
     if optional and value.strip() in ("null", "None", "~"):
         return key, None
-    if tp is str:
+    if tp is str:  # as is, unless it is a YAML list or mapping (Hydra's reading): refused by the key check
+        if value.strip()[:1] in ("[", "{"):
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return key, value
+            if isinstance(parsed, list | dict):
+                return key, parsed
         return key, value
     if tp in (int, float, bool):  # OmegaConf converts the text ("16", "1e-6", "false") or rejects it
         return key, value.strip()

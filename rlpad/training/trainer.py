@@ -39,6 +39,7 @@ from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
+from rlpad.training.warmup import actor_updates
 from rlpad.rewards.rules import score_batch
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction
@@ -194,7 +195,8 @@ class Trainer:
         self.compute_advantage(batch, clock, metrics)
         if uses_critic:
             metrics.update(self.update_critic(batch, clock))
-        metrics.update(self.update_actor(batch, clock))
+        if actor_updates(self.config, self.step):  # trainer.critic_warmup: before it, the critic trains alone
+            metrics.update(self.update_actor(batch, clock))
         self.sync_weights(clock)
         metrics.update(self._batch_metrics(batch, seq_scores, clock.wall))
         if async_metrics:

@@ -27,7 +27,7 @@ def actor_config(dtype: str) -> ActorRolloutRefConfig:
     cfg.model.dtype = dtype
     cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = 8, 4
     cfg.actor.optim.lr, cfg.rollout.n = 1e-2, 1
-    cfg.actor.fsdp.param_offload = cfg.actor.fsdp.optimizer_offload = True
+    cfg.actor.fsdp_config.param_offload = cfg.actor.fsdp_config.optimizer_offload = True
     return cfg
 
 
