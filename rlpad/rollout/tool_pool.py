@@ -7,7 +7,10 @@ A call past its time is answered ``("timeout", seconds)`` at once; its process t
 and is killed (its whole session: the hung thread, and any process the tool started) as soon as its
 other calls are answered, then replaced. So a turn whose calls all hang costs about one ``timeout``
 (when ``concurrency`` covers the turn's calls), and nothing a tool started outlives the pool
-(:meth:`ToolPool.close`). The tools' prints are logged (logger ``rlpad.tools``: run.log).
+(:meth:`ToolPool.close`). A process that dies under its calls (a tool calling ``os._exit``) answers each
+of its calls in flight ``("crashed", exit code)`` and is replaced; a call sent as it died goes to another
+worker. A worker whose pool is gone (end of its pipe) kills its own session, so what its tools started
+ends with it even when the pool's process is killed without closing the pool. The tools' prints are logged (logger ``rlpad.tools``: run.log).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -125,6 +129,13 @@ class ToolPool:
         """``(status, payload)`` per ``(tool name, arguments)`` job, in order: a worker status
         (:data:`rlpad.rollout.tool_worker.STATUSES`), ``("timeout", seconds)``, or ``("crashed", exit
         code)`` when the process died under the call."""
+        try:
+            return self._run(jobs)
+        except BaseException:  # never leave a worker holding calls of this turn: the next turn starts clean
+            self.close()
+            raise
+
+    def _run(self, jobs: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
         results: list[tuple[str, Any] | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
         workers = self._workers
@@ -133,9 +144,16 @@ class ToolPool:
             if pending:
                 self._start_missing()
             for w in workers:
+                if w is not None and w.proc.poll() is not None:
+                    w.tainted = True  # died (a tool exited it): its calls in flight are answered "crashed" below
                 while pending and w is not None and not w.tainted and len(w.inflight) < self.per_worker:
                     j = pending.popleft()
-                    w.send_end.send((j, *jobs[j]))
+                    try:
+                        w.send_end.send((j, *jobs[j]))
+                    except OSError:  # it died since (BrokenPipeError): the call never reached it, another worker takes it
+                        pending.appendleft(j)
+                        w.tainted = True
+                        break
                     w.inflight[j] = time.monotonic() + self.timeout
             busy = {w.recv_end: w for w in workers if w is not None and w.inflight}
             if not busy:
@@ -145,11 +163,12 @@ class ToolPool:
                 w = busy[end]
                 try:
                     j, status, payload = end.recv()
-                except (EOFError, OSError):  # the process died (a tool exited it, a crash)
+                except (EOFError, OSError, pickle.UnpicklingError):  # the process died (a tool exited it, a crash)
                     code = w.proc.wait()
                     for j in w.inflight:
                         results[j] = ("crashed", code)
                     w.inflight.clear()
+                    w.tainted = True
                     continue
                 if w.inflight.pop(j, None) is not None:  # else: a late answer to a call already timed out
                     results[j] = (status, payload)

@@ -6,7 +6,8 @@ over two pipes): in, ``(call_id, tool name, arguments)`` or None (exit); out, fi
 None)`` (or ``("failed", None, reason)``), then ``(call_id, status, payload)`` per call, status one of
 :data:`STATUSES`. A tool's own prints go to this process's stderr, which the pool logs (run.log), never to
 the console. The pool kills the whole process (its session) to stop a call that runs past its time, so
-no thread of a hung tool outlives it.
+no thread of a hung tool outlives it. At the end of its input pipe (the pool closed it, or the pool's
+process died) the worker kills its own session too: nothing a tool started outlives it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import inspect
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from typing import Any
 
 from rlpad.rollout.tools import load_tools  # stdlib-only imports: the worker starts light
 
-__all__ = ["STATUSES", "execute", "main"]
+__all__ = ["STATUSES", "end_session", "execute", "main"]
 
 # status -> what the payload is: the output / "Type: message" / the returned type's name / its length
 STATUSES = ("ok", "raised", "not_text", "too_long")
@@ -71,11 +73,19 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             message = inbox.recv()
-        except (EOFError, OSError):  # the pool is gone
-            os._exit(0)
+        except (EOFError, OSError):  # the pool is gone (closed, or its process killed without closing it)
+            end_session()
         if message is None:
-            os._exit(0)
+            end_session()
         pool.submit(run, *message)
+
+
+def end_session() -> None:
+    """Exit, killing what the tools started: this process's whole group when it leads its own (the pool
+    starts each worker as a new session; a group shared with another process is left alone)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)  # this process included
+    os._exit(0)
 
 
 if __name__ == "__main__":
