@@ -73,10 +73,20 @@ class _Worker:
             self.kill()
             raise RuntimeError(f"multi_turn: a tool worker could not load the tools: {reason}")
 
+    def exit_code(self, block: bool = False) -> int | None:
+        """The worker's exit code (None: running; ``block``: wait for it), read without reaping it: its pid,
+        which is its session's group id, stays reserved until :meth:`kill` (so the group is never another's)."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker's session: its threads and any child
+        if self.proc.returncode is None:  # not reaped: the group is still the worker's
+            try:  # its session: its threads and any child, also when the worker itself has exited
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait()
@@ -111,7 +121,7 @@ class ToolPool:
     def _retire_idle(self) -> None:
         """Kill the workers with no call in flight that had a call time out or died."""
         for i, w in enumerate(self._workers):
-            if w is not None and (w.tainted or w.proc.poll() is not None) and not w.inflight:
+            if w is not None and (w.tainted or w.exit_code() is not None) and not w.inflight:
                 w.kill()
                 self._workers[i] = None
 
@@ -144,7 +154,7 @@ class ToolPool:
             if pending:
                 self._start_missing()
             for w in workers:
-                if w is not None and w.proc.poll() is not None:
+                if w is not None and w.exit_code() is not None:
                     w.tainted = True  # died (a tool exited it): its calls in flight are answered "crashed" below
                 while pending and w is not None and not w.tainted and len(w.inflight) < self.per_worker:
                     j = pending.popleft()
@@ -164,7 +174,7 @@ class ToolPool:
                 try:
                     j, status, payload = end.recv()
                 except (EOFError, OSError, pickle.UnpicklingError):  # the process died (a tool exited it, a crash)
-                    code = w.proc.wait()
+                    code = w.exit_code(block=True)
                     for j in w.inflight:
                         results[j] = ("crashed", code)
                     w.inflight.clear()

@@ -54,6 +54,7 @@ async def _wait(awaitable: Any) -> Any:
 
 def main(argv: list[str]) -> None:
     read_fd, write_fd, specs, threads, max_chars = int(argv[0]), int(argv[1]), json.loads(argv[2]), int(argv[3]), int(argv[4])
+    _hold_session(read_fd, write_fd)
     os.dup2(2, 1)  # the tools' prints: stderr (the pool logs it), never the message pipe nor the console
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
@@ -80,11 +81,30 @@ def main(argv: list[str]) -> None:
         pool.submit(run, *message)
 
 
+_GROUP: list[int] = []  # the process group this worker may kill at its end (its holder's own group), if any
+
+
+def _hold_session(read_fd: int, write_fd: int) -> None:
+    """Split in two. The process the pool started (leading its own session) becomes a holder that only
+    waits for its child and exits with the child's status; the child returns and runs the tools. Ray kills
+    an actor's direct children (the holder) when the actor dies: the child then sees the end of its pipe
+    and kills the whole group (:func:`end_session`), what its tools started included."""
+    pid = os.fork()
+    if pid == 0:
+        if os.getpgrp() == os.getppid():  # the holder leads the group: a group of this worker's alone
+            _GROUP.append(os.getpgrp())
+        return
+    os.close(read_fd)
+    os.close(write_fd)  # the pool sees the end of the pipe when the child is gone
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def end_session() -> None:
-    """Exit, killing what the tools started: this process's whole group when it leads its own (the pool
-    starts each worker as a new session; a group shared with another process is left alone)."""
-    if os.getpgrp() == os.getpid():
-        os.killpg(0, signal.SIGKILL)  # this process included
+    """Exit, killing what the tools started: the whole group when it is this worker's alone (a group
+    shared with another process is left alone)."""
+    if _GROUP:
+        os.killpg(_GROUP[0], signal.SIGKILL)  # this process included
     os._exit(0)
 
 
