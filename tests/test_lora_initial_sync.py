@@ -110,13 +110,13 @@ def test_a_run_from_a_saved_adapter_samples_the_adapter_from_step_one(adapter, t
         if sync == "merged":
             calls = Recorder.last.calls
             assert calls.index("sync_weights") < calls.index("generate_validation") < calls.index("generate"), calls
-    stale = fit(load_config(RECIPE, _overrides(tmp_path / "stale", f"actor_rollout_ref.model.lora_adapter_path={adapter}",
-                                              "trainer.backend=local")), wrap_workers=NoSync)
+    stale_config = load_config(RECIPE, _overrides(tmp_path / "stale", "trainer.backend=local",
+                                                  f"actor_rollout_ref.model.lora_adapter_path={adapter}"))
+    stale = fit(stale_config, wrap_workers=NoSync)
     assert [r["step"] for r in runs["merged"]] == [0, 1]  # step-0 validation ran
-    print(f"step-1 mismatch mean / max: adapter sync {runs['adapter'][-1]['mismatch/abs_diff_mean']:.2e} / "
-          f"{runs['adapter'][-1]['mismatch/abs_diff_max']:.2e}, merged {runs['merged'][-1]['mismatch/abs_diff_mean']:.2e}"
-          f" / {runs['merged'][-1]['mismatch/abs_diff_max']:.2e}, engine on the base model "
-          f"{stale[0]['mismatch/abs_diff_mean']:.2e} / {stale[0]['mismatch/abs_diff_max']:.2e}")
+    shown = {**{sync: steps[-1] for sync, steps in runs.items()}, "engine on the base model": stale[0]}
+    print("step-1 mismatch mean / max:", {k: f"{r['mismatch/abs_diff_mean']:.2e} / {r['mismatch/abs_diff_max']:.2e}"
+                                           for k, r in shown.items()})
     for sync, steps in runs.items():
         step = steps[-1]  # step 1
         assert step["mismatch/abs_diff_mean"] < NOISE, (sync, step)

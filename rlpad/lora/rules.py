@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-__all__ = ["ALL_LINEAR", "adapter_option_problems", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
-           "lora_key", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
-           "syncs_adapter"]
+__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "adapter_option_problems",
+           "engine_lora_kwargs", "engine_max_lora_rank", "lora_key", "lora_spec", "lora_value_problems", "matches",
+           "select_targets", "syncs_adapter"]
 
 ALL_LINEAR = "all-linear"  # target_modules entry: every linear of the decoder (never the LM head)
 # The values vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks); an engine serving an adapter of
@@ -62,7 +62,7 @@ _REFUSED_ADAPTER_OPTIONS: dict[str, tuple[Any, str]] = {
     "modules_to_save": (bool, "fully trained module copies: rlpad trains and syncs the adapters only"),
     "alpha_pattern": (bool, "per-module alphas: rlpad applies one scale to every module"),
     "rank_pattern": (bool, "per-module ranks: rlpad applies one rank to every module"),
-    "layers_to_transform": (lambda v: v is not None, "adapters on some layers only: list those modules by name instead"),
+    "layers_to_transform": (lambda v: v is not None, "adapters on some layers only: list the modules by name"),
     "layer_replication": (bool, "replicated layers"),
     "fan_in_fan_out": (bool, "transposed weights of Conv1D models"),
     "target_parameters": (bool, "adapters on parameters, not modules"),

@@ -10,7 +10,8 @@ other calls are answered, then replaced. So a turn whose calls all hang costs ab
 (:meth:`ToolPool.close`). A process that dies under its calls (a tool calling ``os._exit``) answers each
 of its calls in flight ``("crashed", exit code)`` and is replaced; a call sent as it died goes to another
 worker. A worker whose pool is gone (end of its pipe) kills its own session, so what its tools started
-ends with it even when the pool's process is killed without closing the pool. The tools' prints are logged (logger ``rlpad.tools``: run.log).
+ends with it even when the pool's process is killed without closing the pool
+(:func:`rlpad.rollout.tool_worker.end_session`). The tools' prints are logged (logger ``rlpad.tools``: run.log).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class ToolPool:
                     j = pending.popleft()
                     try:
                         w.send_end.send((j, *jobs[j]))
-                    except OSError:  # it died since (BrokenPipeError): the call never reached it, another worker takes it
+                    except OSError:  # it died since (BrokenPipeError): the call never got there, requeued
                         pending.appendleft(j)
                         w.tainted = True
                         break
