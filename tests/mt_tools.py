@@ -134,3 +134,26 @@ explicit = lambda text: text  # noqa: E731 - a tool with an explicit schema
 explicit.__name__ = "explicit"
 explicit.json_schema = {"name": "explicit", "description": "Echo.",
                         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+
+
+def die(text: str) -> str:
+    """Kills its own process at once (a tool calling os._exit).
+
+    Args:
+        text: ignored
+    """
+    os._exit(3)
+
+
+def background(path: str) -> str:
+    """Starts a long-lived child process, writes its pid to ``path`` and returns at once (the child runs on).
+
+    Args:
+        path: where the child's pid goes
+    """
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(path, "w") as f:
+        f.write(str(child.pid))
+    return "started"

@@ -161,6 +161,11 @@ class RolloutWorker:
             stash.release.remote(version)
         return time.perf_counter() - start
 
+    def close_tools(self) -> bool:
+        """Stop the multi-turn tool processes and what their tools started (before the actor is killed)."""
+        self.backend.close_tools()
+        return True
+
     def sleep(self) -> bool:
         """Free the engine's device memory until the next :meth:`wake_up` (colocated layout)."""
         self.backend.sleep()
@@ -312,8 +317,13 @@ class RolloutReplicas:
         self._get([a.update_weights.remote(ref) for a in self.actors])
         return time.perf_counter() - start
 
-    def shutdown(self) -> None:
-        """Kill the replicas."""
+    def shutdown(self, close_timeout_s: float = 10.0) -> None:
+        """Close each replica's tool pool (its tool processes and what they started; waited for at most
+        ``close_timeout_s``), then kill the replicas."""
+        try:
+            ray.get([a.close_tools.remote() for a in self.actors], timeout=close_timeout_s)
+        except Exception:  # a replica already gone or stuck: its tool workers end at the end of their pipe
+            pass
         for actor in self.actors:
             try:
                 ray.kill(actor)

@@ -30,7 +30,7 @@ def _lora_config(spec: LoraSpec, targets: list[str]) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-                      task_type="CAUSAL_LM")
+                      use_rslora=spec.use_rslora, task_type="CAUSAL_LM")
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> Any:
@@ -84,11 +84,12 @@ def save_adapter(path: str, adapters: dict[str, tuple[torch.Tensor, torch.Tensor
                  base_model: str | None = None) -> None:
     """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors) loadable by
     ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest``. ``adapters``: HF module name ->
-    ``(lora_A (r, in), lora_B (out, r))``."""
+    ``(lora_A (r, in), lora_B (out, r))``. Its ``target_modules`` are the adapted modules' full names, so
+    loading it rebuilds exactly these modules (suffixes would also select those an ``exclude_modules`` left out)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    config = _lora_config(spec, sorted({m.rsplit(".", 1)[-1] for m in adapters}))
+    config = _lora_config(spec, sorted(adapters))
     config.base_model_name_or_path = base_model
     config.save_pretrained(path)
     tensors = {}

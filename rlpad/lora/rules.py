@@ -8,6 +8,7 @@ the weight export read the rules here, so a name is matched one way everywhere.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "engine_max_lora_rank",
-           "lora_key", "lora_spec", "lora_value_problems", "matches", "select_targets", "engine_lora_kwargs",
-           "syncs_adapter"]
+__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "adapter_option_problems",
+           "engine_lora_kwargs", "engine_max_lora_rank", "lora_key", "lora_spec", "lora_value_problems", "matches",
+           "select_targets", "syncs_adapter"]
 
 ALL_LINEAR = "all-linear"  # target_modules entry: every linear of the decoder (never the LM head)
 # The values vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks); an engine serving an adapter of
@@ -41,11 +42,52 @@ class LoraSpec:
     alpha: float
     target_modules: tuple[str, ...]
     exclude_modules: tuple[str, ...] = ()
+    use_rslora: bool = False  # rank-stabilised LoRA: the scale is alpha / sqrt(rank) (a saved adapter's option)
 
     @property
     def scale(self) -> float:
-        """The factor of ``B @ A`` in ``W + scale * B @ A``."""
-        return self.alpha / self.rank
+        """The factor of ``B @ A`` in ``W + scale * B @ A``: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+# A saved adapter's peft options rlpad refuses (each changes what the adapter computes, and the actor, the merged
+# export and vLLM would not all honour it): option -> (is it set?, what it is). Honoured: r, lora_alpha,
+# target_modules (a list), exclude_modules, use_rslora; the rest (dropout, init, task type) changes nothing loaded.
+_DEFAULT_INITS = (True, False, "gaussian", "eva", "orthogonal")  # inits that only draw the starting A, B
+_REFUSED_ADAPTER_OPTIONS: dict[str, tuple[Any, str]] = {
+    "peft_type": (lambda v: v not in (None, "LORA"), "not a LoRA adapter"),
+    "use_dora": (bool, "DoRA's magnitude vectors: vLLM serves no DoRA, the merge and the trainer have no magnitude"),
+    "bias": (lambda v: v not in (None, "none"), "trained biases: vLLM serves none, rlpad trains none"),
+    "lora_bias": (bool, "a bias on lora_B: vLLM serves none"),
+    "modules_to_save": (bool, "fully trained module copies: rlpad trains and syncs the adapters only"),
+    "alpha_pattern": (bool, "per-module alphas: rlpad applies one scale to every module"),
+    "rank_pattern": (bool, "per-module ranks: rlpad applies one rank to every module"),
+    "layers_to_transform": (lambda v: v is not None, "adapters on some layers only: list the modules by name"),
+    "layer_replication": (bool, "replicated layers"),
+    "fan_in_fan_out": (bool, "transposed weights of Conv1D models"),
+    "target_parameters": (bool, "adapters on parameters, not modules"),
+    "trainable_token_indices": (bool, "trained token embeddings"),
+    "use_qalora": (bool, "QALoRA"),
+    "alora_invocation_tokens": (bool, "activated LoRA"),
+    "use_bdlora": (bool, "block-diagonal LoRA"),
+    **{f"{variant}_config": (bool, f"the LoRA variant {variant}")
+       for variant in ("arrow", "kasa", "monteclora", "velora")},
+    "init_lora_weights": (lambda v: v not in _DEFAULT_INITS, "an init that changes the base weights, as PiSSA, "
+                                                             "OLoRA, LoftQ, CorDA do: convert it to a plain LoRA"),
+}
+
+
+def adapter_option_problems(cfg: dict[str, Any], key: str) -> list[str]:
+    """One line per option of a saved adapter's ``adapter_config.json`` (``cfg``) that rlpad refuses, naming
+    the option and ``key`` (the config key that points at the adapter)."""
+    problems = [f"{key}: adapter_config.json sets {option}={cfg[option]!r}, which rlpad does not support ({what})"
+                for option, (is_set, what) in _REFUSED_ADAPTER_OPTIONS.items()
+                if option in cfg and is_set(cfg[option])]
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        problems.append(f"{key}: adapter_config.json sets target_modules={targets!r}, a regular expression (peft's "
+                        "full match), which rlpad does not support: list the module names or suffixes")
+    return problems
 
 
 def _adapter_config(path: str) -> dict[str, Any]:
@@ -66,11 +108,14 @@ def lora_spec(model: Any) -> LoraSpec | None:
         return LoraSpec(model.lora_rank, float(model.lora_alpha), tuple(model.target_modules),
                         tuple(model.exclude_modules))
     cfg = _adapter_config(model.lora_adapter_path)
+    problems = adapter_option_problems(cfg, f"actor_rollout_ref.model.lora_adapter_path={model.lora_adapter_path!r}")
+    if problems:
+        raise ValueError("\n".join(problems))
     targets = cfg.get("target_modules") or ()
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     exclude = cfg.get("exclude_modules") or ()
     return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), targets,
-                    (exclude,) if isinstance(exclude, str) else tuple(exclude))
+                    (exclude,) if isinstance(exclude, str) else tuple(exclude), bool(cfg.get("use_rslora", False)))
 
 
 def syncs_adapter(config: Any) -> bool:

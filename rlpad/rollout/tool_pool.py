@@ -7,7 +7,11 @@ A call past its time is answered ``("timeout", seconds)`` at once; its process t
 and is killed (its whole session: the hung thread, and any process the tool started) as soon as its
 other calls are answered, then replaced. So a turn whose calls all hang costs about one ``timeout``
 (when ``concurrency`` covers the turn's calls), and nothing a tool started outlives the pool
-(:meth:`ToolPool.close`). The tools' prints are logged (logger ``rlpad.tools``: run.log).
+(:meth:`ToolPool.close`). A process that dies under its calls (a tool calling ``os._exit``) answers each
+of its calls in flight ``("crashed", exit code)`` and is replaced; a call sent as it died goes to another
+worker. A worker whose pool is gone (end of its pipe) kills its own session, so what its tools started
+ends with it even when the pool's process is killed without closing the pool
+(:func:`rlpad.rollout.tool_worker.end_session`). The tools' prints are logged (logger ``rlpad.tools``: run.log).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -69,10 +74,20 @@ class _Worker:
             self.kill()
             raise RuntimeError(f"multi_turn: a tool worker could not load the tools: {reason}")
 
+    def exit_code(self, block: bool = False) -> int | None:
+        """The worker's exit code (None: running; ``block``: wait for it), read without reaping it: its pid,
+        which is its session's group id, stays reserved until :meth:`kill` (so the group is never another's)."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker's session: its threads and any child
+        if self.proc.returncode is None:  # not reaped: the group is still the worker's
+            try:  # its session: its threads and any child, also when the worker itself has exited
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait()
@@ -107,7 +122,7 @@ class ToolPool:
     def _retire_idle(self) -> None:
         """Kill the workers with no call in flight that had a call time out or died."""
         for i, w in enumerate(self._workers):
-            if w is not None and (w.tainted or w.proc.poll() is not None) and not w.inflight:
+            if w is not None and (w.tainted or w.exit_code() is not None) and not w.inflight:
                 w.kill()
                 self._workers[i] = None
 
@@ -125,6 +140,13 @@ class ToolPool:
         """``(status, payload)`` per ``(tool name, arguments)`` job, in order: a worker status
         (:data:`rlpad.rollout.tool_worker.STATUSES`), ``("timeout", seconds)``, or ``("crashed", exit
         code)`` when the process died under the call."""
+        try:
+            return self._run(jobs)
+        except BaseException:  # never leave a worker holding calls of this turn: the next turn starts clean
+            self.close()
+            raise
+
+    def _run(self, jobs: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
         results: list[tuple[str, Any] | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
         workers = self._workers
@@ -133,9 +155,16 @@ class ToolPool:
             if pending:
                 self._start_missing()
             for w in workers:
+                if w is not None and w.exit_code() is not None:
+                    w.tainted = True  # died (a tool exited it): its calls in flight are answered "crashed" below
                 while pending and w is not None and not w.tainted and len(w.inflight) < self.per_worker:
                     j = pending.popleft()
-                    w.send_end.send((j, *jobs[j]))
+                    try:
+                        w.send_end.send((j, *jobs[j]))
+                    except OSError:  # it died since (BrokenPipeError): the call never got there, requeued
+                        pending.appendleft(j)
+                        w.tainted = True
+                        break
                     w.inflight[j] = time.monotonic() + self.timeout
             busy = {w.recv_end: w for w in workers if w is not None and w.inflight}
             if not busy:
@@ -145,11 +174,12 @@ class ToolPool:
                 w = busy[end]
                 try:
                     j, status, payload = end.recv()
-                except (EOFError, OSError):  # the process died (a tool exited it, a crash)
-                    code = w.proc.wait()
+                except (EOFError, OSError, pickle.UnpicklingError):  # the process died (a tool exited it, a crash)
+                    code = w.exit_code(block=True)
                     for j in w.inflight:
                         results[j] = ("crashed", code)
                     w.inflight.clear()
+                    w.tainted = True
                     continue
                 if w.inflight.pop(j, None) is not None:  # else: a late answer to a call already timed out
                     results[j] = (status, payload)

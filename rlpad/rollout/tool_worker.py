@@ -6,7 +6,8 @@ over two pipes): in, ``(call_id, tool name, arguments)`` or None (exit); out, fi
 None)`` (or ``("failed", None, reason)``), then ``(call_id, status, payload)`` per call, status one of
 :data:`STATUSES`. A tool's own prints go to this process's stderr, which the pool logs (run.log), never to
 the console. The pool kills the whole process (its session) to stop a call that runs past its time, so
-no thread of a hung tool outlives it.
+no thread of a hung tool outlives it. At the end of its input pipe (the pool closed it, or the pool's
+process died) the worker kills its own session too: nothing a tool started outlives it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import inspect
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from typing import Any
 
 from rlpad.rollout.tools import load_tools  # stdlib-only imports: the worker starts light
 
-__all__ = ["STATUSES", "execute", "main"]
+__all__ = ["STATUSES", "end_session", "execute", "main"]
 
 # status -> what the payload is: the output / "Type: message" / the returned type's name / its length
 STATUSES = ("ok", "raised", "not_text", "too_long")
@@ -52,6 +54,7 @@ async def _wait(awaitable: Any) -> Any:
 
 def main(argv: list[str]) -> None:
     read_fd, write_fd, specs, threads, max_chars = int(argv[0]), int(argv[1]), json.loads(argv[2]), int(argv[3]), int(argv[4])
+    _hold_session(read_fd, write_fd)
     os.dup2(2, 1)  # the tools' prints: stderr (the pool logs it), never the message pipe nor the console
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
@@ -71,11 +74,38 @@ def main(argv: list[str]) -> None:
     while True:
         try:
             message = inbox.recv()
-        except (EOFError, OSError):  # the pool is gone
-            os._exit(0)
+        except (EOFError, OSError):  # the pool is gone (closed, or its process killed without closing it)
+            end_session()
         if message is None:
-            os._exit(0)
+            end_session()
         pool.submit(run, *message)
+
+
+_GROUP: list[int] = []  # the process group this worker may kill at its end (its holder's own group), if any
+
+
+def _hold_session(read_fd: int, write_fd: int) -> None:
+    """Split in two. The process the pool started (leading its own session) becomes a holder that only
+    waits for its child and exits with the child's status; the child returns and runs the tools. Ray kills
+    an actor's direct children (the holder) when the actor dies: the child then sees the end of its pipe
+    and kills the whole group (:func:`end_session`), what its tools started included."""
+    pid = os.fork()
+    if pid == 0:
+        if os.getpgrp() == os.getppid():  # the holder leads the group: a group of this worker's alone
+            _GROUP.append(os.getpgrp())
+        return
+    os.close(read_fd)
+    os.close(write_fd)  # the pool sees the end of the pipe when the child is gone
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def end_session() -> None:
+    """Exit, killing what the tools started: the whole group when it is this worker's alone (a group
+    shared with another process is left alone)."""
+    if _GROUP:
+        os.killpg(_GROUP[0], signal.SIGKILL)  # this process included
+    os._exit(0)
 
 
 if __name__ == "__main__":

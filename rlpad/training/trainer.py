@@ -35,6 +35,7 @@ from rlpad.training.checkpoint import CheckpointDir
 from rlpad.config.schema import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
+from rlpad.training.initial_weights import sync_initial_weights
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
 from rlpad.training.stage_clock import StageClock
@@ -141,6 +142,8 @@ class Trainer:
         logger = None
         try:
             self._maybe_resume()
+            if self.last_checkpoint is None:  # a fresh start: the engines hold model.path's weights
+                sync_initial_weights(self.config, self.workers, self.ahead)
             logger = MetricsLogger(cfg.default_local_dir, cfg.logger, total_steps=self.total_steps,
                                    project=cfg.project_name, run_name=cfg.experiment_name, start_step=self.step)
             self._loop(logger)
