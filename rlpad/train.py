@@ -33,7 +33,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.rules import load_reward_fn
+from rlpad.rewards.rules import load_reward_fn, reward_source_problems
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -173,6 +173,9 @@ def prepare(config: Config) -> Prepared:
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
+    sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
+    if problems := reward_source_problems(config.reward.fn, sources):
+        raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
 

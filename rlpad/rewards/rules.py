@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config.schema import RewardConfig
 from rlpad.functions import load_function
+from rlpad.rewards import math_verifier
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
 from rlpad.rewards.toys import TOY_SCORERS
 from rlpad.rewards.verl_default import compute_score as verl_compute_score
@@ -37,7 +38,7 @@ from rlpad.rewards.verl_default import compute_score as verl_compute_score
 __all__ = [
     "DEFAULT_REWARD_FN", "TOY_SCORERS", "answers_match", "boxed_score", "compute_score", "decode_responses",
     "extract_boxed_answer", "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn", "math_verify_score",
-    "normalize_answer", "place_scores", "score_batch", "score_responses",
+    "normalize_answer", "place_scores", "reward_source_problems", "score_batch", "score_responses",
 ]
 
 RewardFn = Callable[..., Any]
@@ -169,14 +170,31 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
     :func:`rlpad.rewards.math_verifier.math_verify_score`.
     """
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
-        name = str(data_source).lower()
-        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
+    scorer = _lenient_scorer(data_source)
     if scorer is None:
         raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
                          "(or set reward.fn=package.module:function)")
     return scorer(solution_str, ground_truth, extra_info)
+
+
+def _lenient_scorer(data_source: str) -> Callable[[str, Any, Any], float] | None:
+    """The lenient reward's scorer of ``data_source``: listed, else by a ``gsm8k`` / ``math`` / ``aime`` in
+    its name; None if none."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        name = str(data_source).lower()
+        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
+    return scorer
+
+
+def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> list[str]:
+    """Config problems of scoring ``data_sources`` with ``reward.fn=spec``: the lenient reward on a math
+    source without math-verify installed (it would score every response by the fall-back)."""
+    if spec != "rlpad.rewards.rules:compute_score" or math_verifier.available():
+        return []
+    needs = sorted({ds for ds in data_sources if _lenient_scorer(ds) is math_verify_score})
+    return [f"reward.fn={spec} scores data_source {ds!r} with math-verify, which is not installed "
+            "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn" for ds in needs]
 
 
 # ----------------------------------------------------------------------------- custom functions

@@ -37,6 +37,7 @@ from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
+from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.rules import score_batch
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
@@ -328,6 +329,7 @@ class Trainer:
             "padding_ratio": 1.0 - valid / attention.numel(),
         }
         out.update(self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}"))
+        out.update(drain_fallbacks())  # reward/math_verify_fallbacks since the last step's record (issue 44)
         out.update({f"timing_s/{k}": v for k, v in timing.items()})
         throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
                       "update_actor": valid * epochs, "update_critic": valid * epochs}
