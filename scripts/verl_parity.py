@@ -20,7 +20,7 @@ import sys
 import torch
 
 B, R = 5, 7
-AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 SEQ_ONLY = ("seq-mean-token-mean",)
 # mode -> the aggregations verl honours for it (geo_mean and sapo fix their own)
 MODES = {"vanilla": AGGS, "gspo": AGGS, "cispo": AGGS, "kl_cov": AGGS, "dppo_tv": AGGS, "dppo_kl": AGGS,

@@ -33,6 +33,8 @@ def ref_agg(mat, m, mode, tokens=None, seqs=None):
     """verl's agg_loss with dp_size 1 (batch_num_tokens / global_batch_size = the given counts);
     seq-mean-token-sum-norm as rlpad defines it (seq-mean / R: Dr.GRPO, verl <= 0.6 omitted the seq-mean)."""
     rows = (m.sum(-1) > 0).double()
+    if mode == "token-sum":
+        return _msum(mat, m)
     if mode == "token-mean":
         return _msum(mat, m) / (m.sum() if tokens is None else tokens)
     if mode == "seq-mean-token-sum":
@@ -186,7 +188,7 @@ def test_config_names_the_modes_and_refuses_what_does_not_compose():
                                          "cispo, geo_mean, clip_cov, kl_cov, dppo_tv, dppo_kl, sapo, gpg, dro, "
                                          "bypass_mode"):
         load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"])
-    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):  # gspo: every aggregation, as verl
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"):  # gspo: any, as verl
         load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
                            f"actor_rollout_ref.actor.loss_agg_mode={agg}"])
     for mode in ("geo_mean", "sapo"):

@@ -21,7 +21,7 @@ __all__ = [
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
 # Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.algorithms.advantages.ESTIMATORS),
 # actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.training.metrics.LOGGERS).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 
 
@@ -158,7 +158,8 @@ class ActorConfig:
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1); dppo_*: the cap of the detached ratio
     tau_pos: float = 1.0  # sapo: gate temperature of tokens with a positive advantage
     tau_neg: float = 1.05  # sapo: gate temperature of the other tokens
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (how token losses are averaged)
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum (how token losses
+    # are reduced; token-sum: the sum over the mini-batch's valid tokens, no normaliser, as verl 0.9.1)
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False  # add a KL-to-reference term to the loss (starts a reference model)
     kl_loss_coef: float = 0.001  # weight of the KL loss
