@@ -123,3 +123,39 @@ def test_the_run_is_refused_at_start(tmp_path, reward_fn, refused):
                "with math-verify, which is not installed" in out.stdout, out.stdout
     else:
         assert "STARTED" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+REWARD = textwrap.dedent("""
+    from rlpad.rewards.rules import math_verify_score
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        # math-verify on every response, with a timeout no check meets: each response falls back
+        return math_verify_score(solution_str, ground_truth, timeout_s={timeout})
+""")
+
+
+@pytest.mark.skipif(not available(), reason="math-verify is not installed (the timeout needs it)")
+def test_a_training_step_reports_the_fallbacks(tmp_path):
+    """One real training step (local stack, HF rollout) whose reward times out on every response: the
+    step's record holds ``reward/math_verify_fallbacks`` = every response scored; with a timeout that
+    math-verify meets (negative control), 0."""
+    from paths import CACHE, recipe
+    from rlpad.train import fit
+
+    counts = {}
+    for timeout in (1e-4, 60.0):
+        reward = tmp_path / f"reward_{timeout}.py"
+        reward.write_text(REWARD.format(timeout=timeout))
+        out = tmp_path / f"run_{timeout}"
+        cfg = load_config(recipe("grpo_tiny"), [
+            f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+            "trainer.backend=local", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "data.val_files=[]",
+            f"reward.fn={reward}:score"])
+        fit(cfg)
+        with open(out / "metrics.jsonl") as f:
+            (record,) = [r for r in map(json.loads, f) if r.get("step") == 1]
+        counts[timeout] = record[FALLBACK_METRIC]
+    assert counts == {1e-4: 8.0, 60.0: 0.0}
