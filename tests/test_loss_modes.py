@@ -219,8 +219,11 @@ def test_config_names_the_modes_and_refuses_what_does_not_compose():
 
 def test_the_actor_worker_runs_the_configured_mode():
     """One update of a tiny actor per mode: its pg_loss is the mode's function on the worker's own
-    log-probs (one mini-batch, one micro-batch), and differs from the vanilla worker's."""
+    log-probs (one mini-batch, one micro-batch), and differs from the vanilla worker's. bypass_mode reads
+    the rollout's log-probs as the old policy's (verl's bypass), not ``old_log_probs``."""
     batch = ppo_batch(8, 8, 10, vocab_size=128, seed=3)
+    noise = torch.randn(batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(5)) * 0.3
+    batch["rollout_log_probs"] = (batch["old_log_probs"] + noise) * batch["response_mask"]
     losses = {}
     for mode in POLICY_LOSSES:
         cfg = ActorRolloutRefConfig()
@@ -234,8 +237,12 @@ def test_the_actor_worker_runs_the_configured_mode():
         lp = w.compute_log_prob(batch, update_layout=True)["old_log_probs"].double()
         m = batch["response_mask"].double()
         generator = torch.Generator().manual_seed(w.seed * 1_000_003 + w.update_steps)
-        expected, _ = get_policy_loss(mode)(batch["old_log_probs"].double(), lp, batch["advantages"].double(), m,
-                                            cfg.actor, generator=generator)
+        old = batch["rollout_log_probs" if mode == "bypass_mode" else "old_log_probs"].double()
+        expected, _ = get_policy_loss(mode)(old, lp, batch["advantages"].double(), m, cfg.actor, generator=generator)
         losses[mode] = w.update_actor(batch)["actor/pg_loss"]
         assert losses[mode] == pytest.approx(float(expected), rel=1e-5, abs=1e-7), mode
+        if mode == "bypass_mode":  # negative control: with old_log_probs as the old policy the loss differs
+            wrong, _ = get_policy_loss(mode)(batch["old_log_probs"].double(), lp, batch["advantages"].double(), m,
+                                             cfg.actor)
+            assert losses[mode] != pytest.approx(float(wrong), rel=1e-3)
     assert all(abs(losses[m] - losses["vanilla"]) > 1e-4 * abs(losses["vanilla"]) for m in losses if m != "vanilla")

@@ -309,7 +309,8 @@ def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
                      response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
                      global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
                      rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
-    """verl's bypass mode: ``old_log_prob`` is the rollout policy's. ``loss_type=ppo_clip``: vanilla PPO
+    """verl's bypass mode: ``old_log_prob`` is the rollout policy's (the actor worker passes
+    ``rollout_log_probs``). ``loss_type=ppo_clip``: vanilla PPO
     clip against it, no weights (the ratio is the correction); ``reinforce``: ``-w * A * log_prob`` with
     ``w`` = :func:`_bypass_weights` of ``sg(log_prob) - old_log_prob`` (none when ``rollout_is`` is null).
     The ``rollout_is_weights`` given are ignored, as verl does (this mode computes its own)."""
