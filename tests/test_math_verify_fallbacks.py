@@ -26,22 +26,27 @@ RESPONSE, TRUTH = "We add the two parts: $\\frac{68}{2}$.\nAnswer: 34", "34"
 LENIENT = "rlpad.rewards.rules:compute_score"
 
 
+# sympy computes this power in C for minutes: no check of it ends within a timeout (an answer math-verify
+# has just checked may come back from its cache within any timeout, so a short timeout alone is not enough)
+TOWER = " so the answer is $\\boxed{9^{9^{9^{9^{9}}}}}$"
+
+
 @pytest.mark.skipif(not available(), reason="math-verify is not installed (the timeout needs it)")
 def test_a_timeout_is_counted_and_warned_once(caplog):
-    """The issue's case: "...Answer: 34" against 34 is 1.0 by math-verify and 0.0 by the fall-back; with a
-    timeout too short for any check, each response falls back, and the metric counts each."""
+    """Each response whose check times out falls back and is counted; the first timeout is warned about,
+    the second is not; a step without math-verify calls gets no metric."""
     drain_fallbacks()
-    assert math_verify_score(RESPONSE, TRUTH) == 1.0  # math-verify's verdict (also starts the child)
+    assert math_verify_score(RESPONSE, TRUTH, timeout_s=60.0) == 1.0  # math-verify's verdict (starts the child)
     assert drain_fallbacks() == {FALLBACK_METRIC: 0.0}  # asked, no fall-back: the metric is there, 0
     math_verifier._TALLY.warned.discard("timeout")
     with caplog.at_level(logging.WARNING, logger="rlpad.rewards.math_verifier"):
-        scores = [math_verify_score(RESPONSE, TRUTH, timeout_s=1e-4) for _ in range(2)]
-    assert scores == [0.0, 0.0]  # the fall-back's reward differs: that is why it must be visible
+        scores = [math_verify_score(RESPONSE + TOWER, TRUTH, timeout_s=0.5) for _ in range(2)]
+    assert scores == [0.0, 0.0]
     assert drain_fallbacks() == {FALLBACK_METRIC: 2.0}
     warned = [r.getMessage() for r in caplog.records if "math-verify fell back" in r.getMessage()]
     assert len(warned) == 1 and "took longer than its timeout" in warned[0], warned
     assert drain_fallbacks() == {}  # nothing asked since: no metric
-    assert math_verify_score(RESPONSE, TRUTH) == 1.0  # a fresh child decides again
+    assert math_verify_score(RESPONSE, TRUTH, timeout_s=60.0) == 1.0  # a fresh child decides again
 
 
 MISSING = textwrap.dedent("""
@@ -129,28 +134,28 @@ REWARD = textwrap.dedent("""
     from rlpad.rewards.rules import math_verify_score
 
     def score(data_source, solution_str, ground_truth, extra_info=None):
-        # math-verify on every response, with a timeout no check meets: each response falls back
-        return math_verify_score(solution_str, ground_truth, timeout_s={timeout})
+        # math-verify on every response; with the tower appended no check ends in time: each falls back
+        return math_verify_score(solution_str + {tail!r}, ground_truth, timeout_s={timeout})
 """)
 
 
 @pytest.mark.skipif(not available(), reason="math-verify is not installed (the timeout needs it)")
 def test_a_training_step_reports_the_fallbacks(tmp_path):
     """One real training step (local stack, HF rollout) whose reward times out on every response: the
-    step's record holds ``reward/math_verify_fallbacks`` = every response scored; with a timeout that
-    math-verify meets (negative control), 0."""
+    step's record holds ``reward/math_verify_fallbacks`` = every response scored (2 prompts x 2); with
+    checks that end in time (negative control), 0."""
     from paths import CACHE, recipe
     from rlpad.train import fit
 
     counts = {}
-    for timeout in (1e-4, 60.0):
+    for timeout, tail in ((0.5, TOWER), (60.0, "")):
         reward = tmp_path / f"reward_{timeout}.py"
-        reward.write_text(REWARD.format(timeout=timeout))
+        reward.write_text(REWARD.format(timeout=timeout, tail=tail))
         out = tmp_path / f"run_{timeout}"
         cfg = load_config(recipe("grpo_tiny"), [
             f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
             "trainer.backend=local", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
-            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "data.val_files=[]",
             f"reward.fn={reward}:score"])
@@ -158,4 +163,4 @@ def test_a_training_step_reports_the_fallbacks(tmp_path):
         with open(out / "metrics.jsonl") as f:
             (record,) = [r for r in map(json.loads, f) if r.get("step") == 1]
         counts[timeout] = record[FALLBACK_METRIC]
-    assert counts == {1e-4: 8.0, 60.0: 0.0}
+    assert counts == {0.5: 4.0, 60.0: 0.0}
