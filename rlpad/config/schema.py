@@ -118,7 +118,8 @@ class BypassCorrectionConfig:
     ``policy_loss.rollout_correction``; the weights are pi_current / pi_rollout, detached)."""
 
     loss_type: str = "ppo_clip"  # ppo_clip: vanilla PPO clip, no weights | reinforce: -w * A * log_prob
-    rollout_is: str | None = "sequence"  # token | sequence (one weight per row: exp of the row's log-ratio sum) | null: none
+    # token | sequence (one weight per row: exp of the row's log-ratio sum) | null: no weights
+    rollout_is: str | None = "sequence"
     # "C": weights truncated at C (TIS); "L_U" (e.g. "0.5_2.0"): weights outside [L, U] set to 0 (IcePop)
     rollout_is_threshold: str = "2.0"
     rollout_is_batch_normalize: bool = False  # divide the weights by their mean over the piece (per token or per row)

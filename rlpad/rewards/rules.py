@@ -37,7 +37,8 @@ from rlpad.rewards.verl_default import compute_score as verl_compute_score
 
 __all__ = [
     "DEFAULT_REWARD_FN", "TOY_SCORERS", "answers_match", "boxed_score", "compute_score", "decode_responses",
-    "extract_boxed_answer", "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn", "math_verify_score",
+    "extract_boxed_answer", "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn",
+    "math_verify_score",
     "normalize_answer", "place_scores", "reward_source_problems", "score_batch", "score_responses",
 ]
 
@@ -194,7 +195,8 @@ def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> lis
         return []
     needs = sorted({ds for ds in data_sources if _lenient_scorer(ds) is math_verify_score})
     return [f"reward.fn={spec} scores data_source {ds!r} with math-verify, which is not installed "
-            "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn" for ds in needs]
+            "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn"
+            for ds in needs]
 
 
 # ----------------------------------------------------------------------------- custom functions

@@ -261,4 +261,5 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
                          "rlpad has no equal of; set reward.fn=package.module:function")
     raise ValueError(f"no default reward for data_source {data_source!r} (verl's names: "
                      f"{', '.join(GSM8K + MATH + DAPO)}, aime*; rlpad's toys: {', '.join(TOY_SCORERS)}); set "
-                     "reward.fn=rlpad.rewards.rules:compute_score (rlpad's lenient verifier) or package.module:function")
+                     "reward.fn=rlpad.rewards.rules:compute_score (rlpad's lenient verifier) or "
+                     "package.module:function")
