@@ -10,7 +10,6 @@ test is skipped, the recorded one still runs).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -210,16 +209,12 @@ def test_names_verl_scores_otherwise_are_refused_by_name():
             verl_default.compute_score(name, "x", "y")
     with pytest.raises(ValueError, match="no default reward for data_source 'gsm8k'.*rules:compute_score"):
         verl_default.compute_score("gsm8k", "#### 1", "1")
-    assert verl_default.compute_score("rlpad/toy_add", *_toy_case()) == rules.compute_score("rlpad/toy_add",
-                                                                                             *_toy_case())
+    for response, truth in (("12", "12"), ("13", "12")):  # rlpad's toy tasks keep their own scorer
+        assert verl_default.compute_score("rlpad/toy_add", response, truth) == rules.compute_score(
+            "rlpad/toy_add", response, truth)
 
 
-def _toy_case() -> tuple[str, str]:
-    return "12", "12"
-
-
-def test_the_recorder_is_what_made_the_record():
-    """The record names its generator and verl version; the generator defines the cases once."""
+def test_the_record_names_its_generator_and_verl_version():
     rec = recorded()
-    assert rec["generator"] == "scripts/verl_parity.py" and RECORDER.exists()
-    assert dataclasses.is_dataclass(BypassCorrectionConfig)
+    assert rec["generator"] == "scripts/verl_parity.py" and RECORDER.is_file()
+    assert rec["verl_version"] == "0.9.1" and rec["torch_version"].startswith("2.13")
