@@ -34,7 +34,8 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.rules import load_reward_fn
+from rlpad.rewards.math_verifier import drain_fallbacks
+from rlpad.rewards.rules import load_reward_fn, reward_source_problems
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -179,6 +180,10 @@ def prepare(config: Config) -> Prepared:
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
+    sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
+    if problems := reward_source_problems(config.reward.fn, sources):
+        raise ValueError("invalid config:\n  " + "\n  ".join(problems))
+    drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
 

@@ -244,8 +244,8 @@ def test_policy_loss_bad_input():
         compute_policy_loss(z, z, adv, mask)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         compute_policy_loss(z, z, z, mask, clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-sum'"):
-        compute_policy_loss(z, z, z, mask, loss_agg_mode="token-sum")
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-max'"):
+        compute_policy_loss(z, z, z, mask, loss_agg_mode="token-max")
     with pytest.raises(ValueError, match="mismatched shapes: log_prob"):
         compute_policy_loss(z, torch.zeros(2, 4), z, mask)
     with pytest.raises(TypeError, match="advantages must be a torch.Tensor"):
@@ -275,13 +275,16 @@ MASK = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]  # the last row is empty: it never coun
         ("seq-mean-token-sum-norm", {}, (3 + 4) / 2 / 3),
         ("seq-mean-token-sum-norm", {"loss_scale_factor": 7}, (3 + 4) / 2 / 7),
         ("seq-mean-token-sum-norm", {"global_seqs": 4, "loss_scale_factor": 7}, (3 + 4) / 4 / 7),
+        ("token-sum", {}, 1 + 2 + 4),
+        ("token-sum", {"global_tokens": 10, "global_seqs": 4}, 1 + 2 + 4),  # no normaliser
     ],
 )
 def test_agg_loss_hand(mode, kwargs, expected):
     assert agg_loss(t(LOSS), torch.tensor(MASK), mode, **kwargs).item() == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                  "token-sum"])
 def test_agg_loss_all_masked_is_zero_and_masked_nan_is_dropped(mode):
     loss = t(LOSS)
     loss[2, 2] = float("nan")
@@ -383,7 +386,8 @@ SPLITS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                  "token-sum"])
 @pytest.mark.parametrize("split", SPLITS[1:])
 def test_micro_batches_with_global_normalisers_sum_to_full_batch(mode, split):
     b = make_batch()

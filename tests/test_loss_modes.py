@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlpad.config.schema import ActorConfig, ActorRolloutRefConfig, PolicyLossConfig
+from rlpad.config.schema import ActorConfig, ActorRolloutRefConfig, BypassCorrectionConfig, PolicyLossConfig
 from rlpad.recipe.load import load_config
 from rlpad.embedded.synthetic import ppo_batch
 from rlpad.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
@@ -33,6 +33,8 @@ def ref_agg(mat, m, mode, tokens=None, seqs=None):
     """verl's agg_loss with dp_size 1 (batch_num_tokens / global_batch_size = the given counts);
     seq-mean-token-sum-norm as rlpad defines it (seq-mean / R: Dr.GRPO, verl <= 0.6 omitted the seq-mean)."""
     rows = (m.sum(-1) > 0).double()
+    if mode == "token-sum":
+        return _msum(mat, m)
     if mode == "token-mean":
         return _msum(mat, m) / (m.sum() if tokens is None else tokens)
     if mode == "seq-mean-token-sum":
@@ -54,7 +56,7 @@ def ref_gspo(old, lp, adv, m, pl, agg, w, **norms):
     seq = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
     s = torch.exp(torch.clamp(lp - lp.detach() + seq.detach()[:, None], max=10.0))
     loss = torch.maximum(-adv * s, -adv * torch.clamp(s, 1 - LOW, 1 + HIGH))
-    return ref_agg(loss * (1 if w is None else w), m, "seq-mean-token-mean", **norms)
+    return ref_agg(loss * (1 if w is None else w), m, agg, **norms)
 
 
 def ref_cispo(old, lp, adv, m, pl, agg, w, **norms):
@@ -107,7 +109,8 @@ def ref_kl_cov(old, lp, adv, m, pl, agg, w, **norms):
 
 REFS = {"vanilla": ref_vanilla, "gspo": ref_gspo, "cispo": ref_cispo, "geo_mean": ref_geo_mean,
         "clip_cov": ref_clip_cov, "kl_cov": ref_kl_cov}
-PARAMS = PolicyLossConfig(clip_cov_ratio=0.1, clip_cov_lb=0.2, clip_cov_ub=3.0, kl_cov_ratio=0.1, ppo_kl_coef=0.5)
+PARAMS = PolicyLossConfig(clip_cov_ratio=0.1, clip_cov_lb=0.2, clip_cov_ub=3.0, kl_cov_ratio=0.1, ppo_kl_coef=0.5,
+                          dro_beta=0.7, rollout_correction=BypassCorrectionConfig(loss_type="reinforce", rollout_is="token"))
 
 
 def inputs(seed: int):
@@ -140,7 +143,9 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-CASES = [(mode, agg) for mode, entry in POLICY_LOSSES.items() for agg in entry.agg_modes]
+# the modes with a formula here; every mode verl registers is also compared with verl's own function
+# (tests/test_verl_parity.py), clip_cov only here (verl draws its tokens from the global RNG)
+CASES = [(mode, agg) for mode, entry in POLICY_LOSSES.items() for agg in entry.agg_modes if mode in REFS]
 
 
 @pytest.mark.parametrize("mode,agg", CASES)
@@ -179,10 +184,14 @@ def test_negative_control_a_perturbed_reference_is_caught():
 
 
 def test_config_names_the_modes_and_refuses_what_does_not_compose():
-    with pytest.raises(ValueError, match="policy_loss.loss_mode='gpg' is not valid; choose one of vanilla, gspo, "
-                                         "cispo, geo_mean, clip_cov, kl_cov"):
-        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg"])
-    for mode in ("gspo", "geo_mean"):
+    with pytest.raises(ValueError, match="policy_loss.loss_mode='ppo' is not valid; choose one of vanilla, gspo, "
+                                         "cispo, geo_mean, clip_cov, kl_cov, dppo_tv, dppo_kl, sapo, gpg, dro, "
+                                         "bypass_mode"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"])
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"):  # gspo: any, as verl
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                           f"actor_rollout_ref.actor.loss_agg_mode={agg}"])
+    for mode in ("geo_mean", "sapo"):
         with pytest.raises(ValueError, match=f"loss_mode={mode} aggregates per sequence: set "
                                              "actor_rollout_ref.actor.loss_agg_mode to seq-mean-token-mean"):
             load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
@@ -193,12 +202,28 @@ def test_config_names_the_modes_and_refuses_what_does_not_compose():
         load_config(None, ["actor_rollout_ref.actor.policy_loss.clip_cov_lb=6"])
     with pytest.raises(ValueError, match=r"policy_loss.kl_cov_ratio=0.0 must be a fraction in \(0, 1\]"):
         load_config(None, ["actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0"])
+    with pytest.raises(ValueError, match="policy_loss.dro_beta=None must be > 0 with loss_mode=dro"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=dro"])
+    load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"])
+    bypass = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+    with pytest.raises(ValueError, match=f"{bypass}.rollout_rs='token': verl's rejection sampling is not supported"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{bypass}.rollout_rs=token"])
+    with pytest.raises(ValueError, match=f"{bypass}.rollout_is_threshold='2_1': need 0 < L <= U"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{bypass}.rollout_is_threshold=2_1"])
+    with pytest.raises(ValueError, match=f"{bypass}.loss_type='ppo' is not valid"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", f"{bypass}.loss_type=ppo"])
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.tau_neg=0.0 must be > 0"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0",
+                           "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
 
 
 def test_the_actor_worker_runs_the_configured_mode():
     """One update of a tiny actor per mode: its pg_loss is the mode's function on the worker's own
-    log-probs (one mini-batch, one micro-batch), and differs from the vanilla worker's."""
+    log-probs (one mini-batch, one micro-batch), and differs from the vanilla worker's. bypass_mode reads
+    the rollout's log-probs as the old policy's (verl's bypass), not ``old_log_probs``."""
     batch = ppo_batch(8, 8, 10, vocab_size=128, seed=3)
+    noise = torch.randn(batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(5)) * 0.3
+    batch["rollout_log_probs"] = (batch["old_log_probs"] + noise) * batch["response_mask"]
     losses = {}
     for mode in POLICY_LOSSES:
         cfg = ActorRolloutRefConfig()
@@ -212,8 +237,12 @@ def test_the_actor_worker_runs_the_configured_mode():
         lp = w.compute_log_prob(batch, update_layout=True)["old_log_probs"].double()
         m = batch["response_mask"].double()
         generator = torch.Generator().manual_seed(w.seed * 1_000_003 + w.update_steps)
-        expected, _ = get_policy_loss(mode)(batch["old_log_probs"].double(), lp, batch["advantages"].double(), m,
-                                            cfg.actor, generator=generator)
+        old = batch["rollout_log_probs" if mode == "bypass_mode" else "old_log_probs"].double()
+        expected, _ = get_policy_loss(mode)(old, lp, batch["advantages"].double(), m, cfg.actor, generator=generator)
         losses[mode] = w.update_actor(batch)["actor/pg_loss"]
         assert losses[mode] == pytest.approx(float(expected), rel=1e-5, abs=1e-7), mode
+        if mode == "bypass_mode":  # negative control: with old_log_probs as the old policy the loss differs
+            wrong, _ = get_policy_loss(mode)(batch["old_log_probs"].double(), lp, batch["advantages"].double(), m,
+                                             cfg.actor)
+            assert losses[mode] != pytest.approx(float(wrong), rel=1e-3)
     assert all(abs(losses[m] - losses["vanilla"]) > 1e-4 * abs(losses["vanilla"]) for m in losses if m != "vanilla")

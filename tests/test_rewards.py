@@ -14,6 +14,7 @@ from rlpad.rewards.rules import (
     answers_match, boxed_score, compute_score, decode_responses, extract_boxed_answer, extract_gsm8k_answer,
     gsm8k_score, load_reward_fn, normalize_answer, place_scores, score_batch, score_responses,
 )
+from rlpad.rewards.verl_default import compute_score as verl_compute_score
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.embedded.toy import toy_partial_score, toy_score
 
@@ -101,7 +102,8 @@ def test_toy_rewards():
 
 
 def test_load_reward_fn(tmp_path, monkeypatch):
-    assert load_reward_fn(None) is compute_score
+    assert load_reward_fn(None) is verl_compute_score  # the default: verl's (tests/test_verl_parity.py)
+    assert load_reward_fn("rlpad.rewards.verl_default:compute_score") is verl_compute_score
     assert load_reward_fn("rlpad.rewards.rules:compute_score") is compute_score
     assert load_reward_fn("rlpad.embedded.toy:toy_score") is toy_score
     assert load_reward_fn("rlpad.embedded.toy.toy_score") is toy_score

@@ -44,8 +44,10 @@ def update_contract(config: ActorRolloutRefConfig) -> Contract:
     """``update_actor``'s batch: FORWARD, the loss inputs (``ref_log_probs`` iff ``use_kl_loss``)
     and the optional rollout-correction weights."""
     kl = ("ref_log_probs",) if config.actor.use_kl_loss else ()
-    return forward_plus(("response_mask", "old_log_probs", "advantages", *kl), ("rollout_is_weights",),
-                        finite=("old_log_probs", "advantages", *kl, "rollout_is_weights"))
+    # bypass_mode (verl's): the rollout's log-probs are the old policy's
+    old = "rollout_log_probs" if config.actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
+    return forward_plus(("response_mask", old, "advantages", *kl), ("rollout_is_weights",),
+                        finite=(old, "advantages", *kl, "rollout_is_weights"))
 
 
 class ActorWorker(WeightExportMixin, FSDPWorker):
@@ -150,8 +152,9 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         acfg = self.config.actor
         mask = piece["response_mask"]
         log_prob, entropy = self._log_probs(piece, temperature, acfg.entropy_coeff != 0)
+        old = piece["rollout_log_probs" if acfg.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"]
         pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(
-            piece["old_log_probs"], log_prob, piece["advantages"], mask, acfg, **norms,
+            old, log_prob, piece["advantages"], mask, acfg, **norms,
             rollout_is_weights=piece.tensors.get("rollout_is_weights"), generator=generator,
         )  # fmt: skip
         shares["pg_loss"] = pg_loss

@@ -23,9 +23,13 @@ import torch
 from rlpad.algorithms.losses import (
     Normalizer, agg_loss, check_policy_inputs, compute_policy_loss, masked_abs_max, masked_mean, masked_sum, token_stat,
 )
+from rlpad.algorithms.policy_loss import parse_is_threshold
 from rlpad.config.schema import ActorConfig
 
-__all__ = ["cispo_loss", "clip_cov_loss", "geo_mean_loss", "gspo_loss", "kl_cov_loss", "vanilla_loss"]
+__all__ = [
+    "bypass_mode_loss", "cispo_loss", "clip_cov_loss", "dppo_kl_loss", "dppo_tv_loss", "dro_loss", "geo_mean_loss",
+    "gpg_loss", "gspo_loss", "kl_cov_loss", "sapo_loss", "vanilla_loss",
+]
 
 Out = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
@@ -68,7 +72,7 @@ def gspo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: to
               global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
               rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
     """GSPO: ``s_i = exp(mean_t log-ratio)`` per sequence; token ratio ``sg(s_i) * p / sg(p)`` (log
-    clamped at 10), PPO-clipped, aggregated seq-mean-token-mean."""
+    clamped at 10), PPO-clipped, aggregated by ``loss_agg_mode`` (as verl; the paper's is seq-mean-token-mean)."""
     check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     low, high = _bounds(actor)
     log_ratio = log_prob - old_log_prob
@@ -78,7 +82,7 @@ def gspo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: to
     s = torch.exp(log_s)
     loss1, loss2 = -advantages * s, -advantages * torch.clamp(s, 1 - low, 1 + high)
     pg_losses = _weighted(torch.maximum(loss1, loss2), rollout_is_weights)
-    loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", global_tokens=global_tokens,
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
                     global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
     return loss, _metrics(log_ratio, response_mask, global_tokens, torch.gt(loss2, loss1), None)
 
@@ -184,3 +188,145 @@ def kl_cov_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
     loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
                     global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
     return loss, _metrics(log_ratio, response_mask, global_tokens, chosen, None)
+
+
+def _dppo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+          actor: ActorConfig, kept: torch.Tensor, global_tokens: Normalizer, global_seqs: Normalizer,
+          loss_scale_factor: float | None, rollout_is_weights: torch.Tensor | None) -> Out:
+    """DPPO's loss given its trust-region mask ``kept`` (B, R): ``-A * sg(min(ratio, clip_ratio_c)) * log_prob``
+    on the kept tokens (truncated IS instead of a clip); pg_clipfrac: tokens dropped, pg_clipfrac_lower:
+    kept tokens whose ratio was truncated."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    truncated = torch.clamp(ratio, max=actor.clip_ratio_c).detach()
+    kept = kept.detach().to(log_prob.dtype)
+    pg_losses = _weighted(-advantages * truncated * log_prob * kept, rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, kept == 0, (ratio > actor.clip_ratio_c) & (kept > 0))
+
+
+def dppo_tv_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                 global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                 rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """DPPO-Binary-TV: a token keeps its gradient while ``p - p_old <= clip_ratio_high`` (A > 0) or
+    ``p - p_old >= -clip_ratio_low`` (A <= 0), probabilities not ratios; see :func:`_dppo`."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    change = torch.exp(log_prob) - torch.exp(old_log_prob)
+    kept = torch.where(advantages > 0, change <= high, change >= -low)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, actor, kept, global_tokens, global_seqs,
+                 loss_scale_factor, rollout_is_weights)
+
+
+def dppo_kl_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                 global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                 rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """DPPO-Binary-KL: the binary KL ``p_old log(p_old/p) + (1-p_old) log((1-p_old+1e-8)/(1-p+1e-8))``
+    must stay <= clip_ratio_high for a token moving up with A > 0 (<= clip_ratio_low moving down with
+    A <= 0); a token moving the other way always keeps its gradient; see :func:`_dppo`."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    low, high = _bounds(actor)
+    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+    binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    kept = torch.where(advantages > 0, (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old))
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, actor, kept, global_tokens, global_seqs,
+                 loss_scale_factor, rollout_is_weights)
+
+
+def sapo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+              response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+              global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+              rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """SAPO: a soft gate instead of a clip, ``-A * sigmoid(tau (ratio - 1)) * 4 / tau`` with tau = tau_pos
+    where A > 0, else tau_neg (log-ratio clamped to [-20, 20]); always seq-mean-token-mean (as verl)."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    tau = torch.where(advantages > 0, torch.as_tensor(actor.tau_pos, dtype=advantages.dtype, device=advantages.device),
+                      torch.as_tensor(actor.tau_neg, dtype=advantages.dtype, device=advantages.device))
+    pg_losses = _weighted(-torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages, rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, torch.zeros_like(response_mask, dtype=torch.bool),
+                          None)
+
+
+def gpg_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+             response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+             global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+             rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """GPG: plain policy gradient ``-A * log_prob`` (no ratio, no clip)."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    pg_losses = _weighted(-log_prob * advantages, rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    none = torch.zeros_like(response_mask, dtype=torch.bool)
+    return loss, _metrics(log_prob - old_log_prob, response_mask, global_tokens, none, None)
+
+
+def dro_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+             response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+             global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+             rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """DRO: ``-(A * log_prob - dro_beta / 2 * (log_prob - old_log_prob)^2)`` (a quadratic trust region)."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    beta = actor.policy_loss.dro_beta
+    if beta is None or not beta > 0:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.dro_beta={beta!r} must be > 0 with loss_mode=dro")
+    log_ratio = log_prob - old_log_prob
+    pg_losses = _weighted(-(log_prob * advantages - 0.5 * beta * log_ratio.square()), rollout_is_weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    none = torch.zeros_like(response_mask, dtype=torch.bool)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, none, None)
+
+
+def _bypass_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: str,
+                    batch_normalize: bool) -> torch.Tensor:
+    """pi_current / pi_rollout per token (``level="token"``) or per row (exp of the row's log-ratio sum),
+    log clamped to [-20, 20], zero off the mask, truncated at C or zeroed outside [L, U]; divided by their
+    mean (over valid tokens, or valid rows' token means) when ``batch_normalize``. Detached."""
+    upper, lower = parse_is_threshold(threshold)
+    if level == "sequence":
+        log_ratio = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(mask)
+    raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0)) * mask
+    w = raw.clamp(max=upper) if lower is None else torch.where((raw >= lower) & (raw <= upper), raw, 0.0)
+    if batch_normalize:
+        if level == "token":
+            mean = masked_mean(w, mask)
+        else:
+            rows = (mask.sum(dim=-1) > 0).to(w.dtype)
+            mean = (masked_mean(w, mask, dim=-1) * rows).sum() / rows.sum().clamp_min(1e-8)
+        if mean > 1e-8:
+            w = w / mean
+    return w.detach()
+
+
+def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                     response_mask: torch.Tensor, actor: ActorConfig, *, global_tokens: Normalizer = None,
+                     global_seqs: Normalizer = None, loss_scale_factor: float | None = None,
+                     rollout_is_weights: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Out:
+    """verl's bypass mode: ``old_log_prob`` is the rollout policy's (the actor worker passes
+    ``rollout_log_probs``). ``loss_type=ppo_clip``: vanilla PPO
+    clip against it, no weights (the ratio is the correction); ``reinforce``: ``-w * A * log_prob`` with
+    ``w`` = :func:`_bypass_weights` of ``sg(log_prob) - old_log_prob`` (none when ``rollout_is`` is null).
+    The ``rollout_is_weights`` given are ignored, as verl does (this mode computes its own)."""
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    rc = actor.policy_loss.rollout_correction
+    if rc.loss_type == "ppo_clip":
+        return vanilla_loss(old_log_prob, log_prob, advantages, response_mask, actor, global_tokens=global_tokens,
+                            global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    if rc.loss_type != "reinforce":
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type={rc.loss_type!r} "
+                         "must be ppo_clip or reinforce")
+    log_ratio = log_prob - old_log_prob
+    weights = None if rc.rollout_is is None else _bypass_weights(
+        log_ratio.detach(), response_mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize)
+    pg_losses = _weighted(-advantages * log_prob, weights)
+    loss = agg_loss(pg_losses, response_mask, actor.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, loss_scale_factor=loss_scale_factor)
+    none = torch.zeros_like(response_mask, dtype=torch.bool)
+    return loss, _metrics(log_ratio, response_mask, global_tokens, none, None)

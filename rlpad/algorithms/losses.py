@@ -154,6 +154,8 @@ def agg_loss(
     * ``seq-mean-token-sum``: per-row token sums, summed over rows with a valid token, /
       ``global_seqs`` (default: rows here with a valid token; fully masked rows don't count).
     * ``seq-mean-token-mean``: as above with per-row token means.
+    * ``token-sum``: sum of valid entries (no normaliser; verl 0.9.1's, whose ``* dp_size`` undoes FSDP's
+      gradient average: see the module docstring).
     * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``seq-mean-token-sum / loss_scale_factor``
       (default ``R``, the horizon; set a constant to keep it fixed over training). verl <= 0.6
       left out the seq-mean (sum over rows / R).
@@ -166,6 +168,8 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         denom = loss_mask.sum().clamp(min=1) if global_tokens is None else global_tokens
         return masked_sum(loss_mat, loss_mask) / denom
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
     row_tokens = loss_mask.sum(dim=-1)

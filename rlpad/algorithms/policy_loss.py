@@ -20,7 +20,7 @@ from rlpad.config.schema import LOSS_AGG_MODES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POLICY_LOSSES", "LossFn", "PolicyLoss", "get_policy_loss", "policy_loss_problems"]
+__all__ = ["POLICY_LOSSES", "LossFn", "PolicyLoss", "get_policy_loss", "parse_is_threshold", "policy_loss_problems"]
 
 # fn(old_log_prob, log_prob, advantages, response_mask, actor: ActorConfig, *, global_tokens, global_seqs,
 #    loss_scale_factor, rollout_is_weights, generator) -> (loss share, metric shares); tensors (B, R)
@@ -44,8 +44,9 @@ class PolicyLoss:
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "vanilla": PolicyLoss("rlpad.algorithms.loss_modes:vanilla_loss",
                           summary="PPO clip (clip_ratio_low / clip_ratio_high) with dual clip clip_ratio_c"),
-    "gspo": PolicyLoss("rlpad.algorithms.loss_modes:gspo_loss", ("seq-mean-token-mean",),
-                       summary="GSPO: one length-normalised ratio per sequence, clipped; gradient per token"),
+    "gspo": PolicyLoss("rlpad.algorithms.loss_modes:gspo_loss",
+                       summary="GSPO: one length-normalised ratio per sequence, clipped; gradient per token "
+                               "(any aggregation, as verl; the paper's: seq-mean-token-mean)"),
     "cispo": PolicyLoss("rlpad.algorithms.loss_modes:cispo_loss",
                         summary="CISPO: -sg(clip(ratio)) * A * log_prob; every token keeps a gradient"),
     "geo_mean": PolicyLoss("rlpad.algorithms.loss_modes:geo_mean_loss", ("seq-mean-token-mean",),
@@ -56,6 +57,20 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "kl_cov": PolicyLoss("rlpad.algorithms.loss_modes:kl_cov_loss",
                          summary="KL-Cov: unclipped ratio; the kl_cov_ratio highest-covariance tokens add "
                                  "ppo_kl_coef * |log-ratio|"),
+    "dppo_tv": PolicyLoss("rlpad.algorithms.loss_modes:dppo_tv_loss",
+                          summary="DPPO-Binary-TV: -A * sg(min(ratio, clip_ratio_c)) * log_prob on the tokens whose "
+                                  "probability moved by at most clip_ratio_low / clip_ratio_high"),
+    "dppo_kl": PolicyLoss("rlpad.algorithms.loss_modes:dppo_kl_loss",
+                          summary="DPPO-Binary-KL: as dppo_tv, the trust region a binary KL <= clip_ratio_low / "
+                                  "clip_ratio_high"),
+    "sapo": PolicyLoss("rlpad.algorithms.loss_modes:sapo_loss", ("seq-mean-token-mean",),
+                       summary="SAPO: a sigmoid gate of the ratio (tau_pos / tau_neg) instead of a clip"),
+    "gpg": PolicyLoss("rlpad.algorithms.loss_modes:gpg_loss", summary="GPG: -A * log_prob, no ratio"),
+    "dro": PolicyLoss("rlpad.algorithms.loss_modes:dro_loss",
+                      summary="DRO: -(A * log_prob - dro_beta / 2 * log-ratio^2)"),
+    "bypass_mode": PolicyLoss("rlpad.algorithms.loss_modes:bypass_mode_loss",
+                              summary="verl's bypass mode (old = rollout policy): policy_loss.rollout_correction."
+                                      "loss_type ppo_clip (vanilla) or reinforce (IS-weighted -A * log_prob)"),
 }
 
 
@@ -86,4 +101,42 @@ def policy_loss_problems(actor: Any) -> list[str]:
         problems.append(f"{key}.clip_cov_lb={pl.clip_cov_lb!r} must be < clip_cov_ub={pl.clip_cov_ub!r}")
     if pl.ppo_kl_coef < 0:
         problems.append(f"{key}.ppo_kl_coef={pl.ppo_kl_coef!r} must be >= 0")
+    if pl.loss_mode == "dro" and not (pl.dro_beta is not None and pl.dro_beta > 0):
+        problems.append(f"{key}.dro_beta={pl.dro_beta!r} must be > 0 with loss_mode=dro")
+    if pl.loss_mode == "sapo":
+        problems += [f"actor_rollout_ref.actor.{n}={getattr(actor, n)!r} must be > 0"
+                     for n in ("tau_pos", "tau_neg") if not getattr(actor, n) > 0]
+    if pl.loss_mode == "bypass_mode":
+        problems += _bypass_problems(pl.rollout_correction, f"{key}.rollout_correction")
+    return problems
+
+
+def parse_is_threshold(spec: str | float) -> tuple[float, float | None]:
+    """``"C"`` -> ``(C, None)`` (truncate at C); ``"L_U"`` -> ``(U, L)`` (zero outside [L, U]); ValueError
+    naming ``policy_loss.rollout_correction.rollout_is_threshold`` otherwise."""
+    key = "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold"
+    text = str(spec).strip()
+    try:
+        lower, upper = (float(x) for x in text.split("_", 1)) if "_" in text else (None, float(text))
+    except ValueError:
+        raise ValueError(f"{key}={spec!r} must be a number C or 'L_U' (e.g. '0.5_2.0')") from None
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"{key}={spec!r}: need 0 < L <= U and C > 0")
+    return upper, lower
+
+
+def _bypass_problems(rc: Any, key: str) -> list[str]:
+    """``policy_loss.rollout_correction`` (bypass_mode's keys, verl's names) out of range."""
+    problems = []
+    if rc.loss_type not in ("ppo_clip", "reinforce"):
+        problems.append(f"{key}.loss_type={rc.loss_type!r} is not valid; choose one of ppo_clip, reinforce")
+    if rc.rollout_is not in (None, "token", "sequence"):
+        problems.append(f"{key}.rollout_is={rc.rollout_is!r} is not valid; choose one of token, sequence, null")
+    if rc.rollout_rs is not None:
+        problems.append(f"{key}.rollout_rs={rc.rollout_rs!r}: verl's rejection sampling is not supported here "
+                        "(use algorithm.rollout_correction.mode=seq_mask, or null)")
+    try:
+        parse_is_threshold(rc.rollout_is_threshold)
+    except ValueError as e:
+        problems.append(str(e))
     return problems

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticFSDPConfig",
-    "CriticModelConfig", "DataConfig", "FSDPConfig",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config", "CriticConfig",
+    "CriticFSDPConfig", "CriticModelConfig", "DataConfig", "FSDPConfig",
     "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
     "RefConfig", "RefFSDPConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig",
     "SFTConfig", "TrainerConfig", "ValidationSamplingConfig",
@@ -21,7 +21,7 @@ __all__ = [
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
 # Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.algorithms.advantages.ESTIMATORS),
 # actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.training.metrics.LOGGERS).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
 
 
@@ -143,15 +143,34 @@ class CriticFSDPConfig:
 
 
 @dataclass
+class BypassCorrectionConfig:
+    """``loss_mode=bypass_mode``: the rollout policy is the old policy (verl's
+    ``policy_loss.rollout_correction``; the weights are pi_current / pi_rollout, detached)."""
+
+    loss_type: str = "ppo_clip"  # ppo_clip: vanilla PPO clip, no weights | reinforce: -w * A * log_prob
+    # token | sequence (one weight per row: exp of the row's log-ratio sum) | null: no weights
+    rollout_is: str | None = "sequence"
+    # "C": weights truncated at C (TIS); "L_U" (e.g. "0.5_2.0"): weights outside [L, U] set to 0 (IcePop)
+    rollout_is_threshold: str = "2.0"
+    rollout_is_batch_normalize: bool = False  # divide the weights by their mean over the piece (per token or per row)
+    rollout_rs: str | None = None  # verl's rejection-sampling modes: not supported here (must stay null)
+    rollout_rs_threshold: str | None = None  # with rollout_rs only
+
+
+@dataclass
 class PolicyLossConfig:
     """The policy-loss mode and its keys (verl's names; the modes: rlpad/algorithms/policy_loss.py, docs/dapo.md)."""
 
-    loss_mode: str = "vanilla"  # a name in rlpad.algorithms.policy_loss.POLICY_LOSSES: vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov
+    # a name in rlpad.algorithms.policy_loss.POLICY_LOSSES: vanilla | gspo | cispo | geo_mean | clip_cov | kl_cov |
+    # dppo_tv | dppo_kl | sapo | gpg | dro | bypass_mode
+    loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of a micro-batch's tokens whose gradient is cut
     clip_cov_lb: float = 1.0  # clip_cov: a token is a candidate when its covariance is above this...
     clip_cov_ub: float = 5.0  # clip_cov: ... and below this
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of a micro-batch's tokens (highest covariance) given the KL term
     ppo_kl_coef: float = 0.1  # kl_cov: weight of |log_prob - old_log_prob| on those tokens
+    dro_beta: float | None = None  # dro: weight of the quadratic penalty 0.5 * beta * (log_prob - old_log_prob)^2 (> 0)
+    rollout_correction: BypassCorrectionConfig = field(default_factory=BypassCorrectionConfig)  # bypass_mode only
 
 
 @dataclass
@@ -167,8 +186,11 @@ class ActorConfig:
     clip_ratio: float = 0.2  # PPO clip: the ratio is kept in [1 - clip_ratio, 1 + clip_ratio]
     clip_ratio_low: float | None = None  # default: clip_ratio
     clip_ratio_high: float | None = None  # default: clip_ratio
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (how token losses are averaged)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1); dppo_*: the cap of the detached ratio
+    tau_pos: float = 1.0  # sapo: gate temperature of tokens with a positive advantage
+    tau_neg: float = 1.05  # sapo: gate temperature of the other tokens
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum (how token losses
+    # are reduced; token-sum: the sum over the mini-batch's valid tokens, no normaliser, as verl 0.9.1)
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False  # add a KL-to-reference term to the loss (starts a reference model)
     kl_loss_coef: float = 0.001  # weight of the KL loss
@@ -358,7 +380,10 @@ class DataConfig:
 class RewardConfig:
     """The rule-based reward function."""
 
-    fn: str = "rlpad.rewards.rules:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
+    # "pkg.module:function" or "path/to/file.py:function". Default: verl 0.9.1's default_compute_score for the
+    # data sources it names (openai/gsm8k, MATH, math_dapo / math / aime*) and rlpad's toy tasks;
+    # rlpad.rewards.rules:compute_score: rlpad's lenient verifier (numbers by value, math-verify for math)
+    fn: str = "rlpad.rewards.verl_default:compute_score"
 
 
 @dataclass

@@ -11,7 +11,10 @@ use, kept; it imports math-verify and nothing of rlpad's): a pathological
 answer (``9^{9^{9^{9}}}``: sympy computes the power in C, where no signal reaches it) cannot hang a
 step. Past ``timeout_s`` the child is killed (the next call starts another) and there is no verdict:
 the scorer then uses rlpad's normaliser, as it does wherever math-verify is not installed or cannot
-read the ground truth.
+read the ground truth. Such a fall-back is never silent: each is counted (:func:`drain_fallbacks`,
+the step metric ``reward/math_verify_fallbacks``) and the first of each kind is logged as a warning;
+a run that would score a math data source without math-verify installed is refused at start
+(:func:`rlpad.rewards.rules.reward_source_problems`).
 """
 
 from __future__ import annotations
@@ -20,17 +23,24 @@ import atexit
 import functools
 import importlib.util
 import json
+import logging
 import select
 import subprocess
 import sys
 import threading
 from typing import Any
 
-__all__ = ["TIMEOUT_S", "available", "verify_answer"]
+__all__ = ["FALLBACK_METRIC", "TIMEOUT_S", "available", "drain_fallbacks", "verify_answer"]
 
 TIMEOUT_S = 5.0  # seconds one check may take
 START_TIMEOUT_S = 120.0  # the child's start (importing sympy and math-verify)
 _NO_ANSWER = object()
+_TIMED_OUT = object()
+FALLBACK_METRIC = "reward/math_verify_fallbacks"  # responses scored by rlpad's normaliser instead, per step
+_WHY = {"missing": "math-verify is not installed (pip install math-verify, in rlpad's cpu / gpu extras)",
+        "timeout": "a check took longer than its timeout (the child was killed)",
+        "unreadable": "math-verify gave no verdict (a ground truth it cannot parse, or an error)"}
+_log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -93,8 +103,8 @@ class _Child:
             self.proc.wait()
         self.proc = None
 
-    def check(self, truth: str, solution: str, timeout_s: float) -> bool | None:
-        """The verdict, or None (timed out, or undecidable: the caller falls back)."""
+    def check(self, truth: str, solution: str, timeout_s: float) -> Any:
+        """The verdict, None (undecidable) or ``_TIMED_OUT``: the caller falls back."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
@@ -103,7 +113,7 @@ class _Child:
             verdict = self._read(timeout_s)
             if verdict is _NO_ANSWER:
                 self._kill()
-                return None
+                return _TIMED_OUT
             return verdict
 
 
@@ -111,12 +121,47 @@ _CHILD = _Child()
 atexit.register(_CHILD._kill)
 
 
+class _Tally:
+    """Checks asked and fall-backs by kind since the last :func:`drain_fallbacks`; kinds already warned about."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.asked, self.fallbacks, self.warned = 0, 0, set()
+
+    def record(self, why: str | None) -> None:
+        with self.lock:
+            self.asked += 1
+            if why is None:
+                return
+            self.fallbacks += 1
+            first = why not in self.warned
+            self.warned.add(why)
+        if first:
+            _log.warning("math-verify fell back to rlpad's normaliser: %s; counted in %s (warned once per kind)",
+                         _WHY[why], FALLBACK_METRIC)
+
+
+_TALLY = _Tally()
+
+
+def drain_fallbacks() -> dict[str, float]:
+    """``{FALLBACK_METRIC: fall-backs}`` since the last call (and resets), or ``{}`` when math-verify was not
+    asked since then (a run on other rewards gets no such metric)."""
+    with _TALLY.lock:
+        asked, n = _TALLY.asked, _TALLY.fallbacks
+        _TALLY.asked = _TALLY.fallbacks = 0
+    return {FALLBACK_METRIC: float(n)} if asked else {}
+
+
 def verify_answer(solution_str: str, ground_truth: Any, timeout_s: float = TIMEOUT_S) -> bool | None:
     """math-verify's verdict on ``solution_str`` against ``ground_truth`` within ``timeout_s`` seconds;
-    None when math-verify is not installed, timed out or cannot read the ground truth."""
+    None when math-verify is not installed, timed out or cannot read the ground truth (each counted)."""
     if not available():
+        _TALLY.record("missing")
         return None
-    return _CHILD.check(str(ground_truth), solution_str, timeout_s)
+    verdict = _CHILD.check(str(ground_truth), solution_str, timeout_s)
+    _TALLY.record("timeout" if verdict is _TIMED_OUT else "unreadable" if verdict is None else None)
+    return None if verdict is _TIMED_OUT else verdict
 
 
 if __name__ == "__main__":

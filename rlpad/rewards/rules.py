@@ -1,12 +1,15 @@
-"""Rule-based rewards: final-answer exact match, dispatch by ``data_source``, and token placement.
+"""Rule-based rewards: rlpad's lenient verifier, custom functions, and token placement.
 
 A reward function has verl's signature, called with keywords::
 
     fn(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float | {"score": float, ...}
 
-``solution_str`` is the decoded response without special tokens. :func:`compute_score` is the
-default; ``reward.fn: pkg.module:function`` (or ``path/to/file.py:function``) picks another,
-loaded by :func:`load_reward_fn`.
+``solution_str`` is the decoded response without special tokens. The default is verl's
+(:func:`rlpad.rewards.verl_default.compute_score`, :data:`DEFAULT_REWARD_FN`); ``reward.fn:
+pkg.module:function`` (or ``path/to/file.py:function``) picks another, loaded by
+:func:`load_reward_fn`. :func:`compute_score` here (``reward.fn: rlpad.rewards.rules:compute_score``)
+is rlpad's more lenient verifier: numbers by value, any of ``####`` / ``\\boxed{}``, math-verify for
+the math sources, 0 / 1 everywhere.
 
 Answers are compared after numeric normalisation (:func:`normalize_answer`): spaces, ``$``,
 thousands commas, a leading ``+`` and a trailing period are dropped; numbers compare by value,
@@ -18,20 +21,25 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import torch
 
 from rlpad.batch import Batch
+from rlpad.config.schema import RewardConfig
 from rlpad.functions import load_function
+from rlpad.rewards import math_verifier
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
+from rlpad.rewards.toys import TOY_SCORERS
+from rlpad.rewards.verl_default import compute_score as verl_compute_score
 
 __all__ = [
-    "answers_match", "boxed_score", "compute_score", "decode_responses", "extract_boxed_answer",
-    "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn", "math_verify_score",
-    "normalize_answer", "place_scores", "score_batch", "score_responses",
+    "DEFAULT_REWARD_FN", "TOY_SCORERS", "answers_match", "boxed_score", "compute_score", "decode_responses",
+    "extract_boxed_answer", "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn",
+    "math_verify_score",
+    "normalize_answer", "place_scores", "reward_source_problems", "score_batch", "score_responses",
 ]
 
 RewardFn = Callable[..., Any]
@@ -142,24 +150,6 @@ def math_verify_score(solution_str: str, ground_truth: Any, extra_info: Any = No
     return boxed_score(solution_str, ground_truth, extra_info) if verdict is None else float(verdict)
 
 
-def _toy(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from rlpad.embedded.toy import toy_score
-
-    return toy_score(solution_str, ground_truth, extra_info)
-
-
-def _toy_tools(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from rlpad.embedded.toy_tools import tools_score
-
-    return tools_score(solution_str, ground_truth, extra_info)
-
-
-def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    from rlpad.embedded.toy_long import run_score
-
-    return run_score(solution_str, ground_truth, extra_info)
-
-
 SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
@@ -171,34 +161,56 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "math_dapo": math_verify_score,
     "BytedTsinghua-SIA/DAPO-Math-17k": math_verify_score,
     "BytedTsinghua-SIA/AIME-2024": math_verify_score,
-    "rlpad/toy_add": _toy,
-    "rlpad/toy_alphabet": _toy_long,
-    "rlpad/toy_tools": _toy_tools,
+    **TOY_SCORERS,
 }
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """The default reward: the scorer registered for ``data_source`` (see ``SCORERS``).
+    """rlpad's lenient reward: the scorer registered for ``data_source`` (see ``SCORERS``).
 
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
     :func:`rlpad.rewards.math_verifier.math_verify_score`.
     """
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
-        name = str(data_source).lower()
-        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
+    scorer = _lenient_scorer(data_source)
     if scorer is None:
         raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
                          "(or set reward.fn=package.module:function)")
     return scorer(solution_str, ground_truth, extra_info)
 
 
+def _lenient_scorer(data_source: str) -> Callable[[str, Any, Any], float] | None:
+    """The lenient reward's scorer of ``data_source``: listed, else by a ``gsm8k`` / ``math`` / ``aime`` in
+    its name; None if none."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        name = str(data_source).lower()
+        scorer = gsm8k_score if "gsm8k" in name else math_verify_score if "math" in name or "aime" in name else None
+    return scorer
+
+
+def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> list[str]:
+    """Config problems of scoring ``data_sources`` with ``reward.fn=spec``: the lenient reward on a math
+    source without math-verify installed (it would score every response by the fall-back)."""
+    if spec != "rlpad.rewards.rules:compute_score" or math_verifier.available():
+        return []
+    needs = sorted({ds for ds in data_sources if _lenient_scorer(ds) is math_verify_score})
+    return [f"reward.fn={spec} scores data_source {ds!r} with math-verify, which is not installed "
+            "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn"
+            for ds in needs]
+
+
 # ----------------------------------------------------------------------------- custom functions
 
 
+DEFAULT_REWARD_FN = RewardConfig.fn  # verl's default_compute_score (rlpad.rewards.verl_default)
+
+
 def load_reward_fn(spec: str | None) -> RewardFn:
-    """The function named by ``"pkg.module:function"`` or ``"path/to/file.py:function"`` (None: default)."""
-    if spec is None or spec == "rlpad.rewards.rules:compute_score":
+    """The function named by ``"pkg.module:function"`` or ``"path/to/file.py:function"`` (None: the default,
+    verl's)."""
+    if spec is None or spec == DEFAULT_REWARD_FN:
+        return verl_compute_score
+    if spec == "rlpad.rewards.rules:compute_score":
         return compute_score
     return load_function(spec, "reward.fn")
 
@@ -253,12 +265,12 @@ def score_responses(
     extra_infos: Sequence[Any] | None = None,
     reward_fn: RewardFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode, score each row with ``reward_fn`` (default :func:`compute_score`), place the scores.
+    """Decode, score each row with ``reward_fn`` (default: verl's, :data:`DEFAULT_REWARD_FN`), place the scores.
 
     Returns ``(token_level_scores (B, R), scores (B,), acc (B,))`` (acc: the function's ``acc`` where it
     returns a dict holding one, else the score); ValueError naming the row on NaN/inf.
     """
-    reward_fn = reward_fn or compute_score
+    reward_fn = reward_fn or verl_compute_score
     texts = decode_responses(tokenizer, responses, response_mask)
     if not len(data_sources) == len(ground_truths) == len(texts):
         raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")

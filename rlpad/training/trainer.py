@@ -38,6 +38,7 @@ from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape
 from rlpad.training.initial_weights import sync_initial_weights
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
+from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
@@ -335,6 +336,7 @@ class Trainer:
 
     def _batch_metrics(self, batch: Batch, seq_scores: torch.Tensor, timing: dict[str, float]) -> dict[str, float]:
         return (batch_metrics(batch, seq_scores) | self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}")
+                | drain_fallbacks()  # reward/math_verify_fallbacks since the last step's record
                 | stage_metrics(batch, timing, self.config.actor_rollout_ref.actor.ppo_epochs))
 
     def _multi_turn_metrics(self, batch: Batch, prefix: str, where: str) -> dict[str, float]:
