@@ -132,9 +132,6 @@ def _bypass_problems(rc: Any, key: str) -> list[str]:
         problems.append(f"{key}.loss_type={rc.loss_type!r} is not valid; choose one of ppo_clip, reinforce")
     if rc.rollout_is not in (None, "token", "sequence"):
         problems.append(f"{key}.rollout_is={rc.rollout_is!r} is not valid; choose one of token, sequence, null")
-    if rc.rollout_rs is not None:
-        problems.append(f"{key}.rollout_rs={rc.rollout_rs!r}: verl's rejection sampling is not supported here "
-                        "(use algorithm.rollout_correction.mode=seq_mask, or null)")
     try:
         parse_is_threshold(rc.rollout_is_threshold)
     except ValueError as e:

@@ -153,8 +153,6 @@ class BypassCorrectionConfig:
     # "C": weights truncated at C (TIS); "L_U" (e.g. "0.5_2.0"): weights outside [L, U] set to 0 (IcePop)
     rollout_is_threshold: str = "2.0"
     rollout_is_batch_normalize: bool = False  # divide the weights by their mean over the piece (per token or per row)
-    rollout_rs: str | None = None  # verl's rejection-sampling modes: not supported here (must stay null)
-    rollout_rs_threshold: str | None = None  # with rollout_rs only
 
 
 @dataclass
