@@ -33,7 +33,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.rules import load_reward_fn
+from rlpad.rewards.combine import build_reward
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -174,7 +174,22 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
-    return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
+    return Prepared(config, tokenizer, train_loader, val_dataset,
+                    build_reward(config.reward, _reward_model_scorer(config, tokenizer)))
+
+
+def _reward_model_scorer(config: Config, tokenizer: Any) -> Any:
+    """The reward model's scorer (rlpad.rewards.model_scorer) when ``reward.reward_model.enable``, else None:
+    loaded here, in the driver, so a folder that is not a reward model fails before any worker starts."""
+    rm = config.reward.reward_model
+    if not rm.enable:
+        return None
+    from rlpad.rewards.model_scorer import RewardModelScorer  # loads transformers' classification heads
+
+    device = resolve_device(config) if config.trainer.backend == "local" else "cpu"
+    return RewardModelScorer(rm.model_path, tokenizer, dtype=rm.dtype, device=device,
+                             use_remove_padding=rm.use_remove_padding,
+                             trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
 
 
 def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:

@@ -311,7 +311,10 @@ def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool
     """
     import ast
 
-    by_attr = {attr: {cls.__name__} for cls, attrs in sections.items() for attr in attrs}
+    by_attr: dict[str, set[str]] = {}  # one name may be two sections (reward_model, reward.reward_model)
+    for cls, attrs in sections.items():
+        for attr in attrs:
+            by_attr.setdefault(attr, set()).add(cls.__name__)
     names = {cls.__name__ for cls in sections}
     tree = ast.parse(open(path, encoding="utf-8").read())
 

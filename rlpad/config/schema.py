@@ -7,14 +7,15 @@ the schema, so every component can import its section without pulling in YAML ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
-    "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
-    "RefConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
+    "CustomRewardFunctionConfig", "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
+    "RefConfig", "RewardManagerConfig", "RewardModelConfig", "RewardModelScoringConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
     "TrainerConfig", "ValidationSamplingConfig",
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
-    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
+    "LEGACY_KEYS", "LEGACY_REFUSED", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "REWARD_MANAGERS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -52,6 +53,44 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 REMOVED_KEYS = {
     "sft.enable": "the supervised warm start runs whenever a model path is embedded:<task> and never "
                   "otherwise (a random tiny model is tiny:<arch>); delete the key",
+}
+
+# reward.reward_manager.name: verl's reward managers rlpad has. Both score each response with the reward
+# function (reward.fn); dapo's overlong shaping is reward_model.overlong_buffer, which works under either.
+REWARD_MANAGERS = ("naive", "dapo")
+# verl's legacy reward names (before its 0.9 ``reward.*`` section), read as verl's own migration
+# (migrate_legacy_reward_impl) maps them: a recipe or override may use either name, not both.
+LEGACY_KEYS = {
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_kwargs": "reward.reward_kwargs",
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
+}
+# verl's legacy reward keys (and those of its 0.9 reward loop) that mean nothing in rlpad: a recipe or
+# override setting one (or a key under one) fails at load with this note, in one line.
+LEGACY_REFUSED = {
+    "reward_model.num_workers": "verl's reward-loop worker count (reward.num_workers): rlpad runs the rule "
+                                "functions in the driver and the reward model on the training ranks; delete the key",
+    "reward_model.reward_loop_source": "verl's reward-loop class loading: rlpad has no reward-loop classes; name a "
+                                       "function with reward.fn or reward.custom_reward_function; delete the key",
+    "reward_model.reward_loop_module_path": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
+    "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
+    "reward_model.rollout": "verl 0.9 serves reward models from a vLLM/SGLang server (reward.reward_model.rollout); "
+                            "rlpad scores reward.reward_model.model_path on the packed row of its own ranks: delete it",
+    "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad compares the reward model's tokenizer "
+                                          "with the policy's itself (actor_rollout_ref.model.tokenizer_path); delete it",
+    "reward_model.model.external_lib": "verl's external model code: set actor_rollout_ref.model.trust_remote_code",
+    "reward_model.model.override_config": "verl's config overrides: save the reward model with the config you want",
+    "reward_model.model.trust_remote_code": "use actor_rollout_ref.model.trust_remote_code (one switch for every model)",
+    "reward_model.strategy": "rlpad's reward model always runs FSDP2 (no megatron); delete the key",
+    "reward_model.micro_batch_size": "verl's deprecated global micro-batch: delete the key",
+    "reward_model.launch_reward_fn_async": "rlpad scores rule functions in the driver between the rollout and the "
+                                           "log-probs; delete the key",
+    "reward_model.sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
+    "sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
+    "custom_reward_function.reward_kwargs": "use reward.reward_kwargs (keyword arguments of every reward call)",
 }
 
 
@@ -309,10 +348,60 @@ class DataConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's ``custom_reward_function``: the reward function as a file (or module) and a name; when
+    ``path`` is set it replaces ``reward.fn`` (``path:name``)."""
+
+    path: str | None = None  # path/to/file.py or package.module; null: reward.fn decides
+    name: str = "compute_score"  # the function in it
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's ``reward.reward_manager``: how each response's reward is computed."""
+
+    name: str = "naive"  # naive | dapo (rlpad.config.schema.REWARD_MANAGERS): both call the reward function per response
+
+
+@dataclass
+class RewardModelScoringConfig:
+    """verl 0.9's ``reward.reward_model``: a discriminative reward model, a ``*ForSequenceClassification``
+    or ``*ForTokenClassification`` with one output, scored at each response's last valid token
+    (rlpad/core/reward_model.py, docs/rewards.md)."""
+
+    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
+    model_path: str | None = None  # a local folder holding the reward model and its tokenizer
+    use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+
+
+@dataclass
 class RewardConfig:
-    """The rule-based reward function."""
+    """The rewards: a rule-based function, optionally a reward model (docs/rewards.md)."""
 
     fn: str = "rlpad.rewards.rules:compute_score"  # "pkg.module:function" (default: GSM8K, \boxed{} and the toy tasks)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    # keyword arguments passed to every call of the reward function, beside verl's four (data_source, ...)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
+    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
+    # part alone: "rule" (the reward function), "reward_model" (when enabled) and each name of extra_fns.
+
+    # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
+    extra_fns: dict[str, str] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # part name -> its weight; a part not listed weighs 1
+    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights)
+    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    # parts standardised by the running mean / std of all their training scores so far, before weighting
+    normalize: list[str] = field(default_factory=list)
+    clip: float | None = None  # each part's score (after normalisation) clipped to [-clip, clip]; null: not clipped
+
+    @property
+    def function_spec(self) -> str:
+        """The reward function to load: ``custom_reward_function.path:name`` when set, else ``fn``."""
+        crf = self.custom_reward_function
+        return f"{crf.path}:{crf.name}" if crf.path else self.fn
 
 
 @dataclass

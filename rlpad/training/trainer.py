@@ -37,7 +37,7 @@ from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
-from rlpad.rewards.rules import score_batch
+from rlpad.rewards.combine import part_metrics, parts_of, score_rewards
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction, log_prob_mismatch
 
@@ -135,8 +135,8 @@ class Trainer:
     def _scored(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
         with _timed(timing, "reward"):
-            batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_batch(batch, self.tokenizer,
-                                                                                    self.reward_fn)
+            batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_rewards(batch, self.tokenizer,
+                                                                                      self.reward_fn)
             _check_finite("reward", batch[SEQ_SCORE], self.step)
         return batch
 
@@ -328,6 +328,7 @@ class Trainer:
             "padding_ratio": 1.0 - valid / attention.numel(),
         }
         out.update(self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}"))
+        out.update(part_metrics(batch))  # reward/<part>/mean (rlpad.rewards.combine)
         out.update({f"timing_s/{k}": v for k, v in timing.items()})
         throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
                       "update_actor": valid * epochs, "update_critic": valid * epochs}
@@ -347,13 +348,14 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
-        scores, parts, batches = [], [], []
+        scores, parts, batches, scored = [], [], [], []
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
-            scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
+            scores.append(score_rewards(batch, self.tokenizer, self.reward_fn, update_stats=False)[1])
+            scored.append(parts_of(batch))
             if "tool_calls" in batch:
                 batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
             if "rollout_log_probs" in batch:
@@ -361,6 +363,7 @@ class Trainer:
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
         out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        out.update(part_metrics(scored, "val/reward/"))
         if batches:
             out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))
         if parts:

@@ -1,0 +1,36 @@
+"""A run with a reward model and the rule combined (trainer.backend=local): every part in the metrics."""
+
+import json
+import math
+import os
+
+from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
+from rlpad.recipe.load import load_config
+from rlpad.train import run
+from paths import CACHE, recipe
+
+
+def test_reward_model_and_rule_both_logged_on_a_run(tmp_path):
+    rm_dir = tmp_path / "rm"
+    tiny_reward_model("qwen2", seed=4).save_pretrained(rm_dir)
+    build_tokenizer(rm_dir)  # the policy's tokenizer: the rollout's own rows are scored
+    out = tmp_path / "run"
+    run(load_config(recipe("grpo_tiny"), [
+        f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+        "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
+        "trainer.test_freq=-1", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4", "data.val_batch_size=32",
+        "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm_dir}",
+        "reward.weights={rule: 1.0, reward_model: 0.5}",
+    ]))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = {r["step"]: r for r in map(json.loads, f)}
+    for step in (1, 2):
+        r = records[step]
+        assert {"reward/rule/mean", "reward/reward_model/mean"} <= set(r)
+        # the logged reward is the weighted sum of the logged parts (weights do not depend on the source)
+        assert math.isclose(r["reward/mean"], r["reward/rule/mean"] + 0.5 * r["reward/reward_model/mean"],
+                            rel_tol=0, abs_tol=1e-5)
+        assert r["reward/reward_model/mean"] != 0.0
+    for step in (0, 2):
+        assert {"val/reward/rule/mean", "val/reward/reward_model/mean"} <= set(records[step])
