@@ -33,7 +33,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.combine import build_reward
+from rlpad.rewards.combine import CombinedReward, build_reward
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -175,21 +175,18 @@ def prepare(config: Config) -> Prepared:
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     return Prepared(config, tokenizer, train_loader, val_dataset,
-                    build_reward(config.reward, _reward_model_scorer(config, tokenizer)))
+                    build_reward(config.reward, _reward_model_inputs(config, tokenizer)))
 
 
-def _reward_model_scorer(config: Config, tokenizer: Any) -> Any:
-    """The reward model's scorer (rlpad.rewards.model_scorer) when ``reward.reward_model.enable``, else None:
-    loaded here, in the driver, so a folder that is not a reward model fails before any worker starts."""
+def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
+    """What the reward model reads (rlpad.rewards.model_scorer) when ``reward.reward_model.enable``, else
+    None: built here, so a folder that is not a reward model fails before any worker starts."""
     rm = config.reward.reward_model
     if not rm.enable:
         return None
-    from rlpad.rewards.model_scorer import RewardModelScorer  # loads transformers' classification heads
+    from rlpad.rewards.model_scorer import RewardModelInputs  # transformers' tokenizer loading
 
-    device = resolve_device(config) if config.trainer.backend == "local" else "cpu"
-    return RewardModelScorer(rm.model_path, tokenizer, dtype=rm.dtype, device=device,
-                             use_remove_padding=rm.use_remove_padding,
-                             trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
+    return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
 
 
 def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
@@ -206,6 +203,8 @@ def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = N
     with RunLog(out_dir, config.trainer.log_level) as run_log:
         print(_starting_line(config, run_log), flush=True)
         workers = _launch(config, run_log)
+        if isinstance(prep.reward_fn, CombinedReward):
+            prep.reward_fn.attach_workers(workers)  # the reward model's part: its worker group
         try:
             driven = wrap_workers(workers) if wrap_workers is not None else workers
             return Trainer(config, driven, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn).fit()

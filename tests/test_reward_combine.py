@@ -11,7 +11,8 @@ from rlpad.config.schema import RewardConfig, RewardModelScoringConfig
 from rlpad.core.layout import left_pad
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.rewards.combine import CombinedReward, RunningStats, build_reward, part_metrics, score_rewards
-from rlpad.rewards.model_scorer import RewardModelScorer
+from rlpad.core.reward_model import compute_scores, load_reward_model
+from rlpad.rewards.model_scorer import RewardModelInputs
 from rlpad.rewards.rules import compute_score, score_batch
 
 TOK = build_tokenizer()
@@ -122,9 +123,9 @@ def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
     return scale * float(solution_str == ground_truth)
 
 
-def test_model_part_from_a_real_reward_model_and_retokenisation(tmp_path):
-    """The reward model's part through RewardModelScorer: rollout ids when the tokenizers agree; with
-    another chat template the conversation is re-rendered, and the score is the model's on that text."""
+def test_reward_model_inputs_and_retokenisation(tmp_path):
+    """What the reward model reads: the rollout's own rows when the tokenizers agree; with another chat
+    template the conversation re-rendered, and the model's score on it is its score on that text alone."""
     same, other = tmp_path / "same", tmp_path / "other"
     rm = tiny_reward_model("qwen2", seed=3)
     for folder in (same, other):
@@ -133,14 +134,17 @@ def test_model_part_from_a_real_reward_model_and_retokenisation(tmp_path):
     tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     tok.save_pretrained(other)
     batch = batch_a()
-    direct, rerendered = RewardModelScorer(str(same), TOK), RewardModelScorer(str(other), TOK)
+    direct, rerendered = RewardModelInputs(str(same), TOK), RewardModelInputs(str(other), TOK)
     assert not direct.retokenize and rerendered.retokenize
+    assert torch.equal(direct(batch)["input_ids"], batch["input_ids"])
+    loaded = load_reward_model(str(other))
     with torch.no_grad():
-        for scorer, render in ((direct, "{p}{a}"), (rerendered, "[{p}][{a}]")):
-            got = scorer(batch)
+        for inputs, render in ((direct, "{p}{a}"), (rerendered, "[{p}][{a}]")):
+            fed = inputs(batch)
+            got = compute_scores(loaded, fed["input_ids"], fed["attention_mask"], fed.tensors.get("position_ids"))
             for i, (p, a) in enumerate(zip(["3+4=", "1+1=", "10+2=", "5+5="], ["7", "3", "12", "100"])):
-                ids = torch.tensor([scorer.tokenizer(render.format(p=p, a=a), add_special_tokens=False)["input_ids"]])
-                if scorer is direct:  # the rollout row itself: prompt + answer + EOS
+                ids = torch.tensor([inputs.tokenizer(render.format(p=p, a=a), add_special_tokens=False)["input_ids"]])
+                if inputs is direct:  # the rollout row itself: prompt + answer + EOS
                     ids = torch.cat([ids, torch.tensor([[TOK.eos_token_id]])], 1)
                 alone = rm.score(rm.model(input_ids=ids).last_hidden_state[0, -1]).item()
                 assert abs(float(got[i]) - alone) < 2e-5
@@ -151,4 +155,9 @@ def test_model_part_from_a_real_reward_model_and_retokenisation(tmp_path):
     bare.add_tokens(["<x>"])
     bare.save_pretrained(no_template)
     with pytest.raises(ValueError, match="no chat template"):
-        RewardModelScorer(str(no_template), TOK)
+        RewardModelInputs(str(no_template), TOK)
+    tiny_model_dir = tmp_path / "lm"
+    from rlpad.embedded.tiny import tiny_model
+    tiny_model("qwen2").save_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
+        RewardModelInputs(str(tiny_model_dir), TOK)

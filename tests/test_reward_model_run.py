@@ -1,8 +1,11 @@
-"""A run with a reward model and the rule combined (trainer.backend=local): every part in the metrics."""
+"""A run with a reward model and the rule combined, on the local stack and on Ray (the reward model's
+own FSDP2 worker group): every part in the metrics, the logged reward their weighted sum."""
 
 import json
 import math
 import os
+
+import pytest
 
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.recipe.load import load_config
@@ -10,14 +13,15 @@ from rlpad.train import run
 from paths import CACHE, recipe
 
 
-def test_reward_model_and_rule_both_logged_on_a_run(tmp_path):
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_reward_model_and_rule_both_logged_on_a_run(tmp_path, backend):
     rm_dir = tmp_path / "rm"
     tiny_reward_model("qwen2", seed=4).save_pretrained(rm_dir)
     build_tokenizer(rm_dir)  # the policy's tokenizer: the rollout's own rows are scored
     out = tmp_path / "run"
     run(load_config(recipe("grpo_tiny"), [
         f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
-        "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
+        f"trainer.backend={backend}", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
         "trainer.test_freq=-1", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
         "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4", "data.val_batch_size=32",
         "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm_dir}",
@@ -34,3 +38,6 @@ def test_reward_model_and_rule_both_logged_on_a_run(tmp_path):
         assert r["reward/reward_model/mean"] != 0.0
     for step in (0, 2):
         assert {"val/reward/rule/mean", "val/reward/reward_model/mean"} <= set(records[step])
+    if backend == "ray":
+        with open(os.path.join(out, "workers.json")) as f:
+            assert len(json.load(f)["reward_model"]) == 1  # its own group, one rank

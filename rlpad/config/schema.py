@@ -65,6 +65,10 @@ LEGACY_KEYS = {
     "reward_model.model.path": "reward.reward_model.model_path",
     "reward_model.reward_manager": "reward.reward_manager.name",
     "reward_model.reward_kwargs": "reward.reward_kwargs",
+    # verl 0.9 dropped these with its FSDP reward-model worker; rlpad's worker reads them
+    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
+    "reward_model.use_dynamic_bsz": "reward.reward_model.use_dynamic_bsz",
+    "reward_model.forward_max_token_len_per_gpu": "reward.reward_model.forward_max_token_len_per_gpu",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
 }
@@ -373,6 +377,11 @@ class RewardModelScoringConfig:
     model_path: str | None = None  # a local folder holding the reward model and its tokenizer
     use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
+    attn_implementation: str = "auto"
+    micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
+    forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
 
 
 @dataclass

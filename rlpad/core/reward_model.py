@@ -28,7 +28,7 @@ from rlpad.core.attention import BOUNDS_KWARG, VARLEN_ATTENTION, PackedBounds, p
 from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.host_plan import to_device
 from rlpad.core.layout import position_ids_from_mask
-from rlpad.core.models import load_pretrained, model_config, model_source, require_folder
+from rlpad.core.models import empty_pretrained, load_pretrained, model_config, model_source, require_folder
 from rlpad.core.padding import validate_attention_mask
 
 __all__ = ["REWARD_HEADS", "check_reward_config", "check_reward_inputs", "compute_scores", "last_token_columns",
@@ -71,18 +71,27 @@ def load_reward_model(
     use_remove_padding: bool = True,
     trust_remote_code: bool = False,
     key: str = "reward.reward_model.model_path",
+    empty: bool = False,
+    attn_device: str | torch.device | None = None,
 ) -> nn.Module:
     """The reward model saved at the folder ``path`` (eval mode), with the attention rlpad's packed
     row needs (see :func:`rlpad.core.models.load_causal_lm`). ValueError before loading any weight
-    when the folder holds another kind of model (``key`` names the config key in the message)."""
+    when the folder holds another kind of model (``key`` names the config key in the message).
+    ``empty``: built on the meta device from the config alone (no weight read); the attention is chosen
+    for ``attn_device`` (default ``device``), where the model will run."""
     if model_source(path) is not None:
         raise ValueError(f"{key}={path!r} names a causal LM built in code, not a reward model; give the folder of "
                          f"a *ForSequenceClassification or *ForTokenClassification model (num_labels 1)")
     require_folder("reward model", path)
     config = model_config(path, trust_remote_code)
     kind = check_reward_config(config, path, key)
+    if empty:
+        return empty_pretrained(REWARD_HEADS[kind], path, dtype=dtype, attn_device=attn_device or device,
+                                trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                                use_remove_padding=use_remove_padding)
     return load_pretrained(REWARD_HEADS[kind], path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                           attn_implementation=attn_implementation, use_remove_padding=use_remove_padding)
+                           attn_implementation=attn_implementation, use_remove_padding=use_remove_padding,
+                           attn_device=attn_device)
 
 
 def check_reward_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -71,8 +71,9 @@ class CombinedReward:
     workers start (:meth:`attach_model`)."""
 
     def __init__(self, reward: RewardConfig, rule_fn: RewardFn, extra_fns: Mapping[str, RewardFn] | None = None,
-                 model_scorer: ModelScorer | None = None):
+                 model_scorer: ModelScorer | None = None, model_inputs: Callable[[Batch], Batch] | None = None):
         self.config = reward
+        self.model_inputs = model_inputs  # rollout batch -> what the reward model reads (rlpad.rewards.model_scorer)
         self.rule_fn = rule_fn
         self.extra_fns = dict(extra_fns or {})
         self.model_scorer = model_scorer
@@ -81,6 +82,12 @@ class CombinedReward:
 
     def attach_model(self, model_scorer: ModelScorer) -> None:
         self.model_scorer = model_scorer
+
+    def attach_workers(self, workers: Any) -> None:
+        """Score the reward-model part with ``workers.compute_rm_scores`` (the Ray or the local stack)
+        on :attr:`model_inputs` of each batch."""
+        if self.uses_model:
+            self.attach_model(lambda batch: workers.compute_rm_scores(self.model_inputs(batch))["rm_scores"])
 
     @property
     def parts(self) -> list[str]:
@@ -152,9 +159,11 @@ def part_metrics(batches: Batch | Sequence[Batch], prefix: str = "reward/") -> d
             for k in keys}
 
 
-def build_reward(reward: RewardConfig, model_scorer: ModelScorer | None = None) -> CombinedReward | RewardFn:
+def build_reward(reward: RewardConfig, model_inputs: Callable[[Batch], Batch] | None = None
+                 ) -> CombinedReward | RewardFn:
     """The run's reward: the plain reward function (``reward.reward_kwargs`` bound) when it is the only
-    part, else a :class:`CombinedReward`."""
+    part, else a :class:`CombinedReward` (its reward-model part attached once the workers run:
+    :meth:`CombinedReward.attach_workers`)."""
     rule_fn = load_reward_fn(reward.function_spec)
     if reward.reward_kwargs:
         rule_fn = functools.partial(rule_fn, **reward.reward_kwargs)
@@ -163,4 +172,4 @@ def build_reward(reward: RewardConfig, model_scorer: ModelScorer | None = None) 
         or reward.clip is not None
     if not combined:
         return rule_fn
-    return CombinedReward(reward, rule_fn, extra, model_scorer)
+    return CombinedReward(reward, rule_fn, extra, model_inputs=model_inputs)

@@ -1,4 +1,5 @@
-"""The reward-model part of the reward stage, in the driver process: rollout batch -> one score per response.
+"""The reward-model part of the reward stage, on the driver: what the reward-model workers
+(workers/reward_model.py) score for a rollout batch.
 
 The reward model (:mod:`rlpad.core.reward_model`) reads the rollout's own rows (policy tokens,
 left-padded prompt + right-padded response, remove-padding) when it tokenises as the policy does:
@@ -12,15 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from rlpad.batch import Batch
 from rlpad.core.layout import left_pad
-from rlpad.core.models import load_tokenizer
-from rlpad.core.reward_model import compute_scores, load_reward_model
+from rlpad.core.models import load_tokenizer, model_config, require_folder
+from rlpad.core.reward_model import check_reward_config
 from rlpad.rewards.rules import decode_responses
 
-__all__ = ["RewardModelScorer", "render_for_reward_model", "same_tokenization"]
+__all__ = ["RewardModelInputs", "render_for_reward_model", "same_tokenization"]
 
 KEY = "reward.reward_model.model_path"
 
@@ -45,35 +45,28 @@ def render_for_reward_model(batch: Batch, policy_tokenizer: Any, reward_tokenize
     return rows
 
 
-class RewardModelScorer:
-    """Loads the reward model at ``path`` and its tokenizer; called with a rollout batch, returns its
-    scores (B,) float32 on the CPU. ValueError at construction (before any compute) for a folder that
-    is not a one-output classification model, or a tokenizer that differs from the policy's and has
-    no chat template to re-render with."""
+class RewardModelInputs:
+    """What the reward model reads for a rollout batch. Built in the driver before any worker starts:
+    reads the folder's config and tokenizer only (no weights), and raises ValueError for a folder
+    that is not a one-output classification model, or a tokenizer that differs from the policy's
+    and has no chat template to re-render with. Called with a rollout batch, returns a Batch of
+    ``input_ids``, ``attention_mask`` (+ ``position_ids`` for the rollout's own rows)."""
 
-    def __init__(self, path: str, policy_tokenizer: Any, *, dtype: str = "float32", device: str = "cpu",
-                 use_remove_padding: bool = True, trust_remote_code: bool = False):
-        self.model = load_reward_model(path, dtype=dtype, device=device, use_remove_padding=use_remove_padding,
-                                       trust_remote_code=trust_remote_code, key=KEY)
+    def __init__(self, path: str, policy_tokenizer: Any, *, trust_remote_code: bool = False):
+        require_folder("reward model", path)
+        check_reward_config(model_config(path, trust_remote_code), path, KEY)
         self.tokenizer = load_tokenizer(path)
         self.policy_tokenizer = policy_tokenizer
-        self.use_remove_padding = use_remove_padding
         self.retokenize = not same_tokenization(policy_tokenizer, self.tokenizer)
         if self.retokenize and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{KEY}={path!r}: its tokenizer differs from the policy's "
                              "(actor_rollout_ref.model.tokenizer_path) and has no chat template to re-render the "
                              "responses with; save a chat_template with the reward model's tokenizer")
 
-    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(input_ids, attention_mask, position_ids)`` the reward model scores."""
+    def __call__(self, batch: Batch) -> Batch:
         if not self.retokenize:
-            return batch["input_ids"], batch["attention_mask"], batch["position_ids"] if "position_ids" in batch else None
+            return batch.select(*[k for k in ("input_ids", "attention_mask", "position_ids") if k in batch])
         rows = render_for_reward_model(batch, self.policy_tokenizer, self.tokenizer)
-        ids, mask = left_pad(rows, max(len(r) for r in rows), self.tokenizer.pad_token_id or 0)
-        return ids, mask, None
-
-    @torch.no_grad()
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        ids, mask, pos = (t.to(device) if t is not None else None for t in self.inputs(batch))
-        return compute_scores(self.model, ids, mask, pos, use_remove_padding=self.use_remove_padding).cpu()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids, mask = left_pad(rows, max(len(r) for r in rows), pad)
+        return Batch({"input_ids": ids, "attention_mask": mask})

@@ -3,7 +3,7 @@ parts and :func:`reward_problems`, every check of ``reward.*`` and its verl name
 
 from __future__ import annotations
 
-from rlpad.config.schema import DTYPES, REWARD_MANAGERS, Config, RewardConfig
+from rlpad.config.schema import ATTN_IMPLEMENTATIONS, DTYPES, REWARD_MANAGERS, Config, RewardConfig
 
 __all__ = ["MODEL", "RULE", "part_names", "reward_problems"]
 
@@ -38,6 +38,15 @@ def reward_problems(config: Config) -> list[str]:
         problems.append("reward.reward_model.enable=true needs reward.reward_model.model_path (a local folder)")
     if rm.dtype not in DTYPES:
         problems.append(f"reward.reward_model.dtype={rm.dtype!r} is not valid; choose one of {', '.join(DTYPES)}")
+    if rm.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        problems.append(f"reward.reward_model.attn_implementation={rm.attn_implementation!r} is not valid; choose one "
+                        f"of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    elif rm.attn_implementation == "sdpa" and rm.use_remove_padding:
+        problems.append("reward.reward_model.attn_implementation=sdpa runs the padded path only; set "
+                        "reward.reward_model.use_remove_padding=false or choose auto / rlpad_varlen / flash_attention_2")
+    for key in ("micro_batch_size_per_gpu", "forward_max_token_len_per_gpu"):
+        if getattr(rm, key) < 1:
+            problems.append(f"reward.reward_model.{key}={getattr(rm, key)} must be >= 1")
     parts = part_names(r)
     for name, spec in r.extra_fns.items():
         if name in (RULE, MODEL):
