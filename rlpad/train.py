@@ -82,6 +82,9 @@ def resolve_embedded(config: Config) -> Config:
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
+    rm = config.reward.reward_model
+    if rm.enable and rm.model_path and _embedded_task(rm.model_path, "reward.reward_model.model_path") is not None:
+        rm.model_path = _embedded_reward_model(rm.model_path, config.sft)
     data, sft = config.data, config.sft
     for files in (data.train_files, data.val_files):
         for i, name in enumerate(files):
@@ -89,6 +92,16 @@ def resolve_embedded(config: Config) -> Config:
             if data_task is not None:
                 files[i] = os.path.join(_embedded_dataset(data_task, sft), f"{name.partition(':')[2]}.parquet")
     return config
+
+
+def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
+    """The folder of the embedded reward model ``embedded:toy`` (rlpad.embedded.reward_sft; built once)."""
+    from rlpad.embedded.reward_sft import TASK, toy_reward_model
+
+    if path != EMBEDDED_PREFIX + TASK:
+        raise ValueError(f"reward.reward_model.model_path={path!r}: the embedded reward model is "
+                         f"{EMBEDDED_PREFIX}{TASK} (the toy task's; no other task has one)")
+    return toy_reward_model(sft)
 
 
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
