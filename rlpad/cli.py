@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head", "lora",
-                                                        "rm"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync",
+                                                                   "e2e", "sp", "head", "lora", "rm"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "

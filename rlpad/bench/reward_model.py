@@ -58,6 +58,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
     row = [result["model"], f"{result['valid_fraction']:.2f}", f"{m['padded_s']:.3f}", f"{m['rmpad_s']:.3f}",
            f"{m['rmpad_tok_s']:.0f}", f"{m['speedup']:.2f}x", f"{m['flop_ideal_speedup']:.2f}x",
            f"{m['speedup_vs_ideal']:.2f}x"]
-    return [Table(["reward model", "valid", "padded s", "rmpad s", "rmpad tok/s", "speedup", "ideal", "of ideal"], [row],
+    header = ["reward model", "valid", "padded s", "rmpad s", "rmpad tok/s", "speedup", "ideal", "of ideal"]
+    return [Table(header, [row],
                   title="reward-model scoring forward, padded vs remove-padding (median seconds; tokens/s counts "
                         "valid tokens)")]

@@ -11,11 +11,13 @@ from typing import Any
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FSDPConfig",
-    "CustomRewardFunctionConfig", "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
-    "RefConfig", "RewardManagerConfig", "RewardModelConfig", "RewardModelScoringConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
-    "TrainerConfig", "ValidationSamplingConfig",
-    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
-    "LEGACY_KEYS", "LEGACY_REFUSED", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "REWARD_MANAGERS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
+    "CustomRewardFunctionConfig", "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig",
+    "OverlongBufferConfig", "PolicyLossConfig", "RefConfig", "RewardManagerConfig", "RewardModelConfig",
+    "RewardModelScoringConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig",
+    "TrainerConfig", "ValidationSamplingConfig", "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES",
+    "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES", "LEGACY_KEYS", "LEGACY_REFUSED",
+    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "REWARD_MANAGERS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
+    "kl_kind",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -80,7 +82,7 @@ LEGACY_REFUSED = {
     "reward_model.reward_loop_source": "verl's reward-loop class loading: rlpad has no reward-loop classes; name a "
                                        "function with reward.fn or reward.custom_reward_function; delete the key",
     "reward_model.reward_loop_module_path": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
-    "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
+    "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:fn",
     "reward_model.rollout": "verl 0.9 serves reward models from a vLLM/SGLang server (reward.reward_model.rollout); "
                             "rlpad scores reward.reward_model.model_path on the packed row of its own ranks: delete it",
     "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad compares the reward model's tokenizer "
