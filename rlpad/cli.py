@@ -115,6 +115,12 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         result = run_lora_bench(tuple(args.models or LORA_MODELS), rank=args.lora_rank, reps=args.reps)
         report("lora", tables(result))
         write_json(result, args.out or "results/bench_lora.json")
+    elif args.what == "rm":
+        from rlpad.bench.reward_model import run_rm_bench, tables
+
+        result = run_rm_bench((args.models or ["40m"])[0], reps=args.reps)
+        report("rm", tables(result))
+        write_json(result, args.out or "results/bench_rm.json")
     elif args.what == "sync":
         from rlpad.bench.sync import SYNC_MODELS, run_sync_bench, tables  # Ray through workers/
 
@@ -179,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--reps", type=int, default=3)
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
-    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync", "e2e", "sp", "head", "lora"])
+    bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync",
+                                                                   "e2e", "sp", "head", "lora", "rm"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
-                            "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b)")
+                            "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b); rm: one size (default 40m)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")

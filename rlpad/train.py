@@ -35,7 +35,8 @@ from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
 from rlpad.rewards.math_verifier import drain_fallbacks
-from rlpad.rewards.rules import load_reward_fn, reward_source_problems
+from rlpad.rewards.rules import reward_source_problems
+from rlpad.rewards.combine import CombinedReward, build_reward
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -85,6 +86,9 @@ def resolve_embedded(config: Config) -> Config:
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
+    rm = config.reward.reward_model
+    if rm.enable and rm.model_path and _embedded_task(rm.model_path, "reward.reward_model.model_path") is not None:
+        rm.model_path = _embedded_reward_model(rm.model_path, config.sft)
     data, sft = config.data, config.sft
     for files in (data.train_files, data.val_files):
         for i, name in enumerate(files):
@@ -92,6 +96,16 @@ def resolve_embedded(config: Config) -> Config:
             if data_task is not None:
                 files[i] = os.path.join(_embedded_dataset(data_task, sft), f"{name.partition(':')[2]}.parquet")
     return config
+
+
+def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
+    """The folder of the embedded reward model ``embedded:toy`` (rlpad.embedded.reward_sft; built once)."""
+    from rlpad.embedded.reward_sft import TASK, toy_reward_model
+
+    if path != EMBEDDED_PREFIX + TASK:
+        raise ValueError(f"reward.reward_model.model_path={path!r}: the embedded reward model is "
+                         f"{EMBEDDED_PREFIX}{TASK} (the toy task's; no other task has one)")
+    return toy_reward_model(sft)
 
 
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
@@ -181,11 +195,23 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
-    if problems := reward_source_problems(config.reward.fn, sources):
+    if problems := reward_source_problems(config.reward.function_spec, sources):
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
-    return Prepared(config, tokenizer, train_loader, val_dataset, load_reward_fn(config.reward.fn))
+    return Prepared(config, tokenizer, train_loader, val_dataset,
+                    build_reward(config.reward, _reward_model_inputs(config, tokenizer)))
+
+
+def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
+    """What the reward model reads (rlpad.rewards.model_scorer) when ``reward.reward_model.enable``, else
+    None: built here, so a folder that is not a reward model fails before any worker starts."""
+    rm = config.reward.reward_model
+    if not rm.enable:
+        return None
+    from rlpad.rewards.model_scorer import RewardModelInputs  # transformers' tokenizer loading
+
+    return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
 
 
 def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
@@ -202,6 +228,8 @@ def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = N
     with RunLog(out_dir, config.trainer.log_level) as run_log:
         print(_starting_line(config, run_log), flush=True)
         workers = _launch(config, run_log)
+        if isinstance(prep.reward_fn, CombinedReward):
+            prep.reward_fn.attach_workers(workers)  # the reward model's part: its worker group
         try:
             driven = wrap_workers(workers) if wrap_workers is not None else workers
             return Trainer(config, driven, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn).fit()

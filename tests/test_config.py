@@ -407,7 +407,7 @@ def _field_reads(path: str, sections: dict[type, set[str]], functions_only: bool
     """
     import ast
 
-    by_attr: dict[str, set[str]] = {}  # ``model`` is a ModelConfig (actor_rollout_ref) or a CriticModelConfig
+    by_attr: dict[str, set[str]] = {}  # one name may be several sections (model: ModelConfig or CriticModelConfig; reward_model, reward.reward_model)
     for cls, attrs in sections.items():
         for attr in attrs:
             by_attr.setdefault(attr, set()).add(cls.__name__)

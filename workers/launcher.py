@@ -43,6 +43,7 @@ from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
+from workers.reward_model import RewardModelWorker
 from workers.group import WorkerGroup
 from workers.placement import check_cluster_room, plan_nodes, release, reserve
 from workers.ray_logs import quiet_ray_logger, route_worker_output
@@ -68,7 +69,8 @@ def driver_built_paths(config: Config) -> list[str]:
     shipped to the workers through the object store (:mod:`workers.staging`)."""
     root = os.path.join(cache_root(config.sft), "")
     arr = config.actor_rollout_ref
-    found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path)
+    found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path,
+                         config.reward.reward_model.model_path if config.reward.reward_model.enable else None)
              if p and os.path.isdir(p) and os.path.abspath(p).startswith(root)}  # isdir first: no getcwd for "tiny:..."
     return sorted(found)
 
@@ -84,7 +86,8 @@ class RayWorkers:
         gpus = 1 if cuda else 0
         self.colocated = colocated(config, cuda)
         critic = uses_critic(config)
-        roles = ["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic
+        rm = config.reward.reward_model.enable
+        roles = ["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic + ["reward_model"] * rm
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
         per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
@@ -101,7 +104,7 @@ class RayWorkers:
                       resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
-        self.ref = self.critic = None
+        self.ref = self.critic = self.reward_model = None
         try:
             if self.colocated:
                 # One rank of each group and one engine per bundle, each with a 1/k share of it.
@@ -127,6 +130,9 @@ class RayWorkers:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
+            if rm:
+                self.reward_model = WorkerGroup(RewardModelWorker, config.reward.reward_model, role="reward_model",
+                                                trust_remote_code=arr.model.trust_remote_code, **group)
             if not self.colocated:
                 self.rollout = RolloutReplicas(
                     arr.model.path, arr.rollout, config.data, num_replicas=num_replicas,
@@ -142,7 +148,8 @@ class RayWorkers:
     def _write_rank_info(self, path: str) -> None:
         """``workers.json``: per group and rank, the node it ran on and the rendezvous it used."""
         info = {name: group.rank_info() for name, group in
-                (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)) if group is not None}
+                (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
+                 ("reward_model", self.reward_model)) if group is not None}
         info["nodes"] = [{"node_id": n.node_id, "ip": n.ip} for n in self.actor.nodes]
         info["colocated"] = self.colocated
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -196,6 +203,12 @@ class RayWorkers:
     def compute_values(self, batch: Batch) -> Batch:
         return self.critic.call_batch("compute_values", batch)
 
+    def compute_rm_scores(self, batch: Batch) -> Batch:
+        """``rm_scores`` (B,): the reward-model group on the reward model's inputs, split and balanced over its ranks."""
+        if self.reward_model is None:
+            raise ValueError("reward-model scores asked for, but reward.reward_model.enable is false")
+        return self.reward_model.call_batch("compute_rm_scores", batch)
+
     def _mini_rows(self) -> int:
         arr = self.config.actor_rollout_ref
         return arr.actor.ppo_mini_batch_size * arr.rollout.n
@@ -236,7 +249,7 @@ class RayWorkers:
         if self.colocated:
             self.rollout.wake_up(["weights"])
             self.last_offload_bytes = sum(self.actor.call("offload_state"))
-            for group in (self.ref, self.critic):  # their parameters stay; their cached activation blocks go
+            for group in (self.ref, self.critic, self.reward_model):  # parameters stay; cached activation blocks go
                 if group is not None:
                     group.call("empty_device_cache")
             self.rollout.wake_up(["kv_cache"])
@@ -263,7 +276,7 @@ class RayWorkers:
             group.call("load_checkpoint", os.path.join(path, name))
 
     def shutdown(self) -> None:
-        for group in (getattr(self, "actor", None), self.ref, self.critic):
+        for group in (getattr(self, "actor", None), self.ref, self.critic, self.reward_model):
             if group is not None:
                 group.shutdown()
         if hasattr(self, "rollout"):
@@ -322,7 +335,7 @@ def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + config.builds_ref + uses_critic(config)
+            groups = 1 + config.builds_ref + uses_critic(config) + config.reward.reward_model.enable
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))

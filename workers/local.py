@@ -33,12 +33,14 @@ from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
+from workers.reward_model import RewardModelWorker
 
 __all__ = ["LocalWorkers", "launch_local_workers"]
 
 
 class LocalWorkers:
-    """Actor (+ ref, + critic) FSDP2 workers of world size 1 and a rollout backend, all in this process.
+    """Actor (+ ref, + critic, + reward model) FSDP2 workers of world size 1 and a rollout backend, all in
+    this process.
 
     Implements :class:`rlpad.training.trainer.Workers`; rows go to the workers in the caller's order, as a
     one-rank Ray worker group would get them.
@@ -59,6 +61,11 @@ class LocalWorkers:
         if uses_critic(config):
             self.critic = CriticWorker(config.critic, role="critic", rollout_n=arr.rollout.n, **common)
             self.critic.init_model()
+        self.reward_model = None
+        if config.reward.reward_model.enable:
+            self.reward_model = RewardModelWorker(config.reward.reward_model, role="reward_model",
+                                                  trust_remote_code=arr.model.trust_remote_code, **common)
+            self.reward_model.init_model()
         self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, tokenizer_path=arr.model.tokenizer_path,
                                      trust_remote_code=arr.model.trust_remote_code, device=device,
                                      **engine_lora_kwargs(config))
@@ -105,6 +112,12 @@ class LocalWorkers:
         if self.critic is None:
             raise ValueError("values asked for, but algorithm.adv_estimator is not gae (no critic)")
         return self.critic.compute_values(batch)
+
+    def compute_rm_scores(self, batch: Batch) -> Batch:
+        """``rm_scores`` (B,) of the reward model's inputs (rlpad.rewards.model_scorer.RewardModelInputs)."""
+        if self.reward_model is None:
+            raise ValueError("reward-model scores asked for, but reward.reward_model.enable is false")
+        return self.reward_model.compute_rm_scores(batch)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return self.actor.update_actor(batch)

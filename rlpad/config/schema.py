@@ -7,15 +7,18 @@ the schema, so every component can import its section without pulling in YAML ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config", "CriticConfig",
-    "CriticFSDPConfig", "CriticModelConfig", "DataConfig", "FSDPConfig",
-    "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig",
-    "RefConfig", "RefFSDPConfig", "RewardModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig",
-    "SFTConfig", "TrainerConfig", "ValidationSamplingConfig",
-    "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES",
-    "NO_EFFECT_KEYS", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES", "kl_kind",
+    "CriticFSDPConfig", "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig",
+    "FilterGroupsConfig", "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig",
+    "PolicyLossConfig", "RefConfig", "RefFSDPConfig", "RewardConfig", "RewardManagerConfig", "RewardModelConfig",
+    "RewardModelScoringConfig", "RewardModelServingConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig", "TrainerConfig",
+    "ValidationSamplingConfig", "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DTYPES", "FILTER_METRICS",
+    "KL_KINDS", "LEGACY_KEYS", "LEGACY_REFUSED", "LOG_LEVELS", "LOSS_AGG_MODES", "NO_EFFECT_KEYS",
+    "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS", "REWARD_MANAGERS", "ROLLOUT_CORRECTION_MODES", "TRUNCATION_MODES",
+    "kl_kind",
 ]
 
 # The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
@@ -57,6 +60,8 @@ REMOVED_KEYS = {
 # verl keys rlpad accepts but has no use for: each is named, with why, in the one warning line a run
 # starts with when its value differs from the default (rlpad.recipe.checks.no_effect_notice).
 _NO_SHM = "rlpad reads model.path where it is, with no copy into /dev/shm"
+_RM_SERVED = ("how verl serves its reward model (a reward loop of vLLM/SGLang servers); rlpad scores "
+              "reward.reward_model.model_path on the packed row of its own FSDP ranks")
 NO_EFFECT_KEYS = {
     "data.return_raw_chat": "rlpad's batches always carry the chat messages as raw_prompt",
     "actor_rollout_ref.model.use_shm": _NO_SHM,
@@ -67,6 +72,47 @@ NO_EFFECT_KEYS = {
                                                 "rollout.weight_sync_bucket_mb",
     "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
     "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
+    **{f"reward_model.{key}": _RM_SERVED for key in ("use_reward_loop", "num_workers", "rollout.name",
+       "rollout.gpu_memory_utilization", "rollout.tensor_model_parallel_size", "rollout.prompt_length",
+       "rollout.response_length")},
+}
+
+# reward.reward_manager.name: verl's reward managers rlpad has. Both score each response with the reward
+# function (reward.fn); dapo's overlong shaping is reward_model.overlong_buffer, which works under either.
+REWARD_MANAGERS = ("naive", "dapo")
+# verl's legacy reward names (before its 0.9 ``reward.*`` section), read as verl's own migration
+# (migrate_legacy_reward_impl) maps them: a recipe or override may use either name, not both.
+LEGACY_KEYS = {
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_kwargs": "reward.reward_kwargs",
+    # verl 0.9 dropped these with its FSDP reward-model worker; rlpad's worker reads them
+    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
+    "reward_model.use_dynamic_bsz": "reward.reward_model.use_dynamic_bsz",
+    "reward_model.forward_max_token_len_per_gpu": "reward.reward_model.forward_max_token_len_per_gpu",
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
+}
+# verl's legacy reward keys (and those of its 0.9 reward loop) that mean nothing in rlpad: a recipe or
+# override setting one (or a key under one) fails at load with this note, in one line.
+LEGACY_REFUSED = {
+    "reward_model.reward_loop_source": "verl's reward-loop class loading: rlpad has no reward-loop classes; name a "
+                                       "function with reward.fn or reward.custom_reward_function; delete the key",
+    "reward_model.reward_loop_module_path": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
+    "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:fn",
+    "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad compares the reward model's tokenizer "
+                                          "with the policy's itself (actor_rollout_ref.model.tokenizer_path); delete it",
+    "reward_model.model.external_lib": "verl's external model code: set actor_rollout_ref.model.trust_remote_code",
+    "reward_model.model.override_config": "verl's config overrides: save the reward model with the config you want",
+    "reward_model.model.trust_remote_code": "use actor_rollout_ref.model.trust_remote_code (one switch for every model)",
+    "reward_model.strategy": "rlpad's reward model always runs FSDP2 (no megatron); delete the key",
+    "reward_model.micro_batch_size": "verl's deprecated global micro-batch: delete the key",
+    "reward_model.launch_reward_fn_async": "rlpad scores rule functions in the driver between the rollout and the "
+                                           "log-probs; delete the key",
+    "reward_model.sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
+    "sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
+    "custom_reward_function.reward_kwargs": "use reward.reward_kwargs (keyword arguments of every reward call)",
 }
 
 
@@ -375,13 +421,68 @@ class DataConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's ``custom_reward_function``: the reward function as a file (or module) and a name; when
+    ``path`` is set it replaces ``reward.fn`` (``path:name``)."""
+
+    path: str | None = None  # path/to/file.py or package.module; null: reward.fn decides
+    name: str = "compute_score"  # the function in it
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's ``reward.reward_manager``: how each response's reward is computed."""
+
+    name: str = "naive"  # naive | dapo (rlpad.config.schema.REWARD_MANAGERS): both call the reward function per response
+
+
+@dataclass
+class RewardModelScoringConfig:
+    """verl 0.9's ``reward.reward_model``: a discriminative reward model, a ``*ForSequenceClassification``
+    or ``*ForTokenClassification`` with one output, scored at each response's last valid token
+    (rlpad/core/reward_model.py, docs/rewards.md)."""
+
+    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
+    model_path: str | None = None  # a local folder holding the reward model and its tokenizer
+    use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
+    attn_implementation: str = "auto"
+    micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
+    forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
+
+
+@dataclass
 class RewardConfig:
-    """The rule-based reward function."""
+    """The rewards: a rule-based function, optionally a reward model (docs/rewards.md)."""
 
     # "pkg.module:function" or "path/to/file.py:function". Default: verl 0.9.1's default_compute_score for the
     # data sources it names (openai/gsm8k, MATH, math_dapo / math / aime*) and rlpad's toy tasks;
     # rlpad.rewards.rules:compute_score: rlpad's lenient verifier (numbers by value, math-verify for math)
     fn: str = "rlpad.rewards.verl_default:compute_score"
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    # keyword arguments passed to every call of the reward function, beside verl's four (data_source, ...)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
+    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
+    # part alone: "rule" (the reward function), "reward_model" (when enabled) and each name of extra_fns.
+
+    # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
+    extra_fns: dict[str, str] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # part name -> its weight; a part not listed weighs 1
+    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights)
+    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    # parts standardised by the running mean / std of all their training scores so far, before weighting
+    normalize: list[str] = field(default_factory=list)
+    clip: float | None = None  # each part's score (after normalisation) clipped to [-clip, clip]; null: not clipped
+
+    @property
+    def function_spec(self) -> str:
+        """The reward function to load: ``custom_reward_function.path:name`` when set, else ``fn``."""
+        crf = self.custom_reward_function
+        return f"{crf.path}:{crf.name}" if crf.path else self.fn
 
 
 @dataclass
@@ -395,10 +496,25 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelServingConfig:
+    """verl's ``reward_model.rollout``: the engine verl serves its reward model with (no effect here: NO_EFFECT_KEYS)."""
+
+    name: str | None = None  # verl's reward-model engine (vllm / sglang); no effect in rlpad
+    gpu_memory_utilization: float | None = None  # that engine's memory share; no effect in rlpad
+    tensor_model_parallel_size: int | None = None  # that engine's tensor parallelism; no effect in rlpad
+    prompt_length: int | None = None  # that engine's prompt limit; no effect in rlpad
+    response_length: int | None = None  # that engine's response limit; no effect in rlpad
+
+
+@dataclass
 class RewardModelConfig:
-    """verl's ``reward_model`` section: the reward shaping keys rlpad reads from it."""
+    """verl's ``reward_model`` section: the reward shaping keys rlpad reads from it; its reward-model keys
+    are read as their ``reward.*`` names (LEGACY_KEYS); how verl serves the model has no effect here."""
 
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    use_reward_loop: bool | None = None  # verl's reward-loop switch; no effect in rlpad (one scoring path)
+    num_workers: int | None = None  # verl's reward-loop worker count; no effect in rlpad
+    rollout: RewardModelServingConfig = field(default_factory=RewardModelServingConfig)
 
 
 @dataclass

@@ -19,8 +19,8 @@ from rlpad.config.schema import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
 
-__all__ = ["DTYPES", "MODEL_SOURCES", "ModelSource", "empty_causal_lm", "load_causal_lm", "load_tokenizer",
-           "model_config", "model_source", "parse_dtype", "register_model_source"]
+__all__ = ["DTYPES", "MODEL_SOURCES", "ModelSource", "empty_causal_lm", "empty_pretrained", "load_causal_lm", "load_pretrained", "load_tokenizer",
+           "model_config", "model_source", "parse_dtype", "register_model_source", "require_folder"]
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}  # the config's names
 
@@ -156,6 +156,38 @@ def empty_causal_lm(
             config, dtype=torch_dtype, attn_implementation=attn,
             trust_remote_code=trust_remote_code,
         )
+    return _guarded(model.eval())
+
+
+def require_folder(what: str, path: str) -> None:
+    """ValueError unless ``path`` is a local directory (``what`` names the model in the message)."""
+    if not os.path.isdir(path):
+        raise _not_a_folder(what, path)
+
+
+def load_pretrained(auto_class: type, path: str, *, dtype: str | torch.dtype = "float32",
+                    device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                    attn_implementation: str = "auto", use_remove_padding: bool = True,
+                    attn_device: str | torch.device | None = None) -> PreTrainedModel:
+    """A model of ``auto_class`` (say ``AutoModelForSequenceClassification``) from the folder ``path``,
+    with the attention :func:`load_causal_lm` would pick for ``attn_device`` (default ``device``), in eval mode."""
+    require_folder("model", path)
+    attn = _attn(attn_implementation, attn_device or device, use_remove_padding, False)
+    model = auto_class.from_pretrained(path, dtype=parse_dtype(dtype), attn_implementation=attn,
+                                       trust_remote_code=trust_remote_code)
+    return _guarded(model.to(device)).eval()
+
+
+def empty_pretrained(auto_class: type, path: str, *, dtype: str | torch.dtype = "float32",
+                     attn_device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                     attn_implementation: str = "auto", use_remove_padding: bool = True) -> PreTrainedModel:
+    """The model :func:`load_pretrained` would return, built on the meta device from the folder's config."""
+    require_folder("model", path)
+    attn = _attn(attn_implementation, attn_device, use_remove_padding, False)
+    config = model_config(path, trust_remote_code)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=parse_dtype(dtype), attn_implementation=attn,
+                                       trust_remote_code=trust_remote_code)
     return _guarded(model.eval())
 
 

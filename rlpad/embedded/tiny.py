@@ -11,12 +11,13 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlpad.core.models import ModelSource, register_model_source
 from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, tiny_heads
 
-__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model"]
+__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model", "tiny_reward_model"]
 
 CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
@@ -84,6 +85,32 @@ def tiny_model(
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation or VARLEN_ATTENTION
         )
+    return model.eval()
+
+
+def tiny_reward_model(
+    arch: str = "qwen2",
+    *,
+    head: str = "sequence",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """A randomly initialised reward model of architecture ``arch``: ``*ForSequenceClassification``
+    (``head="sequence"``) or ``*ForTokenClassification`` (``head="token"``), ``num_labels=1``, on the CPU.
+    The score head is drawn N(0, 1) (not transformers' 0.02) so scores differ visibly between sequences."""
+    from rlpad.core.attention import VARLEN_ATTENTION  # registers the varlen attention
+
+    heads = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification}
+    if head not in heads:
+        raise ValueError(f"head must be one of {sorted(heads)}, got {head!r}")
+    config = tiny_config(arch, **{"num_labels": 1, **config_overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = heads[head].from_config(config, dtype=dtype, attn_implementation=attn_implementation or VARLEN_ATTENTION)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 1.0)
     return model.eval()
 
 

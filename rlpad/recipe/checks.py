@@ -20,6 +20,7 @@ from rlpad.training.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.algorithms.policy_loss import policy_loss_problems
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
+from rlpad.rewards.settings import reward_problems
 from rlpad.rollout.tools import multi_turn_problems
 from rlpad.topology import layout_problems
 
@@ -155,8 +156,7 @@ def validate_config(config: Config) -> Config:
     one_of("actor_rollout_ref.actor.old_log_prob_layout", actor.old_log_prob_layout, OLD_LOG_PROB_LAYOUTS)
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
-    if ":" not in config.reward.fn and "." not in config.reward.fn:
-        problems.append(f"reward.fn={config.reward.fn!r} must be 'package.module:function'")
+    problems += reward_problems(config)
     problems += multi_turn_problems(rollout.multi_turn)
 
     # sizes

@@ -12,10 +12,15 @@ Override values are read according to the field they set: ``str`` fields take th
 and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``), and
 ``null`` clears an optional field. A single string given to a list field becomes a one-item
 list (``data.train_files=train.parquet``), as verl accepts.
+
+verl's legacy reward names (``reward_model.enable``, ``custom_reward_function.path``, ...) are read
+as their ``reward.*`` names (:data:`rlpad.config.schema.LEGACY_KEYS`, the mapping of verl's own
+migration); those that mean nothing in rlpad fail with what replaced them (``LEGACY_REFUSED``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -29,10 +34,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config.schema import REMOVED_KEYS, Config
+from rlpad.config.schema import LEGACY_KEYS, LEGACY_REFUSED, REMOVED_KEYS, Config
 from rlpad.recipe.checks import validate_config
 
-__all__ = ["config_from_dict", "config_to_dict", "load_config", "parse_override", "save_config", "to_yaml"]
+__all__ = ["config_from_dict", "config_to_dict", "load_config", "migrate_legacy_keys", "parse_override", "save_config",
+           "to_yaml"]
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -139,6 +145,63 @@ def _check_keys(raw: Any, cls: type, prefix: str, source: str) -> dict[str, Any]
     return out
 
 
+# ----------------------------------------------------------------------------- verl's legacy reward names
+
+
+def _legacy_refusal(key: str) -> str | None:
+    """What replaced the legacy key ``key`` (or a section above it) when it means nothing in rlpad, else None."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        note = LEGACY_REFUSED.get(".".join(parts[:end]))
+        if note is not None:
+            return f"{key!r} is verl's legacy key {'.'.join(parts[:end])!r}, which means nothing in rlpad: {note}"
+    return None
+
+
+def _pop(raw: dict, key: str) -> Any:
+    """Remove dotted ``key`` from nested ``raw`` (and the sections it leaves empty); its value or _MISSING."""
+    head, _, rest = key.partition(".")
+    if not isinstance(raw, dict) or head not in raw:
+        return _MISSING
+    if not rest:
+        return raw.pop(head)
+    value = _pop(raw[head], rest)
+    if isinstance(raw[head], dict) and not raw[head]:
+        del raw[head]
+    return value
+
+
+def _leaf_keys(raw: Any, prefix: str = "") -> list[str]:
+    if not isinstance(raw, Mapping) or not raw:
+        return [prefix[:-1]] if prefix else []
+    return [k for key, value in raw.items() for k in _leaf_keys(value, f"{prefix}{key}.")]
+
+
+def migrate_legacy_keys(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` (nested recipe keys) with verl's legacy reward names moved to their ``reward.*`` names;
+    ValueError (one line per key) for a legacy key that means nothing in rlpad, or one set under
+    both names."""
+    if not isinstance(raw, Mapping):
+        return raw
+    out = copy.deepcopy(dict(raw))
+    problems = [line for key in _leaf_keys(out) if (line := _legacy_refusal(key))]
+    for old, new in LEGACY_KEYS.items():
+        value = _pop(out, old)
+        if value is _MISSING:
+            continue
+        if _lookup(out, new) is not _MISSING:
+            problems.append(f"{old!r} is verl's legacy name of {new!r}: set one of them, not both")
+            continue
+        section = out
+        *parents, leaf = new.split(".")
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = value
+    if problems:
+        raise ValueError(f"{source}: " + "\n  ".join(problems))
+    return out
+
+
 # ----------------------------------------------------------------------------- loading
 
 
@@ -148,6 +211,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"override {text!r} is not of the form key=value (e.g. data.train_batch_size=32)")
+    if (refused := _legacy_refusal(key)) is not None:
+        raise ValueError(f"override {text!r}: {refused}")
+    key = LEGACY_KEYS.get(key, key)
     try:
         tp, optional = _unwrap_optional(_annotation(key))
     except KeyError:
@@ -172,7 +238,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def _merge(base: Any, raw: Mapping[str, Any], source: str) -> Any:
-    checked = _check_keys(raw, Config, "", source)
+    checked = _check_keys(migrate_legacy_keys(raw, source), Config, "", source)
     try:
         return OmegaConf.merge(base, checked)
     except OmegaConfBaseException as e:

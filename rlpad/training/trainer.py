@@ -42,7 +42,7 @@ from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
-from rlpad.rewards.rules import score_batch
+from rlpad.rewards.combine import part_metrics, parts_of, score_rewards
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction
 
@@ -125,8 +125,8 @@ class Trainer:
     def _scored(self, batch: Batch, clock: StageClock) -> Batch:
         """Stage ``reward``: ``batch`` with its raw rewards: ``token_level_scores`` (B, R), ``seq_score`` and ``acc`` (B,)."""
         with clock.stage("reward"):
-            batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_batch(batch, self.tokenizer,
-                                                                                    self.reward_fn)
+            batch["token_level_scores"], batch[SEQ_SCORE], batch[ACC] = score_rewards(batch, self.tokenizer,
+                                                                                      self.reward_fn)
             _check_finite("reward", batch[SEQ_SCORE], self.step)
         return batch
 
@@ -337,6 +337,7 @@ class Trainer:
     def _batch_metrics(self, batch: Batch, seq_scores: torch.Tensor, timing: dict[str, float]) -> dict[str, float]:
         return (batch_metrics(batch, seq_scores) | self._multi_turn_metrics(batch, "multi_turn/", f"step {self.step}")
                 | drain_fallbacks()  # reward/math_verify_fallbacks since the last step's record
+                | part_metrics(batch)  # reward/<part>/mean (rlpad.rewards.combine)
                 | stage_metrics(batch, timing, self.config.actor_rollout_ref.actor.ppo_epochs))
 
     def _multi_turn_metrics(self, batch: Batch, prefix: str, where: str) -> dict[str, float]:
@@ -351,13 +352,14 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
         and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
-        scores, parts, batches = [], [], []
+        scores, parts, batches, scored = [], [], [], []
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
-            scores.append(score_batch(batch, self.tokenizer, self.reward_fn)[1])
+            scores.append(score_rewards(batch, self.tokenizer, self.reward_fn, update_stats=False)[1])
+            scored.append(parts_of(batch))
             if "tool_calls" in batch:
                 batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
             if "rollout_log_probs" in batch:
@@ -365,6 +367,7 @@ class Trainer:
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
         out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        out.update(part_metrics(scored, "val/reward/"))
         if batches:
             out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))
         if parts:
