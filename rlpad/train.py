@@ -37,6 +37,7 @@ from rlpad.rewards.rules import load_reward_fn
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
+from rlpad.algorithms.distillation_rules import PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems
 from rlpad.training.trainer import Trainer, fill_lr_horizons, summarize, total_training_steps
 
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
@@ -135,6 +136,8 @@ def check_inputs(config: Config) -> None:
     if uses_critic(config):
         paths += [("critic.model.path", config.critic.model.path), ("critic.model.tokenizer_path",
                                                                      config.critic.model.tokenizer_path)]
+    if teacher_path(config) is not None:
+        paths.append((TEACHER_PATH_KEY, teacher_path(config)))
     adapter = model.lora_adapter_path
     if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         what = "does not exist" if not os.path.exists(adapter) else "is not a peft adapter folder (no adapter_config.json)"
@@ -170,6 +173,10 @@ def prepare(config: Config) -> Prepared:
     check_lora(config)  # the target modules and a saved adapter against the model (built on the meta device)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
+    if teacher_path(config) is not None:  # a causal LM with the student's tokenizer (docs/distillation.md)
+        problems = teacher_problems(teacher_path(config), tokenizer, model_cfg.tokenizer_path or model_cfg.path)
+        if problems:
+            raise ValueError(problems[0])
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
