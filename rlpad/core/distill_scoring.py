@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlpad.core.forward import backbone_of, check_model_inputs, scoring_hidden_states
+from rlpad.core.forward import backbone_of, check_model_inputs, head_log_probs, scoring_hidden_states
 from rlpad.core.logprob import chunked_log_probs_at
 from rlpad.core.sequence_parallel import SequenceParallel, active
 from rlpad.core.padding import pad_input
 from rlpad.core.topk import check_topk, teacher_topk
 
-__all__ = ["compute_log_probs_at", "compute_teacher_topk", "head_rows"]
+__all__ = ["compute_log_probs_and_at", "compute_log_probs_at", "compute_teacher_topk", "head_rows"]
 
 
 def head_rows(model: nn.Module, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,3 +114,36 @@ def compute_log_probs_at(
     log_probs = chunked_log_probs_at(hidden, weight, at, bias=bias, temperature=temperature,
                                      chunk_size=logits_chunk_size or max(hidden.shape[0], 1))
     return _grid(log_probs, response_idx, batch, response_length, scoring.get("sp"))
+
+
+def compute_log_probs_and_at(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+    *,
+    at_ids: torch.Tensor,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    logits_chunk_size: int | None = None,
+    check: bool = True,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The student's update forward for ``forward_kl_topk``: ``(log_probs (B, R), entropy (B, R) | None,
+    log-probs at at_ids (B, R, K))`` from ONE forward of the decoder; the sampled tokens through the
+    model's own head (as :func:`rlpad.core.forward.compute_log_probs`, so they equal the old log-probs),
+    ``at_ids`` through the chunked head over the first ``vocab_size`` rows."""
+    batch = input_ids.shape[0]
+    if at_ids.dim() != 3 or at_ids.shape[:2] != (batch, response_length):
+        raise ValueError(f"at_ids must be (B, R, K) = ({batch}, {response_length}, K), got {tuple(at_ids.shape)}")
+    weight, bias = head_rows(model, vocab_size)
+    hidden, response_idx = _hidden(model, input_ids, attention_mask, position_ids, response_length, check, scoring)
+    sp = scoring.get("sp")
+    labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
+    log_probs, entropy = head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)
+    at = chunked_log_probs_at(hidden, weight, at_ids.reshape(batch * response_length, -1)[response_idx], bias=bias,
+                              temperature=temperature, chunk_size=logits_chunk_size or max(hidden.shape[0], 1))
+    grid = lambda x: _grid(x[:, None], response_idx, batch, response_length, sp)[..., 0]  # noqa: E731
+    return grid(log_probs), grid(entropy) if calculate_entropy else None, _grid(at, response_idx, batch, response_length, sp)

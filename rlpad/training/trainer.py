@@ -65,6 +65,7 @@ class Workers(Protocol):
     def generate_validation(self, batch: Batch, seed: int) -> Batch: ...
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch: ...
     def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
+    def compute_teacher(self, batch: Batch) -> Batch: ...  # distillation.enabled only
     def compute_values(self, batch: Batch) -> Batch: ...
     def update_actor(self, batch: Batch) -> dict[str, float]: ...
     def update_critic(self, batch: Batch) -> dict[str, float]: ...
@@ -233,6 +234,11 @@ class Trainer:
             with _timed(timing, "ref"):
                 out = self.workers.compute_ref_log_prob(batch)
             _pop_worker_s(out, worker_s, "ref")
+            batch.update(out)
+        if cfg.distillation.enabled:  # on-policy distillation: the teacher scores the batch (docs/distillation.md)
+            with _timed(timing, "teacher"):
+                out = self.workers.compute_teacher(batch)
+            _pop_worker_s(out, worker_s, "teacher")
             batch.update(out)
         if estimator.uses_critic:
             with _timed(timing, "values"):
