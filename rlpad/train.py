@@ -12,6 +12,7 @@ tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from rlpad.training.trainer import Trainer, fill_lr_horizons, summarize, total_t
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_TEACHER_PREFIX = "embedded-teacher:"  # distillation's built-in teacher: the warm start trained further
 # Ray's job supervisor sets this (the job's runtime env) in the process `ray job submit` starts, and only there.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -80,6 +82,14 @@ def resolve_embedded(config: Config) -> Config:
         model.path = warm_start(config.sft, seed=0, task=task, verbose=False)
         if config.critic.model.path == embedded:
             config.critic.model.path = model.path
+    teacher = config.distillation.teacher_models.teacher_model
+    if config.distillation.enabled and (teacher.model_path or "").startswith(EMBEDDED_TEACHER_PREFIX):
+        from rlpad.embedded.sft import warm_start
+
+        name = EMBEDDED_PREFIX + teacher.model_path[len(EMBEDDED_TEACHER_PREFIX):]
+        teacher_task = _embedded_task(name, TEACHER_PATH_KEY)
+        longer = dataclasses.replace(config.sft, steps=config.sft.teacher_steps, target_accuracy=None)
+        teacher.model_path = warm_start(longer, seed=0, task=teacher_task, verbose=False)
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
@@ -143,7 +153,7 @@ def check_inputs(config: Config) -> None:
         what = "does not exist" if not os.path.exists(adapter) else "is not a peft adapter folder (no adapter_config.json)"
         raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={adapter!r} {what}")
     for key, path in paths:
-        if not path or model_source(path) is not None or path.startswith(EMBEDDED_PREFIX):
+        if not path or model_source(path) is not None or path.startswith((EMBEDDED_PREFIX, EMBEDDED_TEACHER_PREFIX)):
             continue  # unset, or built in code
         if not os.path.isdir(path):
             what = "is a file, not" if os.path.isfile(path) else "is not"
@@ -232,7 +242,8 @@ def run(config: Config | Prepared) -> dict[str, float]:
 def _starting_line(config: Config, run_log: RunLog) -> str:
     """The one line printed while the workers start: what starts, and where its messages go."""
     t, arr = config.trainer, config.actor_rollout_ref
-    roles = "+".join(["actor"] + ["ref"] * config.builds_ref + ["critic"] * uses_critic(config))
+    roles = "+".join(["actor"] + ["ref"] * config.builds_ref + ["critic"] * uses_critic(config)
+                     + ["teacher"] * config.distillation.enabled)
     where = ("in this process" if t.backend == "local"
              else f"on Ray, {t.nnodes * t.n_gpus_per_node} rank(s) per role")
     quiet = "" if run_log.level in ("info", "debug") else " (--verbose: here too)"

@@ -100,3 +100,22 @@ def test_the_same_tokenizer_with_padded_embeddings_of_other_sizes_is_accepted(tm
     (problem,) = teacher_problems(short, tok, "student")
     assert "fewer than the tokenizer's" in problem
     assert json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"] == len(tok) + 24
+
+
+def test_the_embedded_teacher_is_the_warm_start_trained_further_and_cached(tmp_path):
+    from rlpad.train import resolve_embedded
+
+    cache = str(tmp_path / "cache")
+    overrides = ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=embedded-teacher:toy",
+                 "actor_rollout_ref.model.path=embedded:toy", f"sft.cache_dir={cache}", "sft.steps=4",
+                 "sft.teacher_steps=12", "data.train_files=[toy:train]", "data.val_files=[toy:val]"]
+    cfg = resolve_embedded(load_config(RECIPE, overrides))
+    teacher, student = cfg.distillation.teacher_models.teacher_model.model_path, cfg.actor_rollout_ref.model.path
+    assert teacher != student and teacher.startswith(cache) and student.startswith(cache)
+    info = {p: json.load(open(os.path.join(p, "rlpad_sft.json"))) for p in (teacher, student)}
+    assert info[teacher]["steps_run"] == 12 and info[student]["steps_run"] == 4
+    assert teacher_problems(teacher, load_tokenizer(student), student) == []  # one tokenizer
+    again = resolve_embedded(load_config(RECIPE, overrides))  # cached: the same folder, not rebuilt
+    assert again.distillation.teacher_models.teacher_model.model_path == teacher
+    with pytest.raises(ValueError, match="sft.teacher_steps=0 must be >= 1"):
+        load_config(RECIPE, overrides + ["sft.teacher_steps=0"])

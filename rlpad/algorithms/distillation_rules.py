@@ -67,6 +67,8 @@ def distillation_problems(config: Any) -> list[str]:
     for name in ("n_gpus_per_node", "nnodes"):
         if getattr(d, name) < 0:
             problems.append(f"distillation.{name}={getattr(d, name)} must be >= 0 (0: the actor's pool)")
+    if config.sft.teacher_steps < 1:
+        problems.append(f"sft.teacher_steps={config.sft.teacher_steps} must be >= 1 (the embedded teacher's steps)")
     if d.enabled and not d.teacher_models.teacher_model.model_path:
         problems.append(f"{PATH_KEY} is missing: distillation.enabled=true needs a teacher")
     return problems

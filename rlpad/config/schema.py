@@ -360,6 +360,9 @@ class SFTConfig:
     # ``eval_every`` steps); ``steps`` is then the cap. None: always run ``steps``.
     target_accuracy: float | None = None
     eval_every: int = 10  # steps between the target_accuracy checks
+    # The embedded teacher (distillation's model_path embedded-teacher:<task>): the same supervised recipe run
+    # this many steps, with no early stop (a stronger model; cached beside the warm start)
+    teacher_steps: int = 1000
 
 
 @dataclass
