@@ -264,7 +264,8 @@ def _launch(config: Config, run_log: RunLog | None = None):
 
 def _print_summary(summary: dict[str, float], config: Config) -> None:
     print("\n" + "=" * 60)
-    print(f"rlpad {config.algorithm.adv_estimator} run: {config.trainer.default_local_dir}")
+    kind = config.algorithm.adv_estimator + (" + distillation" if config.distillation.enabled else "")
+    print(f"rlpad {kind} run: {config.trainer.default_local_dir}")
     if "val_reward_initial" in summary:
         gain = summary["val_reward_final"] - summary["val_reward_initial"]
         print(f"  validation reward   {summary['val_reward_initial']:.3f} -> {summary['val_reward_final']:.3f}  ({gain:+.3f})")
