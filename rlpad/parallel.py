@@ -23,7 +23,8 @@ __all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "r
 # The config key of each role's sequence-parallel size.
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
              "ref": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
-             "critic": "critic.ulysses_sequence_parallel_size"}
+             "critic": "critic.ulysses_sequence_parallel_size",
+             "teacher": "actor_rollout_ref.ref.ulysses_sequence_parallel_size"}  # distillation: scores as the ref
 
 
 def sp_size(section: ActorRolloutRefConfig | CriticConfig, role: str) -> int:
@@ -31,9 +32,9 @@ def sp_size(section: ActorRolloutRefConfig | CriticConfig, role: str) -> int:
     for the actor and the reference, whose null size means the actor's; ``critic`` for the critic)."""
     if role == "critic":
         return section.ulysses_sequence_parallel_size  # type: ignore[union-attr]
-    if role == "ref" and section.ref.ulysses_sequence_parallel_size is not None:
+    if role in ("ref", "teacher") and section.ref.ulysses_sequence_parallel_size is not None:
         return section.ref.ulysses_sequence_parallel_size
-    if role not in ("actor", "ref"):
+    if role not in ("actor", "ref", "teacher"):
         raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLE_KEYS)}")
     return section.actor.ulysses_sequence_parallel_size
 

@@ -12,6 +12,7 @@ tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -42,10 +43,12 @@ from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from rlpad.training.step_metrics import summarize
 from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_steps
+from rlpad.algorithms.distillation_rules import PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems
 
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_TEACHER_PREFIX = "embedded-teacher:"  # distillation's built-in teacher: the warm start trained further
 # Ray's job supervisor sets this (the job's runtime env) in the process `ray job submit` starts, and only there.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -83,6 +86,14 @@ def resolve_embedded(config: Config) -> Config:
         model.path = warm_start(config.sft, seed=0, task=task, verbose=False)
         if config.critic.model.path == embedded:
             config.critic.model.path = model.path
+    teacher = config.distillation.teacher_models.teacher_model
+    if config.distillation.enabled and (teacher.model_path or "").startswith(EMBEDDED_TEACHER_PREFIX):
+        from rlpad.embedded.sft import warm_start
+
+        name = EMBEDDED_PREFIX + teacher.model_path[len(EMBEDDED_TEACHER_PREFIX):]
+        teacher_task = _embedded_task(name, TEACHER_PATH_KEY)
+        longer = dataclasses.replace(config.sft, steps=config.sft.teacher_steps, target_accuracy=None)
+        teacher.model_path = warm_start(longer, seed=0, task=teacher_task, verbose=False)
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
@@ -152,12 +163,14 @@ def check_inputs(config: Config) -> None:
     if uses_critic(config):
         paths += [("critic.model.path", config.critic.model.path), ("critic.model.tokenizer_path",
                                                                      config.critic.model.tokenizer_path)]
+    if teacher_path(config) is not None:
+        paths.append((TEACHER_PATH_KEY, teacher_path(config)))
     adapter = model.lora_adapter_path
     if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         what = "does not exist" if not os.path.exists(adapter) else "is not a peft adapter folder (no adapter_config.json)"
         raise ValueError(f"actor_rollout_ref.model.lora_adapter_path={adapter!r} {what}")
     for key, path in paths:
-        if not path or model_source(path) is not None or path.startswith(EMBEDDED_PREFIX):
+        if not path or model_source(path) is not None or path.startswith((EMBEDDED_PREFIX, EMBEDDED_TEACHER_PREFIX)):
             continue  # unset, or built in code
         if not os.path.isdir(path):
             what = "is a file, not" if os.path.isfile(path) else "is not"
@@ -191,6 +204,10 @@ def prepare(config: Config) -> Prepared:
     check_lora(config)  # the target modules and a saved adapter against the model (built on the meta device)
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
+    if teacher_path(config) is not None:  # a causal LM with the student's tokenizer (docs/distillation.md)
+        problems = teacher_problems(teacher_path(config), tokenizer, model_cfg.tokenizer_path or model_cfg.path)
+        if problems:
+            raise ValueError(problems[0])
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
@@ -264,7 +281,8 @@ def run(config: Config | Prepared) -> dict[str, float]:
 def _starting_line(config: Config, run_log: RunLog) -> str:
     """The one line printed while the workers start: what starts, and where its messages go."""
     t, arr = config.trainer, config.actor_rollout_ref
-    roles = "+".join(["actor"] + ["ref"] * config.builds_ref + ["critic"] * uses_critic(config))
+    roles = "+".join(["actor"] + ["ref"] * config.builds_ref + ["critic"] * uses_critic(config)
+                     + ["teacher"] * config.distillation.enabled)
     where = ("in this process" if t.backend == "local"
              else f"on Ray, {t.nnodes * t.n_gpus_per_node} rank(s) per role")
     quiet = "" if run_log.level in ("info", "debug") else " (--verbose: here too)"
@@ -285,7 +303,8 @@ def _launch(config: Config, run_log: RunLog | None = None):
 
 def _print_summary(summary: dict[str, float], config: Config) -> None:
     print("\n" + "=" * 60)
-    print(f"rlpad {config.algorithm.adv_estimator} run: {config.trainer.default_local_dir}")
+    kind = config.algorithm.adv_estimator + (" + distillation" if config.distillation.enabled else "")
+    print(f"rlpad {kind} run: {config.trainer.default_local_dir}")
     if "val_reward_initial" in summary:
         gain = summary["val_reward_final"] - summary["val_reward_initial"]
         print(f"  validation reward   {summary['val_reward_initial']:.3f} -> {summary['val_reward_final']:.3f}  ({gain:+.3f})")

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from rlpad.algorithms.distillation import combine, distillation_loss, distillation_metrics, per_token_losses
 from rlpad.algorithms.losses import agg_loss, kl_penalty
 from rlpad.batch import Batch
-from rlpad.config.schema import ActorRolloutRefConfig
+from rlpad.config.schema import TOPK_MODES, ActorRolloutRefConfig
+from rlpad.core.distill_scoring import compute_log_probs_and_at, compute_teacher_topk
 from rlpad.core.forward import LogProbModel
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.lora.rules import LoraSpec, lora_spec
@@ -33,11 +35,12 @@ from rlpad.algorithms.policy_loss import get_policy_loss
 from workers.contract import FORWARD, Contract, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
 from workers.offload import StateOffloader, resident, start_resting
+from workers.teacher import teacher_keys
 from workers.weight_export import WeightExportMixin, hf_name
 
 __all__ = ["ActorWorker", "update_contract"]
 
-ROLES = ("actor", "ref")
+ROLES = ("actor", "ref", "teacher")  # teacher: on-policy distillation's frozen scorer (workers/teacher.py)
 
 
 def update_contract(config: ActorRolloutRefConfig) -> Contract:
@@ -46,8 +49,9 @@ def update_contract(config: ActorRolloutRefConfig) -> Contract:
     kl = ("ref_log_probs",) if config.actor.use_kl_loss else ()
     # bypass_mode (verl's): the rollout's log-probs are the old policy's
     old = "rollout_log_probs" if config.actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
-    return forward_plus(("response_mask", old, "advantages", *kl), ("rollout_is_weights",),
-                        finite=(old, "advantages", *kl, "rollout_is_weights"))
+    teacher = teacher_keys(config)  # on-policy distillation: the teacher's numbers (workers/teacher.py)
+    return forward_plus(("response_mask", old, "advantages", *kl, *teacher), ("rollout_is_weights",),
+                        finite=(old, "advantages", *kl, *teacher, "rollout_is_weights"))
 
 
 class ActorWorker(WeightExportMixin, FSDPWorker):
@@ -79,7 +83,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         self._check_heads(model.config)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.role == "ref":
+        if self.role in ("ref", "teacher"):
             model.requires_grad_(False)
         if self.lora is not None:  # before sharding: the adapters are parameters of the decoder layers
             self.peft = apply_lora(model, self.lora, seed=self.seed)
@@ -145,13 +149,67 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             )  # fmt: skip
         return Batch({"ref_log_probs": log_probs}, meta={"temperature": t})
 
+    @reports_seconds
+    @batch_method(FORWARD, roles=("teacher",))
+    def compute_teacher(self, batch: Batch) -> Batch:
+        """On-policy distillation: the teacher's ``teacher_log_probs`` (B, R) of the sampled tokens (the
+        reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs``
+        (B, R, k), its top-k computed in vocabulary chunks; micro-batches follow ``ref.log_prob_*``."""
+        rcfg, mcfg, t = self.config.ref, self.config.model, self._temperature(batch)
+        loss = self.config.distillation.distillation_loss
+        keys = teacher_keys(self.config)
+
+        def score(piece: Batch) -> tuple[torch.Tensor, ...]:
+            if loss.loss_mode not in TOPK_MODES:
+                return self._log_probs(piece, t, False)[:1]
+            args, kwargs = self._scoring_args(piece, mcfg)
+            return tuple(self.root(*args, scorer=compute_teacher_topk, topk=loss.topk, vocab_size=self.config.vocab_size,
+                                   temperature=t, logits_chunk_size=mcfg.logits_chunk_size, **kwargs))
+
+        out = self._forward_all(batch, rcfg.log_prob_micro_batch_size_per_gpu,
+                                rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None, score)
+        if loss.loss_mode in TOPK_MODES:  # the micro-batch merge returns floats: ids < 2^24 come back exact
+            out[0] = out[0].long()
+        return Batch(dict(zip(keys, out)), meta={"temperature": t})
+
     # ------------------------------------------------------------------ update
 
+    def _student(self, piece: Batch, temperature: float, calculate_entropy: bool):
+        """``(log_prob, entropy, per-token distillation losses and stats | None)`` from one forward."""
+        d = getattr(self.config, "distillation", None)
+        if d is None or not d.enabled:
+            return *self._log_probs(piece, temperature, calculate_entropy), None
+        cfg, mcfg = d.distillation_loss, self.config.model
+        if cfg.loss_mode in TOPK_MODES:
+            args, kwargs = self._scoring_args(piece, mcfg)
+            log_prob, entropy, at = self.root(*args, scorer=compute_log_probs_and_at, at_ids=piece["teacher_topk_ids"],
+                                              vocab_size=self.config.vocab_size, temperature=temperature,
+                                              calculate_entropy=calculate_entropy,
+                                              logits_chunk_size=mcfg.logits_chunk_size, **kwargs)  # fmt: skip
+            return log_prob, entropy, per_token_losses(cfg, student_topk_log_probs=at,
+                                                       teacher_topk_log_probs=piece["teacher_topk_log_probs"])
+        log_prob, entropy = self._log_probs(piece, temperature, calculate_entropy)
+        return log_prob, entropy, per_token_losses(cfg, student_log_probs=log_prob,
+                                                   teacher_log_probs=piece["teacher_log_probs"])
+
+    def _with_distillation(self, loss, shares, distill, piece: Batch, log_prob, norms: dict[str, float]):
+        """The task's loss mixed with the distillation loss (rlpad.algorithms.distillation.combine) + its metrics."""
+        cfg, mask = self.config.distillation.distillation_loss, piece["response_mask"]
+        losses, stats = distill
+        d_loss, pg = distillation_loss(cfg, losses, mask, self.config.actor.loss_agg_mode, log_prob=log_prob,
+                                       old_log_prob=piece["old_log_probs"],
+                                       rollout_is_weights=piece.tensors.get("rollout_is_weights"), **norms)
+        shares.update({f"distill/{k}": v for k, v in distillation_metrics(stats, mask, norms.get("global_tokens")).items()})
+        shares.update({f"distill/{k}": v for k, v in pg.items()})
+        shares["distill/loss"] = d_loss.detach()
+        return combine(cfg, loss, d_loss), shares
+
     def _policy_loss(self, piece: Batch, norms: dict[str, float], temperature: float, generator: torch.Generator):
-        """The piece's loss share: ``policy_loss.loss_mode``'s (rlpad.algorithms.policy_loss) + entropy and KL terms."""
+        """The piece's loss share: ``policy_loss.loss_mode``'s (rlpad.algorithms.policy_loss) + entropy and KL terms,
+        mixed with the distillation loss when the run distills (workers/teacher.py)."""
         acfg = self.config.actor
         mask = piece["response_mask"]
-        log_prob, entropy = self._log_probs(piece, temperature, acfg.entropy_coeff != 0)
+        log_prob, entropy, distill = self._student(piece, temperature, acfg.entropy_coeff != 0)
         old = piece["rollout_log_probs" if acfg.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"]
         pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(
             old, log_prob, piece["advantages"], mask, acfg, **norms,
@@ -166,6 +224,8 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             kld = kl_penalty(log_prob, piece["ref_log_probs"], acfg.kl_loss_type)
             shares["kl_loss"] = agg_loss(kld, mask, acfg.loss_agg_mode, **norms)
             loss = loss + acfg.kl_loss_coef * shares["kl_loss"]
+        if distill is not None:
+            return self._with_distillation(loss, shares, distill, piece, log_prob, norms)
         return loss, shares
 
     @reports_seconds

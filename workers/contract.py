@@ -33,6 +33,8 @@ __all__ = ["FORWARD", "INPUT_KEYS", "Contract", "DeclaredBatch", "batch_method",
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+# (rows, response_length, k): a teacher's top-k per position (on-policy distillation, workers/teacher.py)
+PER_ID_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -139,9 +141,10 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
     keys = contract.present(batch)
     for k in keys:
         x = batch[k]
-        if k not in INPUT_KEYS and tuple(x.shape) != (len(batch), response_length):
-            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
-                             f"{(len(batch), response_length)}")
+        shape = tuple(x.shape[:2]) if k in PER_ID_KEYS and x.dim() == 3 else tuple(x.shape)
+        if k not in INPUT_KEYS and shape != (len(batch), response_length):
+            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length"
+                             f"{', k' if k in PER_ID_KEYS else ''}) = {(len(batch), response_length)}")
     finite_check(batch, [k for k in contract.finite if k in keys], who)
     try:
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),

@@ -42,6 +42,8 @@ from rlpad.rollout import backend_class
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
+from rlpad.algorithms.distillation_rules import teacher_path
+from workers.teacher import own_pool, student_section, teacher_section, tokenizer_ids
 from workers.critic import CriticWorker
 from workers.reward_model import RewardModelWorker
 from workers.group import WorkerGroup
@@ -70,7 +72,8 @@ def driver_built_paths(config: Config) -> list[str]:
     root = os.path.join(cache_root(config.sft), "")
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path,
-                         config.reward.reward_model.model_path if config.reward.reward_model.enable else None)
+                         config.reward.reward_model.model_path if config.reward.reward_model.enable else None,
+                         teacher_path(config))
              if p and os.path.isdir(p) and os.path.abspath(p).startswith(root)}  # isdir first: no getcwd for "tiny:..."
     return sorted(found)
 
@@ -87,7 +90,9 @@ class RayWorkers:
         self.colocated = colocated(config, cuda)
         critic = uses_critic(config)
         rm = config.reward.reward_model.enable
-        roles = ["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic + ["reward_model"] * rm
+        teacher_pool = own_pool(config)  # on-policy distillation: the teacher's own pool, or None: in this one
+        roles = (["actor"] + ["ref"] * config.builds_ref + ["critic"] * critic + ["reward_model"] * rm
+                 + ["teacher"] * (config.distillation.enabled and teacher_pool is None))
         bundle = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
         # Every group's ranks of a node share that node: plan the nodes for all groups at once.
         per_node = {k: v * t.n_gpus_per_node * (1 if self.colocated else len(roles)) for k, v in bundle.items()}
@@ -104,7 +109,8 @@ class RayWorkers:
                       resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
-        self.ref = self.critic = self.reward_model = None
+        self.ref = self.critic = self.reward_model = self.teacher = None
+        vocab = tokenizer_ids(config) if config.distillation.enabled else None
         try:
             if self.colocated:
                 # One rank of each group and one engine per bundle, each with a 1/k share of it.
@@ -125,9 +131,14 @@ class RayWorkers:
                           "nothing", flush=True)
             else:
                 group |= dict(num_gpus_per_worker=gpus)
-            self.actor = WorkerGroup(ActorWorker, arr, role="actor", **group)
+            self.actor = WorkerGroup(ActorWorker, student_section(config, vocab), role="actor", **group)
             if config.builds_ref:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
+            if config.distillation.enabled:
+                teacher = group if teacher_pool is None else dict(
+                    nnodes=teacher_pool[0], ranks_per_node=teacher_pool[1], resolve_path=paths, seed=t.seed,
+                    num_gpus_per_worker=gpus)  # fmt: skip
+                self.teacher = WorkerGroup(ActorWorker, teacher_section(config, vocab), role="teacher", **teacher)
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
             if rm:
@@ -149,7 +160,7 @@ class RayWorkers:
         """``workers.json``: per group and rank, the node it ran on and the rendezvous it used."""
         info = {name: group.rank_info() for name, group in
                 (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
-                 ("reward_model", self.reward_model)) if group is not None}
+                 ("reward_model", self.reward_model), ("teacher", self.teacher)) if group is not None}
         info["nodes"] = [{"node_id": n.node_id, "ip": n.ip} for n in self.actor.nodes]
         info["colocated"] = self.colocated
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -191,6 +202,12 @@ class RayWorkers:
         if for_update and self.config.actor_rollout_ref.actor.old_log_probs_split_as_update:
             return self.actor.call_batch("compute_log_prob", batch, chunk_rows=self._mini_rows(), update_layout=True)
         return self.actor.call_batch("compute_log_prob", batch)
+
+    def compute_teacher(self, batch: Batch) -> Batch:
+        """On-policy distillation: the teacher group's numbers for the batch (ActorWorker.compute_teacher)."""
+        if self.teacher is None:
+            raise ValueError("teacher scores asked for, but distillation.enabled is false")
+        return self.teacher.call_batch("compute_teacher", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Reference log-probs: the reference model's, or with LoRA the actor's with its adapters disabled."""
@@ -249,7 +266,7 @@ class RayWorkers:
         if self.colocated:
             self.rollout.wake_up(["weights"])
             self.last_offload_bytes = sum(self.actor.call("offload_state"))
-            for group in (self.ref, self.critic, self.reward_model):  # parameters stay; cached activation blocks go
+            for group in (self.ref, self.critic, self.reward_model, self.teacher):  # parameters stay; cached activation blocks go
                 if group is not None:
                     group.call("empty_device_cache")
             self.rollout.wake_up(["kv_cache"])
@@ -276,7 +293,7 @@ class RayWorkers:
             group.call("load_checkpoint", os.path.join(path, name))
 
     def shutdown(self) -> None:
-        for group in (getattr(self, "actor", None), self.ref, self.critic, self.reward_model):
+        for group in (getattr(self, "actor", None), self.ref, self.critic, self.reward_model, self.teacher):
             if group is not None:
                 group.shutdown()
         if hasattr(self, "rollout"):
@@ -335,7 +352,7 @@ def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
             world = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            groups = 1 + config.builds_ref + uses_critic(config) + config.reward.reward_model.enable
+            groups = 1 + config.builds_ref + uses_critic(config) + config.reward.reward_model.enable + config.distillation.enabled
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))

@@ -32,6 +32,7 @@ from rlpad.rollout import build_rollout
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
+from workers.teacher import student_section, teacher_section, tokenizer_ids
 from workers.critic import CriticWorker
 from workers.reward_model import RewardModelWorker
 
@@ -51,8 +52,13 @@ class LocalWorkers:
         arr = config.actor_rollout_ref
         device = resolve_device(config)
         common = dict(rank=0, world_size=1, device=device, seed=config.trainer.seed)
-        self.actor = ActorWorker(arr, role="actor", **common)
+        vocab = tokenizer_ids(config) if config.distillation.enabled else None
+        self.actor = ActorWorker(student_section(config, vocab), role="actor", **common)
         self.actor.init_model()  # the first worker creates the world-1 process group; the others join it
+        self.teacher = None  # on-policy distillation (workers/teacher.py); in this process too
+        if config.distillation.enabled:
+            self.teacher = ActorWorker(teacher_section(config, vocab), role="teacher", **common)
+            self.teacher.init_model()
         self.ref = None
         if config.builds_ref:
             self.ref = ActorWorker(arr, role="ref", **common)
@@ -107,6 +113,12 @@ class LocalWorkers:
         if self.ref is None:
             raise ValueError("ref log-probs asked for, but neither use_kl_loss nor use_kl_in_reward is set")
         return self.ref.compute_ref_log_prob(batch)
+
+    def compute_teacher(self, batch: Batch) -> Batch:
+        """On-policy distillation: the teacher's numbers for the batch (workers.actor.ActorWorker.compute_teacher)."""
+        if self.teacher is None:
+            raise ValueError("teacher scores asked for, but distillation.enabled is false")
+        return self.teacher.compute_teacher(batch)
 
     def compute_values(self, batch: Batch) -> Batch:
         if self.critic is None:

@@ -1,4 +1,7 @@
-"""Peak memory of the LM head's log-prob + entropy forward+backward: full logits vs chunked.
+"""Peak memory of the LM head's log-prob + entropy forward+backward: full logits vs chunked; and of
+on-policy distillation's two head computations (:data:`DISTILL_VARIANTS`): the teacher's top-k
+(forward, no gradient; full logits + ``torch.topk`` vs vocabulary chunks, rlpad.core.topk) and the
+student's log-probs at those k ids (forward+backward; full log-softmax + gather vs the chunked head).
 
 One computation (:func:`head_fwd_bwd`), two ways to measure it:
 
@@ -19,11 +22,16 @@ from typing import Any
 import torch
 
 from rlpad.bench.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+from rlpad.core.logprob import chunked_log_probs_and_entropy, chunked_log_probs_at, log_probs_and_entropy
+from rlpad.core.topk import teacher_topk
 
-__all__ = ["VARIANTS", "head_fwd_bwd", "head_inputs", "measure_cuda", "measure_in_subprocess"]
+__all__ = ["DISTILL_TOPK", "DISTILL_VARIANTS", "VARIANTS", "head_fwd_bwd", "head_inputs", "measure_cuda",
+           "measure_in_subprocess"]
 
 VARIANTS = ("full", "chunked")
+# distillation (forward_kl_topk): the teacher's top-k, forward only; the student's log-probs at k ids, fwd+bwd
+DISTILL_VARIANTS = ("topk_full", "topk_chunked", "at_ids_full", "at_ids_chunked")
+DISTILL_TOPK = 64
 
 
 def head_inputs(tokens: int, hidden: int, vocab: int, *, device: torch.device, dtype: torch.dtype,
@@ -38,14 +46,34 @@ def head_inputs(tokens: int, hidden: int, vocab: int, *, device: torch.device, d
     return h, w, labels
 
 
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (fp64 stays fp64), as the chunked heads compute."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def head_fwd_bwd(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
     """Log-prob + entropy through the head, then backward of their sum; returns the sum."""
+    if variant.startswith("topk_"):
+        with torch.no_grad():
+            if variant == "topk_full":
+                top = _fp32(hidden @ weight.T).log_softmax(-1).topk(DISTILL_TOPK, dim=-1).values
+            else:
+                top = teacher_topk(hidden, weight, DISTILL_TOPK, token_chunk=chunk)[1]
+        return float(top.sum())
+    if variant.startswith("at_ids_"):
+        ids = (labels[:, None] + torch.arange(DISTILL_TOPK, device=labels.device)) % weight.shape[0]
+        if variant == "at_ids_full":
+            at = _fp32(hidden @ weight.T).log_softmax(-1).gather(-1, ids)
+        else:
+            at = chunked_log_probs_at(hidden, weight, ids, chunk_size=chunk)
+        at.sum().backward()
+        return float(at.detach().sum())
     if variant == "full":
         lp, ent = log_probs_and_entropy(hidden @ weight.T, labels)
     elif variant == "chunked":
         lp, ent = chunked_log_probs_and_entropy(hidden, weight, labels, chunk_size=chunk)
     else:
-        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS + DISTILL_VARIANTS}")
     total = lp.sum() + ent.sum()
     total.backward()
     return float(total.detach())
@@ -68,8 +96,8 @@ def _cpu_main(variant: str, tokens: int, hidden: int, vocab: int, chunk: int) ->
 def measure_in_subprocess(variant: str, *, tokens: int = 4096, hidden: int = 896, vocab: int = 151936,
                           chunk: int = 256) -> dict[str, Any]:
     """Run one CPU variant in a fresh process; returns its peak RSS growth (``peak_gib``)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+    if variant not in VARIANTS + DISTILL_VARIANTS:
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS + DISTILL_VARIANTS}")
     cmd = [sys.executable, "-m", "rlpad.bench.head_memory", variant, str(tokens), str(hidden), str(vocab), str(chunk)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -78,8 +106,8 @@ def measure_in_subprocess(variant: str, *, tokens: int = 4096, hidden: int = 896
 def measure_cuda(variant: str, device: torch.device, *, tokens: int = 4096, hidden: int = 896, vocab: int = 151936,
                  chunk: int = 256, seed: int = 0) -> dict[str, Any]:
     """Peak CUDA memory above the inputs of one variant in bf16 (``peak_gib``)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS}")
+    if variant not in VARIANTS + DISTILL_VARIANTS:
+        raise ValueError(f"unknown memory variant {variant!r}; use one of {VARIANTS + DISTILL_VARIANTS}")
     h, w, labels = head_inputs(tokens, hidden, vocab, device=device, dtype=torch.bfloat16, seed=seed)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

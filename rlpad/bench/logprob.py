@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rlpad.bench.flops import padded_and_packed_flops
-from rlpad.bench.head_memory import VARIANTS, measure_in_subprocess
+from rlpad.bench.head_memory import DISTILL_TOPK, DISTILL_VARIANTS, VARIANTS, measure_in_subprocess
 from rlpad.bench.measure import interleaved_medians, path_rates
 from rlpad.bench.models import bench_model
 from rlpad.bench.table import Table, write_json
@@ -84,6 +84,18 @@ def tables(result: dict[str, Any]) -> list[Table]:
                  if "full" in mem and "chunked" in mem else [])
         out.append(Table(["LM head", "peak GiB", "s"], rows, notes=notes,
                          title=f"LM-head log-prob + entropy, fwd+bwd, {first['tokens']} tokens x vocab {first['vocab']}"))
+    distill = {m["variant"]: m for m in result.get("distill_memory", [])}
+    if distill:
+        first = next(iter(distill.values()))
+        rows = [[name, f"+{m['peak_gib']:.2f}", f"{m['seconds']:.1f}"] for name, m in distill.items()]
+        notes = [f"{what} chunked / full peak memory: {distill[c]['peak_gib'] / distill[f]['peak_gib']:.3f}"
+                 for what, f, c in (("teacher top-k", "topk_full", "topk_chunked"),
+                                    ("student at k ids", "at_ids_full", "at_ids_chunked"))
+                 if f in distill and c in distill and distill[f]["peak_gib"] > 0]
+        out.append(Table(["distillation head", "peak GiB", "s"], rows, notes=notes,
+                         title=f"distillation (forward_kl_topk, k = {DISTILL_TOPK}): the teacher's top-k (fwd) and "
+                               f"the student's log-probs at them (fwd+bwd), {first['tokens']} tokens x vocab "
+                               f"{first['vocab']}"))
     return out
 
 
@@ -94,6 +106,7 @@ def run(models: Sequence[str] | None = None, *, reps: int = 3, memory: bool = Tr
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "speed": [bench_speed(name, reps=reps) for name in (models or DEFAULT_MODELS)],
         "memory": [measure_in_subprocess(v) for v in VARIANTS] if memory else [],
+        "distill_memory": [measure_in_subprocess(v) for v in DISTILL_VARIANTS] if memory else [],
     }
     if out:
         write_json(result, out)

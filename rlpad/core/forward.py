@@ -43,7 +43,7 @@ from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, r
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
-           "scoring_hidden_states"]
+           "head_log_probs", "scoring_hidden_states"]
 
 
 logger = logging.getLogger(__name__)
@@ -198,8 +198,8 @@ def scoring_hidden_states(
     return hidden.index_select(0, local), response_idx[mine]
 
 
-def _head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk_size):
-    """Run the LM head on ``hidden (N, H)`` and score ``labels (N,)``."""
+def head_log_probs(model, hidden, labels, temperature, calculate_entropy, chunk_size):
+    """Run the LM head on ``hidden (N, H)`` and score ``labels (N,)``: ``(log_probs (N,), entropy (N,) | None)``."""
     if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
         raise NotImplementedError("models with logit soft-capping or logit scaling are not supported yet")
     head = model.get_output_embeddings()
@@ -263,7 +263,7 @@ def compute_log_probs(
         share_min_saved=share_min_saved, response_mask=response_mask,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
-    log_probs, entropy = _head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)
+    log_probs, entropy = head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)
     log_probs = response_grid(log_probs, response_idx, batch, response_length, sp)
     if calculate_entropy:
         entropy = response_grid(entropy, response_idx, batch, response_length, sp)
@@ -281,5 +281,8 @@ class LogProbModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, response_length, **kwargs):
-        return compute_log_probs(self.model, input_ids, attention_mask, position_ids, response_length, **kwargs)
+    def forward(self, input_ids, attention_mask, position_ids, response_length, scorer=None, **kwargs):
+        """``scorer`` (default :func:`compute_log_probs`): another function of the same signature run
+        inside the root's forward, e.g. :mod:`rlpad.core.distill_scoring`'s, so FSDP gathers the head for it."""
+        score = compute_log_probs if scorer is None else scorer
+        return score(self.model, input_ids, attention_mask, position_ids, response_length, **kwargs)

@@ -14,7 +14,7 @@ import torch
 
 from rlpad.core.lm_head import HEAD_PATHS, TORCH, TORCH_CUDA, TRITON, head_path, mm_fp32
 
-__all__ = ["check_head_inputs", "chunked_log_probs_and_entropy", "log_probs_and_entropy"]
+__all__ = ["check_head_inputs", "chunked_log_probs_and_entropy", "chunked_log_probs_at", "log_probs_and_entropy"]
 
 
 def log_probs_and_entropy(
@@ -79,13 +79,15 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy, lowp=False):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        log_probs = hidden.new_empty(hidden.shape[0], dtype=acc)
+        ids = labels.view(labels.shape[0], -1)  # (N, K): K = 1 for (N,) labels
+        log_probs = hidden.new_empty(ids.shape, dtype=acc)
         entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
         for s in range(0, hidden.shape[0], chunk_size):
             e = s + chunk_size
             z, _, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, probs=False, lowp=lowp)
-            log_probs[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
+            log_probs[s:e] = z.gather(-1, ids[s:e]) - lse[:, None]
             entropy[s:e] = lse - mean_z
+        log_probs = log_probs.view(labels.shape)
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.temperature, ctx.chunk_size, ctx.lowp = temperature, chunk_size, lowp
         if not calculate_entropy:
@@ -101,18 +103,22 @@ class _ChunkedHead(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
+        ids = labels.view(labels.shape[0], -1)  # (N, K)
+        if grad_log_probs is not None:
+            grad_log_probs = grad_log_probs.reshape(ids.shape)
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
             z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, lowp=ctx.lowp)
-            g_lp = grad_log_probs[s:e, None] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
-            # g = -p * (g_lp + g_H * (z - E_p[z])) + g_lp * onehot(y), built in z's buffer
+            g_lp = grad_log_probs[s:e] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
+            g_sum = g_lp.sum(dim=-1, keepdim=True) if g_lp.shape[1] > 1 else g_lp
+            # g = -p * (sum_k g_k + g_H * (z - E_p[z])) + sum_k g_k * onehot(y_k), built in z's buffer
             if grad_entropy is not None:
-                z.sub_(mean_z[:, None]).mul_(grad_entropy[s:e, None]).add_(g_lp)
+                z.sub_(mean_z[:, None]).mul_(grad_entropy[s:e, None]).add_(g_sum)
             else:
-                z.copy_(g_lp.expand_as(z))
+                z.copy_(g_sum.expand_as(z))
             g = z.mul_(p).neg_()
             del p
-            g.scatter_add_(-1, labels[s:e, None], g_lp)
+            g.scatter_add_(-1, ids[s:e] if grad_log_probs is not None else ids[s:e, :1], g_lp.to(g.dtype))
             if temperature != 1.0:
                 g.div_(temperature)
             if grad_b is not None:
@@ -166,6 +172,40 @@ def chunked_log_probs_and_entropy(
         log_probs, entropy = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size,
                                                 calculate_entropy, path == TORCH_CUDA)  # fmt: skip
     return log_probs, entropy if calculate_entropy else None
+
+
+def chunked_log_probs_at(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    head: str | None = None,
+) -> torch.Tensor:
+    """Log-probs ``(N, K)`` of ``ids (N, K)`` (e.g. a teacher's top-k) under the head ``weight (V, H)``.
+
+    The same chunked head as :func:`chunked_log_probs_and_entropy` (one label per token is K = 1):
+    ``chunk_size`` tokens at a time, the backward recomputing each chunk and forming
+    ``d/dz sum_k g_k log p(y_k) = sum_k g_k onehot(y_k) - p sum_k g_k`` in closed form, so no
+    (N, V) tensor exists. Differentiable with respect to ``hidden``, ``weight`` and ``bias``.
+    """
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be (N, K), got {tuple(ids.shape)}")
+    check_head_inputs(hidden, weight, ids[:, 0], bias, temperature, chunk_size)
+    if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+        raise ValueError(f"ids must lie in [0, {weight.shape[0]}) (the head's rows), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    if head is not None and head not in HEAD_PATHS:
+        raise ValueError(f"unknown LM head {head!r}; use one of {HEAD_PATHS} or None (the dispatch's choice)")
+    path = head or head_path(hidden, weight)
+    # Hook for the fused Triton head: it scores one label per token today, so K ids per token run the
+    # torch_cuda arithmetic (fp32-output logits, bf16 gradient GEMMs) until a K-label kernel exists.
+    if path == TRITON:
+        path = TORCH_CUDA
+    log_probs, _ = _ChunkedHead.apply(hidden, weight, bias, ids, temperature, chunk_size, False, path == TORCH_CUDA)
+    return log_probs
 
 
 def check_head_inputs(hidden, weight, labels, bias, temperature, chunk_size) -> None:

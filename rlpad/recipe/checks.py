@@ -19,6 +19,7 @@ from rlpad.lora.rules import lora_value_problems, syncs_adapter
 from rlpad.training.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.algorithms.policy_loss import policy_loss_problems
+from rlpad.algorithms.distillation_rules import distillation_problems
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
 from rlpad.rewards.settings import reward_problems
 from rlpad.rollout.tools import multi_turn_problems
@@ -112,6 +113,7 @@ def validate_config(config: Config) -> Config:
     one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     problems += policy_loss_problems(actor)
+    problems += distillation_problems(config)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
         try:

@@ -70,6 +70,7 @@ class Workers(Protocol):
     def generate_validation(self, batch: Batch, seed: int) -> Batch: ...
     def compute_log_prob(self, batch: Batch, *, for_update: bool = True) -> Batch: ...
     def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
+    def compute_teacher(self, batch: Batch) -> Batch: ...  # distillation.enabled only
     def compute_values(self, batch: Batch) -> Batch: ...
     def update_actor(self, batch: Batch) -> dict[str, float]: ...
     def update_critic(self, batch: Batch) -> dict[str, float]: ...
@@ -194,6 +195,8 @@ class Trainer:
         self.compute_old_log_prob(batch, clock, metrics)
         if self.config.uses_ref:
             self.compute_ref_log_prob(batch, clock)
+        if self.config.distillation.enabled:
+            self.compute_teacher(batch, clock)
         if uses_critic:
             self.compute_values(batch, clock)
         self.compute_advantage(batch, clock, metrics)
@@ -250,6 +253,11 @@ class Trainer:
     def compute_ref_log_prob(self, batch: Batch, clock: StageClock) -> None:
         """Stage ``ref``: the reference policy's log-probs (KL loss or KL in reward)."""
         batch.update(clock.call("ref", self.workers.compute_ref_log_prob, batch))
+
+    def compute_teacher(self, batch: Batch, clock: StageClock) -> None:
+        """Stage ``teacher`` (on-policy distillation, docs/distillation.md): the teacher's numbers of the
+        sampled tokens (its log-probs, or its top-k ids and log-probs)."""
+        batch.update(clock.call("teacher", self.workers.compute_teacher, batch))
 
     def compute_values(self, batch: Batch, clock: StageClock) -> None:
         """Stage ``values``: the critic's values (estimators that use a critic: GAE)."""

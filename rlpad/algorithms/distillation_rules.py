@@ -1,0 +1,108 @@
+"""On-policy distillation's config rules (``distillation.*``, verl's names), torch-free: the value
+problems :func:`rlpad.recipe.checks.validate_config` gathers, one line each by dotted key, and
+:func:`teacher_problems`, the model-aware checks (the teacher is a causal LM with the student's
+tokenizer) run by ``rlpad.train.prepare`` before anything starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlpad.config.schema import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
+
+__all__ = ["distillation_problems", "teacher_problems", "teacher_path", "uses_teacher_topk"]
+
+KEY = "distillation.distillation_loss"
+PATH_KEY = "distillation.teacher_models.teacher_model.model_path"
+# Why k1 cannot be back-propagated (verl refuses it too): d(log q - log p)/d theta = d log q / d theta,
+# the teacher's log p is a constant, so the loss lowers the sampled tokens' log-probs whatever the teacher says.
+K1_NEEDS_PG = ("its gradient is that of the student's log-prob alone (the teacher's log-prob is a constant), so "
+               "back-propagating it pushes every sampled token down whatever the teacher says; use it as the "
+               "advantage with use_policy_gradient=true (verl refuses this too), or a supervised mode (k3, "
+               "forward_kl_topk)")
+
+
+def uses_teacher_topk(config: Any) -> bool:
+    """The distillation loss reads the teacher's top-k (``forward_kl_topk``)."""
+    return config.distillation.enabled and config.distillation.distillation_loss.loss_mode in TOPK_MODES
+
+
+def teacher_path(config: Any) -> str | None:
+    """The teacher's model path (None when distillation is off)."""
+    d = config.distillation
+    return d.teacher_models.teacher_model.model_path if d.enabled else None
+
+
+def distillation_problems(config: Any) -> list[str]:
+    """Problems with the ``distillation`` section's values, each one line naming its key."""
+    d = config.distillation
+    loss = d.distillation_loss
+    problems = []
+    mode = loss.loss_mode
+    if mode not in DISTILLATION_LOSS_MODES:
+        problems.append(f"{KEY}.loss_mode={mode!r} is not a verl distillation loss mode; choose one of "
+                        f"{', '.join(DISTILLATION_LOSS_MODES)}")
+    elif mode in TOPK_MODES and loss.topk is None:
+        problems.append(f"{KEY}.topk is missing: loss_mode={mode} needs the number of teacher ids per position")
+    elif mode in SAMPLED_TOKEN_MODES and loss.topk is not None:
+        problems.append(f"{KEY}.topk={loss.topk} is set but loss_mode={mode} scores the sampled token only; "
+                        "remove topk or use forward_kl_topk")
+    if loss.topk is not None and (isinstance(loss.topk, bool) or not isinstance(loss.topk, int) or loss.topk < 1):
+        problems.append(f"{KEY}.topk={loss.topk!r} must be an int >= 1")
+    if mode in ("kl", "k1") and not loss.use_policy_gradient:
+        problems.append(f"{KEY}.loss_mode={mode} needs use_policy_gradient=true: {K1_NEEDS_PG}")
+    if loss.policy_loss_mode != "vanilla":
+        problems.append(f"{KEY}.policy_loss_mode={loss.policy_loss_mode!r}: only vanilla is supported (as in verl)")
+    if loss.distillation_loss_coef < 0:
+        problems.append(f"{KEY}.distillation_loss_coef={loss.distillation_loss_coef} must be >= 0")
+    if loss.loss_max_clamp is not None and not loss.loss_max_clamp > 0:
+        problems.append(f"{KEY}.loss_max_clamp={loss.loss_max_clamp} must be > 0 (or null: no clamp)")
+    if loss.log_prob_min_clamp is not None and not loss.log_prob_min_clamp < 0:
+        problems.append(f"{KEY}.log_prob_min_clamp={loss.log_prob_min_clamp} must be < 0 (a log-prob; or null)")
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        if getattr(loss, name) is not None and not getattr(loss, name) >= 0:
+            problems.append(f"{KEY}.{name}={getattr(loss, name)} must be >= 0")
+    if d.teacher_key is not None:
+        problems.append(f"distillation.teacher_key={d.teacher_key!r}: rlpad has one teacher "
+                        "(teacher_models.teacher_model); routing per data source is not built, set it to null")
+    for name in ("n_gpus_per_node", "nnodes"):
+        if getattr(d, name) < 0:
+            problems.append(f"distillation.{name}={getattr(d, name)} must be >= 0 (0: the actor's pool)")
+    if config.sft.teacher_steps < 1:
+        problems.append(f"sft.teacher_steps={config.sft.teacher_steps} must be >= 1 (the embedded teacher's steps)")
+    if d.enabled and not d.teacher_models.teacher_model.model_path:
+        problems.append(f"{PATH_KEY} is missing: distillation.enabled=true needs a teacher")
+    return problems
+
+
+def teacher_problems(path: str, student_tokenizer: Any, student_source: str) -> list[str]:
+    """The teacher at ``path`` exists, is a causal LM and has the student's tokenizer (the one loaded from
+    ``student_source``): a different tokenizer is refused naming both (no cross-tokenizer path). Padded
+    embedding sizes may differ (152064 vs 151936): the KL is taken over the tokenizer's ids."""
+    import os
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    from rlpad.core.models import load_tokenizer, model_config, model_source
+
+    if model_source(path) is None and not os.path.isdir(path):
+        what = "is a file, not a directory" if os.path.isfile(path) else "does not exist"
+        return [f"{PATH_KEY}={path!r} {what} (a local Hugging Face checkpoint folder; nothing is downloaded)"]
+    try:
+        cfg = model_config(path)
+    except (OSError, ValueError) as e:
+        return [f"{PATH_KEY}={path!r} is not a model folder: {str(e).splitlines()[0]}"]
+    archs = getattr(cfg, "architectures", None) or []
+    causal_classes = {c for v in CAUSAL.values() for c in ((v,) if isinstance(v, str) else v)}
+    if cfg.model_type not in CAUSAL or (archs and not any(a in causal_classes for a in archs)):
+        return [f"{PATH_KEY}={path!r} is not a causal LM (model_type {cfg.model_type!r}, architectures {archs})"]
+    teacher_tok = load_tokenizer(path)
+    same = (teacher_tok.get_vocab() == student_tokenizer.get_vocab()
+            and teacher_tok.eos_token_id == student_tokenizer.eos_token_id)
+    if not same:
+        return [f"{PATH_KEY}={path!r}: its tokenizer ({type(teacher_tok).__name__}, {len(teacher_tok)} ids) differs "
+                f"from the student's at {student_source!r} ({type(student_tokenizer).__name__}, "
+                f"{len(student_tokenizer)} ids); distillation needs one tokenizer (no cross-tokenizer path)"]
+    rows = getattr(cfg, "vocab_size", None)
+    if rows is not None and rows < len(student_tokenizer):
+        return [f"{PATH_KEY}={path!r}: its LM head has {rows} rows, fewer than the tokenizer's {len(student_tokenizer)} ids"]
+    return []

@@ -1,0 +1,154 @@
+"""The teacher worker and the distilled actor update with real FSDP2 (world 1 in this process, and a
+2-rank group on a real local Ray): the teacher's numbers equal the scoring core's on its model, the
+distilled gradient does not depend on micro-batches or world size, and the teacher's term is live
+(negative controls)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from rlpad.batch import WORKER_SECONDS, Batch  # noqa: E402
+from rlpad.config.schema import ActorRolloutRefConfig, DistillationConfig, DistillationLossConfig  # noqa: E402
+from rlpad.core.distill_scoring import compute_teacher_topk  # noqa: E402
+from rlpad.core.forward import compute_log_probs  # noqa: E402
+from rlpad.core.models import load_causal_lm  # noqa: E402
+from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL  # noqa: E402
+from rlpad.embedded.synthetic import ppo_batch  # noqa: E402
+from workers.actor import ActorWorker  # noqa: E402
+from workers.group import WorkerGroup  # noqa: E402
+from workers.teacher import DistilledSection  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.exactness]
+
+P, R, VOCAB = 8, 10, 128
+TOKENIZER_IDS = 100  # the KL of forward_kl_topk over the first 100 head rows (the tokenizer's ids)
+TEACHER, STUDENT = "tiny:llama", "tiny:qwen2"
+MINI, K = 12, 5
+
+
+def section(loss: DistillationLossConfig, *, teacher: bool = False, micro: int = 2) -> DistilledSection:
+    arr = ActorRolloutRefConfig()
+    a = arr.actor
+    a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.optim.lr, a.use_kl_loss = MINI, micro, 1e-2, False
+    arr.rollout.n, arr.ref.log_prob_micro_batch_size_per_gpu = 1, micro
+    if teacher:
+        arr.model.path = TEACHER
+    fields = {f.name: getattr(arr, f.name) for f in dataclasses.fields(ActorRolloutRefConfig)}
+    return DistilledSection(**fields, distillation=DistillationConfig(enabled=True, distillation_loss=loss),
+                            vocab_size=TOKENIZER_IDS)
+
+
+TOPK = DistillationLossConfig(loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, use_task_rewards=True,
+                              distillation_loss_coef=0.5, loss_max_clamp=None)
+K1 = DistillationLossConfig(loss_mode="k1", use_policy_gradient=True, use_task_rewards=False)
+
+
+def local(sec: DistilledSection, role: str) -> ActorWorker:
+    w = ActorWorker(sec, role=role, device="cpu")
+    w.init_model()
+    return w
+
+
+@pytest.fixture(scope="module")
+def batch() -> Batch:
+    b = ppo_batch(MINI, P, R, vocab_size=VOCAB, seed=3)
+    b["uid"] = np.arange(MINI)
+    return b
+
+
+@pytest.mark.parametrize("loss", [TOPK, K1], ids=["forward_kl_topk", "k1"])
+def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss):
+    out = local(section(loss, teacher=True), "teacher").compute_teacher(batch)
+    model = load_causal_lm(TEACHER)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], R)
+    student = load_causal_lm(STUDENT)
+    with torch.no_grad():
+        if loss is K1:
+            want, _ = compute_log_probs(model, *args, use_remove_padding=True)
+            assert (out["teacher_log_probs"] - want).abs().max() <= FP32_LOGPROB_TOL
+            other, _ = compute_log_probs(student, *args, use_remove_padding=True)  # negative control: the student
+            assert (out["teacher_log_probs"] - other).abs().max() > 100 * FP32_LOGPROB_TOL
+            return
+        ids, lp = compute_teacher_topk(model, *args, topk=K, vocab_size=TOKENIZER_IDS, use_remove_padding=True)
+        s_ids, s_lp = compute_teacher_topk(student, *args, topk=K, vocab_size=TOKENIZER_IDS, use_remove_padding=True)
+    assert out["teacher_topk_ids"].dtype == torch.int64 and out["teacher_topk_ids"].shape == (MINI, R, K)
+    assert torch.equal(out["teacher_topk_ids"], ids)
+    assert (out["teacher_topk_log_probs"] - lp).abs().max() <= FP32_LOGPROB_TOL
+    assert int(ids.max()) < TOKENIZER_IDS
+    assert not torch.equal(s_ids, ids) and (s_lp - lp).abs().max() > 100 * FP32_LOGPROB_TOL  # negative control
+
+
+def update(worker_or_group, batch: Batch) -> dict:
+    if isinstance(worker_or_group, WorkerGroup):
+        out = worker_or_group.call_batch("update_actor", batch, chunk_rows=MINI, return_grads=True)
+    else:
+        out = worker_or_group.update_actor(batch, return_grads=True)
+    out.pop(WORKER_SECONDS)
+    return out
+
+
+def rel(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batch, tmp_path):
+    """forward_kl_topk mixed with the task loss: the 2-rank teacher group's top-k equal the world-1
+    teacher's; the 2-rank actor (3-row micro-batches) gives the world-1 actor's (2-row) gradient."""
+    teacher_group = WorkerGroup(ActorWorker, section(TOPK, teacher=True, micro=3), role="teacher", world_size=2,
+                                device="cpu")
+    actor_group = WorkerGroup(ActorWorker, section(TOPK, micro=3), role="actor", world_size=2, device="cpu")
+    try:
+        scored = teacher_group.call_batch("compute_teacher", batch)
+        alone = local(section(TOPK, teacher=True), "teacher").compute_teacher(batch)
+        assert torch.equal(scored["teacher_topk_ids"], alone["teacher_topk_ids"])
+        assert (scored["teacher_topk_log_probs"] - alone["teacher_topk_log_probs"]).abs().max() <= FP32_LOGPROB_TOL
+        batch = Batch(dict(batch.tensors) | dict(scored.tensors), dict(batch.non_tensors))
+        ckpt = str(tmp_path / "initial")
+        actor_group.call("save_checkpoint", ckpt)
+        two = update(actor_group, batch)
+        one_worker = local(section(TOPK), "actor")
+        one_worker.load_checkpoint(ckpt)
+        one = update(one_worker, batch)
+    finally:
+        actor_group.shutdown()
+        teacher_group.shutdown()
+    assert rel(two["grads"], one["grads"]) <= FP32_GRAD_REL
+    for key in ("actor/distill/kl_mean", "actor/distill/teacher_topk_mass", "actor/distill/loss"):
+        assert abs(two[key] - one[key]) <= 1e-5 * max(1.0, abs(one[key])), key
+    assert one["actor/distill/kl_mean"] > 0 and 0 < one["actor/distill/teacher_topk_mass"] < 1
+    assert one["actor/distill/loss_clamp_frac"] == 0 and one["actor/distill/tail_floor_frac"] == 0
+    # negative control: the same update without the teacher's term is far from it
+    plain = local(dataclasses.replace(section(TOPK), distillation=DistillationConfig()), "actor")
+    plain.load_checkpoint(ckpt)
+    assert rel(update(plain, batch)["grads"], one["grads"]) > 100 * FP32_GRAD_REL
+
+
+def test_k1_policy_gradient_update_reads_the_teacher(batch):
+    """k1 with the policy gradient and no task reward: the gradient moves with the teacher's log-probs."""
+    teacher = local(section(K1, teacher=True), "teacher")
+    scored = Batch(dict(batch.tensors) | dict(teacher.compute_teacher(batch).tensors), dict(batch.non_tensors))
+    student = local(section(K1), "actor")
+    own = student.compute_log_prob(scored, update_layout=True)["old_log_probs"]  # the update's own split
+    scored["old_log_probs"] = own  # on-policy: ratio 1
+    first = update(student, scored)
+    assert first["actor/distill/pg_clipfrac"] == 0
+    mask = scored["response_mask"].bool()
+    want = float((own - scored["teacher_log_probs"])[mask].mean())
+    assert abs(first["actor/distill/kl_mean"] - want) < 1e-5
+    # negative control: a teacher that agrees with the student gives advantage 0 and no gradient
+    agreeing = local(section(K1), "actor")
+    scored["old_log_probs"] = scored["teacher_log_probs"] = agreeing.compute_log_prob(scored, update_layout=True)["old_log_probs"]
+    none = update(agreeing, scored)
+    assert max(float(g.abs().max()) for g in none["grads"].values()) == 0
+    assert max(float(g.abs().max()) for g in first["grads"].values()) > 1e-4
