@@ -36,3 +36,22 @@ def test_bench_head_cuda_without_cuda_is_one_line(capsys):
     assert cli(["bench", "head", "--device", "cuda", "--reps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --device cuda needs a CUDA GPU"), err
+
+
+def test_bench_head_prints_the_launch_plan_with_the_hbm_model(tmp_path, capsys):
+    """The plan table: per token count the tile table's choice (an H100's on the CPU) and the HBM
+    model of each grid order, the chosen one starred and the cheapest of the three."""
+    out = tmp_path / "head.json"
+    assert cli(["bench", "head", "--tokens", "9", "--hidden", "32", "--vocab", "101", "--reps", "1", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())["plans"][0]
+    assert plan["capability"] == "9.0" and plan["tokens"] == 9
+    chosen = next(o for o in plan["orders"] if o["order"] == plan["order"])
+    assert chosen["total_gb"] == min(o["total_gb"] for o in plan["orders"])
+    assert "HBM model per grid order" in capsys.readouterr().out
+
+
+def test_bench_head_sweep_on_the_cpu_needs_the_interpreter(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli(["bench", "head", "--sweep", "--reps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the sweep on the CPU runs Triton's interpreter: TRITON_INTERPRET=1 is not set" in err

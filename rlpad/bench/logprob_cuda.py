@@ -48,7 +48,7 @@ from rlpad.core.forward import backbone_of, compute_log_probs
 from rlpad.core.lm_head import choose_head, triton_missing
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["COLUMNS", "CUDA_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
+__all__ = ["COLUMNS", "CUDA_SHAPES", "DRY_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
 
 COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex")
 # name -> model row of rlpad.bench.models.MODEL_SHAPES and its batch; `make test-gpu` runs both (about 2 minutes
@@ -57,6 +57,7 @@ CUDA_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model="qwen2.5-0.5b", rows=64, prompt=512, response=1024, micro_rows=16),
     "7b-layers": dict(model="7b-layers", rows=32, prompt=512, response=1536, micro_rows=8),
 }
+DRY_SHAPES = {"tiny": dict(model="tiny", rows=4, prompt=8, response=12, micro_rows=2)}  # the dry run, on the CPU
 NO_CPU_BACKWARD = {"packed_flex": "FlexAttention has no backward on the CPU"}
 
 
@@ -235,21 +236,25 @@ def cuda_tables(result: dict[str, Any]) -> list[Table]:
 
 
 def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None = None, micro_rows: int | None = None,
-             chunk: int = 4096) -> dict[str, Any]:
+             chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
     """The whole CUDA benchmark over ``shapes`` (names of :data:`CUDA_SHAPES`, default all); ``micro_rows``
-    overrides each shape's own. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
-    names = list(shapes or CUDA_SHAPES)
-    unknown = [n for n in names if n not in CUDA_SHAPES]
+    overrides each shape's own. ``dry_run``: the same code on the CPU over :data:`DRY_SHAPES`, no memory
+    part. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
+    table = DRY_SHAPES if dry_run else CUDA_SHAPES
+    names = list(shapes or table)
+    unknown = [n for n in names if n not in table]
     if unknown:
-        raise ValueError(f"unknown CUDA benchmark shape(s) {unknown}; choose among {list(CUDA_SHAPES)}")
-    device = require_cuda()
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "shapes": []}
+        raise ValueError(f"unknown CUDA benchmark shape(s) {unknown}; choose among {list(table)}")
+    device = torch.device("cpu") if dry_run else require_cuda()
+    memory = memory and not dry_run
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "shapes": [], "dry_run": dry_run}
     for n in names:
-        spec = dict(CUDA_SHAPES[n])
+        spec = dict(table[n])
         if micro_rows is not None:
             spec["micro_rows"] = micro_rows
         result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, **spec))
         gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     result["memory"] = [measure_cuda(v, device) for v in VARIANTS] if memory else []
     return result

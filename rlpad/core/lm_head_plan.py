@@ -28,8 +28,8 @@ import functools
 import logging
 import math
 
-__all__ = ["DZ_BUDGET_BYTES", "GPUS", "GRID_ORDERS", "TILE_TABLE", "Gpu", "Tiles", "choose_tiles", "dz_columns",
-           "forward_traffic", "plan_splits", "program_coords", "resident_programs"]
+__all__ = ["DZ_BUDGET_BYTES", "GPUS", "GRID_ORDERS", "INTERPRETER_GPU", "TILE_TABLE", "Gpu", "Tiles", "choose_tiles",
+           "device_gpu", "dz_columns", "forward_traffic", "head_plan", "plan_splits", "program_coords", "resident_programs"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,25 @@ class Gpu:
     hbm_bytes_per_s: float
 
 
+INTERPRETER_GPU = Gpu("Triton interpreter", 4, 1 << 20, 1 << 20, 1e11)  # CPU tensors: only the plan's arithmetic
 GPUS = {"H100": Gpu("H100 SXM", 132, 50 << 20, 228 << 10, 3.35e12), "H200": Gpu("H200", 132, 50 << 20, 228 << 10, 4.8e12),
         "A100": Gpu("A100 SXM", 108, 40 << 20, 164 << 10, 2.0e12)}
+
+
+@functools.cache
+def device_gpu(device) -> tuple[Gpu, tuple[int, int], int | None]:
+    """``(Gpu, capability, shared memory per block)`` of a torch ``device``, read once (the CPU: the
+    interpreter's). HBM bandwidth is not in torch's properties: by name from :data:`GPUS`, else H100's."""
+    if device.type != "cuda":
+        return INTERPRETER_GPU, (0, 0), None
+    import torch
+
+    p = torch.cuda.get_device_properties(device)
+    bandwidth = next((g.hbm_bytes_per_s for k, g in GPUS.items() if k in p.name), GPUS["H100"].hbm_bytes_per_s)
+    gpu = Gpu(p.name, p.multi_processor_count, getattr(p, "L2_cache_size", 40 << 20),
+              getattr(p, "shared_memory_per_multiprocessor", 164 << 10), bandwidth)
+    return gpu, (p.major, p.minor), getattr(p, "shared_memory_per_block_optin", None)
+
 
 # Capability -> ((max tokens of the bucket or None for the rest, tiles), ...), first match wins. Not yet
 # measured: the starting points of the sweep (`rlpad bench head --sweep`), to be replaced by its winners.
@@ -181,3 +198,16 @@ def dz_columns(tokens: int, vocab: int, block_v: int, chunk_size: int | None, el
     if chunk_size is not None:
         cols = min(cols, chunk_size * vocab // max(1, tokens))
     return min(vocab, max(block_v, cols // block_v * block_v))
+
+
+def head_plan(tokens: int, hidden: int, vocab: int, device) -> dict:
+    """What the fused head would launch for ``tokens`` on ``device`` (a CPU: an H100, capability 9.0)
+    and the HBM model of each grid order with those tiles: the bench prints it beside the choice."""
+    if device.type == "cuda":
+        gpu, capability, smem = device_gpu(device)
+    else:
+        gpu, capability, smem = GPUS["H100"], (9, 0), 227 << 10
+    tiles = choose_tiles(capability, tokens, smem)
+    orders = [forward_traffic(tokens, hidden, vocab, dataclasses.replace(tiles, order=o), gpu) for o in GRID_ORDERS]
+    return {"tokens": tokens, "gpu": gpu.name, "capability": f"{capability[0]}.{capability[1]}", "tiles": tiles.name,
+            "order": tiles.order, "orders": orders}

@@ -31,21 +31,18 @@ linear cross-entropy has no entropy; verl's kernel lives inside verl (no depende
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from rlpad.core.lm_head import addmm_fp32_
-from rlpad.core.lm_head_plan import (DZ_BUDGET_BYTES, GRID_ORDERS, Gpu, Tiles, choose_tiles, dz_columns, l2_group,
+from rlpad.core.lm_head_plan import (DZ_BUDGET_BYTES, GRID_ORDERS, Tiles, choose_tiles, device_gpu, dz_columns, l2_group,
                                      plan_splits, resident_programs)
 
-__all__ = ["INTERPRETER_TILES", "TritonHead", "gpu_of", "head_stats", "launch_dz", "tiles_for",
+__all__ = ["INTERPRETER_TILES", "TritonHead", "head_stats", "launch_dz", "tiles_for",
            "triton_log_probs_and_entropy"]
 
 INTERPRETER_TILES = Tiles(32, 32, 32, 4, 1)  # Triton's interpreter (CPU tensors): warps and stages unused
-INTERPRETER_GPU = Gpu("Triton interpreter", 4, 1 << 20, 1 << 20, 1e11)
 ORDER_IDS = {name: i for i, name in enumerate(GRID_ORDERS)}  # the kernel's ORDER constexpr
 DZ_GROUP = 8  # _dz_kernel's grouped order: token blocks that share each W tile in L2
 
@@ -165,22 +162,11 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@functools.cache
-def gpu_of(device: torch.device) -> tuple[Gpu, tuple[int, int], int | None]:
-    """``(the traffic model's Gpu, capability, shared memory per block)`` of ``device``, read once."""
-    if device.type != "cuda":
-        return INTERPRETER_GPU, (0, 0), None
-    p = torch.cuda.get_device_properties(device)
-    gpu = Gpu(p.name, p.multi_processor_count, getattr(p, "L2_cache_size", 40 << 20),
-              getattr(p, "shared_memory_per_multiprocessor", 164 << 10), 2e12)
-    return gpu, (p.major, p.minor), getattr(p, "shared_memory_per_block_optin", None)
-
-
 def tiles_for(device: torch.device, tokens: int) -> Tiles:
     """The launch configuration for ``tokens`` on ``device``: the table's (logged once per choice)."""
     if device.type != "cuda":
         return INTERPRETER_TILES
-    _, capability, smem = gpu_of(device)
+    _, capability, smem = device_gpu(device)
     return choose_tiles(capability, tokens, smem)
 
 
@@ -189,7 +175,7 @@ def head_stats(hidden, weight, bias, labels, temperature, *, tiles: Tiles, split
     ``hidden (N, H)`` and ``weight (V, H)`` need unit stride along H only."""
     n, h = hidden.shape
     v = weight.shape[0]
-    gpu = gpu_of(hidden.device)[0]
+    gpu = device_gpu(hidden.device)[0]
     n_blocks, v_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(v, tiles.block_v)
     group = min(l2_group(tiles, h, gpu.l2_bytes, hidden.element_size()), n_blocks)
     splits = splits or plan_splits(n_blocks, v_tiles, gpu.sms, resident_programs(tiles, gpu), group, tiles.order)
