@@ -71,3 +71,34 @@ def test_liger_wiring_with_liger_kernel(arch):
     assert set(got["replaced"]) == expected, got
     assert got["rotary"].startswith("liger_kernel") and not got["rotary_before"].startswith("liger_kernel"), got
     assert got["head_forward_kept"], got
+
+
+SCOPED = """
+import json, torch, transformers.models.qwen2.modeling_qwen2 as mod
+from rlpad.bench.peers import liger_copy
+from rlpad.embedded.tiny import tiny_model
+model = tiny_model("qwen2", vocab_size=64, seed=1)
+rotary, norm_class = mod.apply_rotary_pos_emb, mod.Qwen2RMSNorm
+fused, scoped = liger_copy(model, device_type="cuda")  # built on the CPU: only its wiring is looked at
+seen = scoped(lambda: (mod.apply_rotary_pos_emb.__module__, mod.Qwen2RMSNorm.__name__))()
+same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fused.state_dict().values()))
+print(json.dumps({"inside": seen, "after": [mod.apply_rotary_pos_emb is rotary, mod.Qwen2RMSNorm is norm_class],
+                  "plain_untouched": not any("forward" in vars(m) for m in model.modules()),
+                  "fused_mlps": sum(m._get_name() == "LigerSwiGLUMLP" for m in fused.modules()),
+                  "same_weights": same, "fused_attn": fused.config._attn_implementation}))
+"""
+
+
+def test_bench_liger_column_scopes_liger_rebinds_to_its_calls():
+    """`rlpad bench logprob`'s packed_liger column (rlpad/bench/peers.py liger_copy): liger's instance
+    patch on a copy (same weights, sdpa), the plain model untouched; the names liger rebinds in the
+    transformers module (rotary, RMSNorm class) are liger's only inside the column's calls."""
+    side = os.environ.get("RLPAD_TRITON_INTERPRETER") or os.path.join(sys.prefix, "triton-interpreter")
+    assert os.path.isdir(os.path.join(side, "liger_kernel")), f"no liger-kernel at {side}: run `make setup`"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, side, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", SCOPED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["inside"][0].startswith("liger_kernel") and got["inside"][1] == "LigerRMSNorm", got
+    assert got["after"] == [True, True] and got["plain_untouched"] and got["same_weights"], got
+    assert got["fused_mlps"] == 2 and got["fused_attn"] == "sdpa", got

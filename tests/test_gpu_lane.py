@@ -216,5 +216,6 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {"rmpad/2 layers": 0}}}
     rows = target_rows({"bench": {k: {"json": v} for k, v in bench.items()}, "figures": figures, "wall_s": 100})
     missing = [r["name"] for r in rows if r["value"] is None]
-    assert missing == ["7b-layers fwd+bwd: rmpad speed-up over packed + liger"], missing  # no liger column yet
+    assert missing == ["7b-layers fwd+bwd: rmpad speed-up over packed + liger"], missing  # liger: CUDA only
+    assert tiny["skipped"]["packed_liger"] == "liger-kernel's kernels need CUDA"
     assert all(isinstance(r["met"], bool) for r in rows if r["value"] is not None)
