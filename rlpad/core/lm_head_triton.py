@@ -81,8 +81,9 @@ def _program(pid, n_blocks, splits, ORDER: tl.constexpr, GROUP: tl.constexpr):
     return pid_n, split
 
 
-# Sizes vary per call and carry no alignment the loads need: not specialised (one compile per flag set).
-@triton.jit(do_not_specialize=["N", "V", "tiles_per_split", "n_blocks", "splits", "stride_h", "stride_w"])
+# Sizes vary per call and carry no alignment the loads need: not specialised (one compile per flag set);
+# the row strides are (divisible by 16: aligned, vectorised loads of h and W).
+@triton.jit(do_not_specialize=["N", "V", "tiles_per_split", "n_blocks", "splits"])
 def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, stride_h, stride_w,
                   temperature, tiles_per_split, n_blocks, splits, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, ORDER: tl.constexpr, GROUP: tl.constexpr,
@@ -120,7 +121,7 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
     tl.store(zl_ptr + out, zl, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["N", "v_start", "VB", "stride_h", "stride_w", "stride_dz"])
+@triton.jit(do_not_specialize=["N", "v_start", "VB"])
 def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, N, v_start, VB, H,
                stride_h, stride_w, stride_dz, temperature, HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr,
                HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
