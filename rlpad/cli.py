@@ -27,7 +27,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                 from rlpad.bench.head_sweep import run_sweep, sweep_tables
 
                 result = run_sweep(device, tokens=tuple(args.tokens) if args.tokens else None, hidden=args.hidden,
-                                   vocab=args.vocab, reps=args.reps)
+                                   vocab=args.vocab, reps=args.reps, budget_s=args.budget_s)
                 tables = sweep_tables(result)
             else:
                 from rlpad.bench.head import run_head, tables as head_tables
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sweep", action="store_true",
                        help="head: time every tile configuration of rlpad/bench/head_sweep.py's SWEEP (CUDA; on the "
                             "CPU: Triton's interpreter at tiny shapes), each checked against fp64")
+    bench.add_argument("--budget-s", type=float, default=None,
+                       help="head --sweep: start no configuration after this many seconds (the rest: rows saying so)")
     bench.add_argument("--dry-run", action="store_true",
                        help="logprob, prefix, head with --device cuda: the same code on the CPU at tiny shapes (the "
                             "GPU command's dry run, scripts/test_gpu.sh with RLPAD_GPU_DRY_RUN=1); no timing meaning")

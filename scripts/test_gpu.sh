@@ -23,14 +23,16 @@ PY=${PY:-python3}
 OUT=${1:-${RLPAD_GPU_OUT:-results/gpu}}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
 DRY=${RLPAD_GPU_DRY_RUN:-0}
-# Time limits (s) of the steps: 30 + 130 + 90 + 50 + 120 + 60 = 480 s, 8 minutes. On the H100 of 2026-11-24 the
-# install took 18 s, the tests 63 s (before the LM-head tests; the 19000-token one adds ~10 s) and bench prefix
-# 36 s; bench logprob (34 s then, one shape and two columns) is estimated at about 2 minutes now: 4 timed rounds
-# of 4 columns x fwd and fwd+bwd, about 7.7 s a round at the 0.5B shape and 6.1 s at 7b-layers, plus the agreement
-# pass, the profile and flex_attention's compilation. The sweep: ~36 configurations, each compiled once (~1 s) and
-# timed at 2 token counts x 2 passes x 3 rounds (~0.2 s at 19000 tokens): about 80 s.
-TEST_S=${RLPAD_GPU_TEST_S:-130}
-SWEEP_S=${RLPAD_GPU_SWEEP_S:-90}
+# Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...): 30 + 110 + 100 + 50 + 120 + 60 = 470 s. On the H100 of 2026-11-24
+# the install took 18 s, the tests 63 s (before the LM-head tests; the 19000-token one and liger's add ~15 s) and
+# bench prefix 36 s; bench logprob (34 s then, one shape and two columns) is estimated at about 2 minutes now: 4
+# timed rounds of 5 columns x fwd and fwd+bwd at two shapes (the per-column figures: ~7.7 s a round at the
+# 0.5B shape, 6.1 s at 7b-layers), plus the agreement pass, the profile and flex_attention's compilation. The
+# sweep: 27 configurations, each compiled once (~2-4 s, two kernels) and timed at both token counts (~0.8 s); it
+# starts none after SWEEP_BUDGET_S, so its JSON is written inside its limit.
+TEST_S=${RLPAD_GPU_TEST_S:-110}
+SWEEP_S=${RLPAD_GPU_SWEEP_S:-100}
+SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-70}
 HEAD_S=${RLPAD_GPU_HEAD_S:-50}
 LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-120}
 BENCH_S=${RLPAD_GPU_BENCH_S:-60}
@@ -40,6 +42,7 @@ if [ "$DRY" = 1 ]; then  # a shared CPU, not the GPU's budget: each step gets 10
     SIDE=${RLPAD_TRITON_INTERPRETER:-$($PY -c 'import sys; print(sys.prefix)')/triton-interpreter}
     BENCH=(--dry-run --reps 1)
     HEAD_SIZES=(--tokens 16 40 --hidden 32 --vocab 101)
+    SWEEP_ARGS=("${HEAD_SIZES[@]}" --budget-s 600)
     SWEEP_ENV=(env TRITON_INTERPRET=1 "PYTHONPATH=$HERE:$SIDE")
 else
     # shellcheck disable=SC2086
@@ -51,6 +54,7 @@ else
     fi
     BENCH=()
     HEAD_SIZES=()
+    SWEEP_ARGS=(--budget-s "$SWEEP_BUDGET_S")
     SWEEP_ENV=()
 fi
 
@@ -83,7 +87,7 @@ tests_rc=$?
 tail -n 15 "$OUT/tests.log"
 # shellcheck disable=SC2086
 step bench_head_sweep "$SWEEP_S" "${SWEEP_ENV[@]}" $PY -m rlpad.cli bench head --sweep --device cuda "${BENCH[@]}" \
-    "${HEAD_SIZES[@]}" --out "$OUT/bench_head_sweep.json"
+    "${SWEEP_ARGS[@]}" --out "$OUT/bench_head_sweep.json"
 sweep_rc=$?
 # shellcheck disable=SC2086
 step bench_head "$HEAD_S" $PY -m rlpad.cli bench head --device cuda "${BENCH[@]}" "${HEAD_SIZES[@]}" \

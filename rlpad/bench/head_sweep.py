@@ -34,14 +34,16 @@ __all__ = ["DRY_SWEEP", "SWEEP", "run_sweep", "sweep_tables"]
 
 
 def _sweep() -> tuple[Tiles, ...]:
-    """The table's entries in every order, then tile shapes x warps x stages around them (vocab_fastest)."""
-    table = {dataclasses.replace(t, order=o) for entries in TILE_TABLE.values() for _, t in entries for o in GRID_ORDERS}
-    extra = {Tiles(bn, bv, bk, w, st) for bn, bv in ((64, 256), (128, 64), (256, 128)) for bk in (32, 64)
-             for w, st in ((4, 3), (8, 4))}
-    return tuple(sorted(table | extra, key=lambda t: (t.block_n, t.block_v, t.block_k, t.warps, t.stages, t.order)))
+    """The table's entries (vocab_fastest), the shapes around them, then the table's in the other two
+    orders: the most telling first, as a time budget may cut the tail."""
+    table = sorted({t for entries in TILE_TABLE.values() for _, t in entries}, key=lambda t: t.name)
+    extra = [Tiles(bn, bv, bk, w, st) for bn, bv in ((64, 256), (128, 64), (256, 128)) for bk in (32, 64)
+             for w, st in ((4, 3), (8, 4))]
+    others = [dataclasses.replace(t, order=o) for o in GRID_ORDERS if o != "vocab_fastest" for t in table]
+    return tuple(table + extra + others)
 
 
-SWEEP = _sweep()  # about 36 points
+SWEEP = _sweep()  # 27 points
 DRY_SWEEP = tuple(Tiles(16, 32, 16, 1, 1, order=o, group=2) for o in GRID_ORDERS) + (Tiles(32, 16, 32, 1, 1),)
 # device -> (token counts, hidden, vocab, err_tokens)
 DEFAULTS = {"cuda": ((4800, 19000), 3584, 152064, 256), "cpu": ((20, 33), 24, 100, 33)}
@@ -54,8 +56,11 @@ def _interpreter_problem() -> str | None:
 
 
 def run_sweep(device: str = "cuda", *, tokens: tuple[int, ...] | None = None, hidden: int | None = None,
-              vocab: int | None = None, reps: int = 2, configs: tuple[Tiles, ...] | None = None) -> dict[str, Any]:
-    """Every configuration of ``configs`` (default :data:`SWEEP` on CUDA, :data:`DRY_SWEEP` on the CPU)."""
+              vocab: int | None = None, reps: int = 2, configs: tuple[Tiles, ...] | None = None,
+              budget_s: float | None = None) -> dict[str, Any]:
+    """Every configuration of ``configs`` (default :data:`SWEEP` on CUDA, :data:`DRY_SWEEP` on the CPU),
+    each compiled once and measured at every token count before the next; past ``budget_s`` seconds
+    the configurations left are rows saying so (the sweep must leave its JSON inside its time limit)."""
     if device == "cuda":
         dev = require_cuda()
     else:
@@ -78,32 +83,45 @@ def run_sweep(device: str = "cuda", *, tokens: tuple[int, ...] | None = None, hi
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__,
                               "dtype": str(dtype).split(".")[-1], "hidden": hidden, "vocab": vocab, "reps": reps,
                               "err_tokens": err_tokens, "model_gpu": gpu.name, "rows": [], "best": {}}
+    inputs, floors, refs = {}, {}, {}
     for n in tokens:
-        x = head_inputs(n, hidden, vocab, dtype=dtype, device=dev, seed=n)
-        h, w, y = x["hidden"], x["weight"], x["labels"]
+        x = inputs[n] = head_inputs(n, hidden, vocab, dtype=dtype, device=dev, seed=n)
+        h, w = x["hidden"], x["weight"]
         e = min(n, err_tokens)
-        ref_lp, ref_ent = fp64_head(h[:e], w, y[:e])
+        refs[n] = (e, *fp64_head(h[:e], w, x["labels"][:e]))
 
-        def floor(backward: bool) -> None:
+        def floor(backward: bool, h=h, w=w) -> None:
             logits = h @ w.t()
             if backward:
                 torch.mm(logits, w), torch.mm(logits.t(), h)
 
-        floors = interleaved_medians({"fwd": lambda: floor(False), "fwdbwd": lambda: floor(True)}, reps, dev)
-        for tiles in configs:
+        floors[n] = interleaved_medians({"fwd": lambda: floor(False), "fwdbwd": lambda: floor(True)}, reps, dev)
+    start = time.perf_counter()
+    for i, tiles in enumerate(configs):  # the first always runs
+        spent = budget_s is not None and i > 0 and time.perf_counter() - start > budget_s
+        for n in tokens:
+            x = inputs[n]
             row: dict[str, Any] = {"tokens": n, "tiles": tiles.name, **dataclasses.asdict(tiles),
-                                   "hbm_gb": forward_traffic(n, hidden, vocab, tiles, gpu, elem=h.element_size())["total_gb"]}
+                                   "hbm_gb": forward_traffic(n, hidden, vocab, tiles, gpu, elem=x["hidden"].element_size())["total_gb"]}
+            if spent:
+                row["error"] = f"not run: the sweep's time budget ({budget_s:g} s) was spent"
+                result["rows"].append(row)
+                continue
             try:
-                row.update(_measure(triton_log_probs_and_entropy, x, tiles, reps, dev, e, ref_lp, ref_ent))
-                row["fwd_vs_floor"], row["fwdbwd_vs_floor"] = row["fwd_s"] / floors["fwd"], row["fwdbwd_s"] / floors["fwdbwd"]
+                row.update(_measure(triton_log_probs_and_entropy, x, tiles, reps, dev, *refs[n]))
+                row["fwd_vs_floor"] = row["fwd_s"] / floors[n]["fwd"]
+                row["fwdbwd_vs_floor"] = row["fwdbwd_s"] / floors[n]["fwdbwd"]
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit: its row says why
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             result["rows"].append(row)
+    result["rows"].sort(key=lambda r: tokens.index(r["tokens"]))  # per token count, in the sweep's order
+    for n in tokens:
         good = [r for r in result["rows"] if r["tokens"] == n and r.get("ok")]
         result["best"][str(n)] = min(good, key=lambda r: r["fwdbwd_s"])["tiles"] if good else None
-        result.setdefault("floor", {})[str(n)] = floors
+    result["floor"] = {str(n): f for n, f in floors.items()}
+    result["budget_s"] = budget_s
     return result
 
 

@@ -178,7 +178,7 @@ def head_stats(hidden, weight, bias, labels, temperature, *, tiles: Tiles, split
     v = weight.shape[0]
     gpu = device_gpu(hidden.device)[0]
     n_blocks, v_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(v, tiles.block_v)
-    group = min(l2_group(tiles, h, gpu.l2_bytes, hidden.element_size()), n_blocks)
+    group = l2_group(tiles, h, gpu.l2_bytes, hidden.element_size())  # not capped by N: a constexpr, one compile
     splits = splits or plan_splits(n_blocks, v_tiles, gpu.sms, resident_programs(tiles, gpu), group, tiles.order)
     per_split = triton.cdiv(v_tiles, splits)
     splits = triton.cdiv(v_tiles, per_split)  # every split gets at least one tile
@@ -186,7 +186,8 @@ def head_stats(hidden, weight, bias, labels, temperature, *, tiles: Tiles, split
     _stats_kernel[(n_blocks * splits,)](
         hidden, weight, bias if bias is not None else weight, labels, m, s, t, zl, n, v, h, hidden.stride(0),
         weight.stride(0), float(temperature), per_split, n_blocks, splits, HAS_BIAS=bias is not None,
-        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k, ORDER=ORDER_IDS[tiles.order], GROUP=group,
+        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k, ORDER=ORDER_IDS[tiles.order],
+        GROUP=group if tiles.order == "grouped" else 1,
         PRECISION=_precision(hidden.dtype), num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
     top = m.amax(dim=0)
     shift = m - top  # <= 0
