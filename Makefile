@@ -1,14 +1,15 @@
 # Two entry points: `make demo` (set-up + the main job) and `make test` (set-up + the tests).
 # `make setup` builds .venv with the CPU stack exactly as a fresh machine needs it.
 # `make image-cpu` / `make image-gpu` build the images; `make test-images` builds and runs them.
-# `make test-gpu` is the GPU lane: the machine's own python3 (CUDA torch, transformers, pytest) plus
-# the wheels of .whl/ (scripts/gpu_wheels.sh), no .venv; report in results/gpu/.
+# `make gpu-run OUT=DIR` is the prepared GPU run (the lane, the head's tile sweep, the CUDA benches, one
+# report in DIR) on the machine's own python3 (CUDA torch, transformers, pytest) plus the wheels of .whl/
+# (scripts/gpu_wheels.sh), no .venv; `make test-gpu` is the same into results/gpu/.
 PY     ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.rlpad-setup
 
-.PHONY: setup demo test test-gpu bench clean image-cpu image-gpu test-images
+.PHONY: setup demo test test-gpu gpu-run bench clean image-cpu image-gpu test-images
 
 $(STAMP): pyproject.toml scripts/setup_cpu.sh
 	PY=$(PY) bash scripts/setup_cpu.sh $(VENV)
@@ -30,6 +31,10 @@ test: $(STAMP)
 
 test-gpu:
 	@PY="$(PY)" bash scripts/test_gpu.sh
+
+OUT ?= results/gpu
+gpu-run:
+	@PY="$(PY)" bash scripts/test_gpu.sh "$(OUT)"
 
 # The images (docker/): `docker build` where a Docker daemon answers, else buildah; the base is
 # made with debootstrap where no image registry is reachable (scripts/build_image.sh says which).

@@ -20,16 +20,27 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         show(name, tables, markdown=args.markdown, command=command, load=load)
 
     if args.what == "head":
-        from rlpad.bench.head import run_head, tables
-
+        device = "cpu" if args.dry_run else args.device
+        suffix = "_cuda" if args.device == "cuda" else ""
         try:
-            result = run_head(args.device, tokens=tuple(args.tokens) if args.tokens else None, hidden=args.hidden,
-                              vocab=args.vocab, reps=args.reps)
+            if args.sweep:
+                from rlpad.bench.head_sweep import run_sweep, sweep_tables
+
+                result = run_sweep(device, tokens=tuple(args.tokens) if args.tokens else None, hidden=args.hidden,
+                                   vocab=args.vocab, reps=args.reps, budget_s=args.budget_s)
+                tables = sweep_tables(result)
+            else:
+                from rlpad.bench.head import run_head, tables as head_tables
+
+                result = run_head(device, tokens=tuple(args.tokens) if args.tokens else None, hidden=args.hidden,
+                                  vocab=args.vocab, reps=args.reps)
+                tables = head_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
             return 2
-        report(f"head{' cuda' if args.device == 'cuda' else ''}", tables(result))
-        write_json(result, args.out or f"results/bench_head{'_cuda' if args.device == 'cuda' else ''}.json")
+        name = "head_sweep" if args.sweep else "head"
+        report(f"{name}{' cuda' if args.device == 'cuda' else ''}", tables)
+        write_json(result, args.out or f"results/bench_{name}{suffix}.json")
     elif args.what == "sp":
         from rlpad.bench.sp import run_sp_bench, tables
 
@@ -51,12 +62,13 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
                 result = run_cuda(reps=args.reps, memory=not args.no_memory, shapes=args.models,
-                                  micro_rows=args.micro_rows)
+                                  micro_rows=args.micro_rows, dry_run=args.dry_run)
                 tables = cuda_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables
 
-                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows or 16)
+                result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows or 16,
+                                  dry_run=args.dry_run)
                 tables = prefix_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
@@ -221,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="head: token counts (default cuda 4800 19000, cpu 128 512)")
     bench.add_argument("--hidden", type=int, default=None, help="head: hidden size (default cuda 3584, cpu 128)")
     bench.add_argument("--vocab", type=int, default=None, help="head: vocabulary (default cuda 152064, cpu 2048)")
+    bench.add_argument("--sweep", action="store_true",
+                       help="head: time every tile configuration of rlpad/bench/head_sweep.py's SWEEP (CUDA; on the "
+                            "CPU: Triton's interpreter at tiny shapes), each checked against fp64")
+    bench.add_argument("--budget-s", type=float, default=None,
+                       help="head --sweep: start no configuration after this many seconds (the rest: rows saying so)")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="logprob, prefix, head with --device cuda: the same code on the CPU at tiny shapes (the "
+                            "GPU command's dry run, scripts/test_gpu.sh with RLPAD_GPU_DRY_RUN=1); no timing meaning")
     bench.add_argument("--lora-rank", type=int, default=8, help="lora: the adapters' rank")
     bench.add_argument("--markdown", metavar="PATH", default=None,
                        help="also write the table(s) into this Markdown file, between the markers "

@@ -3,7 +3,8 @@
 Folds together what the lane left in OUT: the device and versions (read here), the steps and their
 exit codes (steps.tsv), every test's outcome and one-line reason (junit.xml), the figures the tests
 recorded (parts/*.json) and the benchmarks' JSON (bench_*.json, read defensively: whatever keys
-they hold). Each benchmark's JSON is shown as the benchmark's own tables (its formatter in
+they hold), and on top every target of issue #34 beside its figure and the 2026-11-24 baseline
+(rlpad/bench/gpu_targets.py). Each benchmark's JSON is shown as the benchmark's own tables (its formatter in
 :data:`TABLES`, imported from rlpad) and, where that fails, as its numbers key by key. Standard
 library + torch (+ rlpad's formatters when they import). Exit status 1 when OUT holds no test results.
 """
@@ -22,8 +23,8 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 # the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
-TABLES = {"logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
-          "head": "rlpad.bench.head:tables"}
+TABLES = {"head_sweep": "rlpad.bench.head_sweep:sweep_tables", "head": "rlpad.bench.head:tables",
+          "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 
@@ -140,7 +141,16 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def build(out: str, wall_s: float | None) -> dict[str, Any]:
+def targets(report: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """rlpad.bench.gpu_targets' rows of ``report`` (None when rlpad does not import)."""
+    try:
+        from rlpad.bench.gpu_targets import target_rows
+    except Exception:  # noqa: BLE001 - the report without the targets table
+        return None
+    return target_rows(report)
+
+
+def build(out: str, wall_s: float | None, dry_run: bool = False) -> dict[str, Any]:
     parts = {os.path.splitext(os.path.basename(p))[0]: read_json(p)
              for p in sorted(glob.glob(os.path.join(out, "parts", "*.json")))}  # fmt: skip
     bench = {}
@@ -151,20 +161,35 @@ def build(out: str, wall_s: float | None) -> dict[str, Any]:
                        "log_tail": tail(os.path.join(out, f"bench_{name}.log"))}  # fmt: skip
     tests = read_tests(out)
     summary = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": wall_s, "device": device_info(),
-            "steps": read_steps(out), "summary": summary, "tests": tests, "figures": parts, "bench": bench}
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": wall_s, "dry_run": dry_run,
+              "device": device_info(), "steps": read_steps(out), "summary": summary, "tests": tests, "figures": parts,
+              "bench": bench}
+    report["targets"] = targets(report)
+    return report
 
 
 def markdown(r: dict[str, Any]) -> str:
     d = r["device"]
     lines = [
-        "# rlpad GPU lane (`make test-gpu`)", "",
+        "# rlpad GPU run (`make gpu-run` / `make test-gpu`)", "",
         f"{d.get('name', 'no CUDA device')} (sm {d.get('capability', '?')}, {d.get('memory_gib', '?')} GiB), "
         f"driver {d.get('driver')}; torch {d.get('torch')} (CUDA {d.get('cuda')}, cuDNN {d.get('cudnn')}), "
         f"transformers {d.get('transformers')}, Python {d.get('python')}. {r['date']}; lane wall time "
         f"{fmt(r['wall_s'])} s.", "",
-        "| step | exit | seconds |", "|---|---:|---:|",
     ]  # fmt: skip
+    if r.get("dry_run"):
+        lines += ["**DRY RUN on the CPU** (RLPAD_GPU_DRY_RUN=1): the GPU command's steps at tiny shapes; no figure "
+                  "below means anything about a GPU.", ""]
+    if r.get("targets"):
+        lines += ["## Targets (issue #34) and the 2026-11-24 H100 baseline", "",
+                  "| figure | measured | target | met | baseline 2026-11-24 | note |", "|---|---:|---|---|---:|---|"]
+        for t in r["targets"]:
+            met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+            value = "not measured" if t["value"] is None else fmt(t["value"])
+            baseline = "-" if t["baseline"] is None else fmt(t["baseline"])
+            lines.append(f"| {t['name']} | {value} | {t['op']} {fmt(t['target'])} | {met} | {baseline} | {t['note']} |")
+        lines.append("")
+    lines += ["| step | exit | seconds |", "|---|---:|---:|"]
     lines += [f"| {s['name']} | {s['rc']}{' (timed out)' if s['timed_out'] else ''} | {s['seconds']} |" for s in r["steps"]]
     s = r["summary"]
     lines += ["", f"## Tests: {s['passed']} passed, {s['failed']} failed, {s['error']} errors, {s['skipped']} skipped", "",
@@ -194,11 +219,11 @@ def markdown(r: dict[str, Any]) -> str:
         for name, p in other.items():
             shown = ", ".join(f"{k}={fmt(v)}" for k, v in numeric_leaves(p) if k != "test")
             lines.append(f"- **{name}**: {shown}")
-    lines += ["", "## Benchmarks (bf16; logprob: qwen2.5-0.5b and 7b-layers; prefix: Qwen2.5-0.5B shape; head: "
-              "hidden 3584, vocab 152064)", ""]
+    lines += ["", "## Benchmarks (bf16; logprob: qwen2.5-0.5b and 7b-layers; prefix: Qwen2.5-0.5B shape; head and "
+              "its sweep: hidden 3584, vocab 152064)", ""]
     for name, b in r["bench"].items():
         step = b["step"] or {}
-        lines.append(f"### rlpad bench {name} --device cuda: exit {step.get('rc', 'not run')}"
+        lines.append(f"### rlpad bench {name.replace('_sweep', ' --sweep')} --device cuda: exit {step.get('rc', 'not run')}"
                      f"{' (timed out)' if step.get('timed_out') else ''}, {step.get('seconds', '?')} s")
         shown = bench_tables(name, b["json"]) if isinstance(b["json"], dict) else None
         if shown:
@@ -216,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="results/gpu")
     parser.add_argument("--wall-s", type=float, default=None)
+    parser.add_argument("--dry-run", action="store_true", help="the report of the CPU dry run (said on top)")
     args = parser.parse_args(argv)
-    report = build(args.out, args.wall_s)
+    report = build(args.out, args.wall_s, args.dry_run)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     with open(os.path.join(args.out, "report.md"), "w") as f:

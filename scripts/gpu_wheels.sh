@@ -5,12 +5,14 @@
 #
 # What the GPU image has (torch >= 2.11, transformers, numpy, pyarrow, pyyaml, tqdm, tokenizers,
 # pytest) is not carried. Of rlpad's dependencies (pyproject.toml) it lacks omegaconf, which needs
-# only PyYAML. vLLM, Ray and flash-attn are not carried: the lane skips what needs them.
+# only PyYAML. liger-kernel (pure Python on torch + Triton, which CUDA torch brings) for use_liger and
+# bench logprob's packed_liger column. vLLM, Ray and flash-attn are not carried: the lane skips what needs them.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-python3}
 DEST=${1:-$HERE/.whl}
-WHEELS=(omegaconf==2.4.0)
+# liger_kernel with an underscore: as its wheel's file name, which the removal below and the lane's test match
+WHEELS=(omegaconf==2.4.0 liger_kernel==0.8.5)
 
 mkdir -p "$DEST"
 for spec in "${WHEELS[@]}"; do  # one version of each: two would stop the install

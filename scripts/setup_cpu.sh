@@ -26,5 +26,7 @@ echo "torch==2.13.0+cpu" > "$CONSTRAINTS"
 # Test tooling only: not in the runtime image.
 if [[ ",$EXTRAS," == *,dev,* ]]; then
     "$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" triton==3.9.0
+    # liger-kernel beside it (it imports triton): tests/test_fused_modules.py checks use_liger's wiring
+    "$VPY" -m pip install -q --no-deps --upgrade --target "$VENV/triton-interpreter" liger-kernel==0.8.5
 fi
 "$VPY" -c "import torch, vllm, ray, transformers; print('rlpad setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"

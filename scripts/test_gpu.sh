@@ -1,36 +1,61 @@
 #!/usr/bin/env bash
-# `make test-gpu`: the GPU lane, one command, within 9 minutes on one H100. For a machine with CUDA
-# torch >= 2.11, transformers and pytest (no network; no vLLM, Ray, flash-attn or omegaconf): the
-# wheels of .whl/ (scripts/gpu_wheels.sh) go into a scratch target on top of its own python3, then
+# `make gpu-run OUT=DIR` / `make test-gpu` (scripts/test_gpu.sh [DIR]): the prepared GPU run, one command,
+# within 8 minutes on one H100. For a machine with CUDA torch >= 2.11, transformers and pytest (no network;
+# no vLLM, Ray, flash-attn or omegaconf): the wheels of .whl/ (scripts/gpu_wheels.sh) go into a scratch
+# target on top of its own python3, then
 #   1. pytest tests/gpu: CUDA exactness forward and backward (4 architectures, packed / padded /
 #      shared prompts, bf16 vs the fp32 oracle, a boundary-leak control, the profiler), the fp32
-#      fallback, FSDP2 on nccl + offload, 20 steps of the default GRPO job;
-#   2. rlpad bench logprob --device cuda (qwen2.5-0.5b and 7b-layers, rlpad beside padded and transformers
-#      packing, a kernel profile), rlpad bench prefix --device cuda and rlpad bench head --device cuda;
-#   3. one report: results/gpu/report.md + report.json (scripts/gpu_report.py).
-# Exits non-zero if a test or a benchmark failed; without a CUDA device, at once with one line.
+#      fallback, the LM head (19000 tokens vs fp64 included), FSDP2 on nccl + offload, 20 steps of the
+#      default GRPO job;
+#   2. rlpad bench head --sweep --device cuda at 4800 and 19000 tokens (the tile table's candidates);
+#   3. rlpad bench head|logprob|prefix --device cuda, every peer column;
+#   4. one report: DIR/report.md + report.json (scripts/gpu_report.py): GPU, versions, every figure
+#      beside its target (issue #34) and the 2026-11-24 baseline (rlpad/bench/gpu_targets.py).
+# DIR defaults to $RLPAD_GPU_OUT or results/gpu. Exits non-zero if a test or a benchmark failed; without a
+# CUDA device, at once with one line.
+# RLPAD_GPU_DRY_RUN=1: the same steps on the CPU at tiny shapes (benches with --dry-run, the sweep under
+# Triton's interpreter from <venv>/triton-interpreter, tests/gpu skipped), PY's own packages, no install
+# step: tests/test_gpu_lane.py runs it in `make test`, so the glue is exercised on every commit.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 cd "$HERE"
 PY=${PY:-python3}
-OUT=${RLPAD_GPU_OUT:-results/gpu}
+OUT=${1:-${RLPAD_GPU_OUT:-results/gpu}}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
-# Time limits (s) of the steps, 170 + 200 + 80 + 60 + set-up 30 (18 s on the H100 of 2026-11-24): 540 s, 9 minutes. On the H100 of
-# 2026-11-24 the tests took 63 s (before the LM-head tests) and bench prefix 36 s; bench logprob (34 s then, one
-# shape and two columns) is estimated at about 2 minutes now: 4 timed rounds of 4 columns x fwd and fwd+bwd,
-# about 7.7 s a round at the 0.5B shape and 6.1 s at 7b-layers (the issue's per-column figures), plus the
-# agreement pass, the profile and flex_attention's compilation.
-TEST_S=${RLPAD_GPU_TEST_S:-170}
-LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-200}
-BENCH_S=${RLPAD_GPU_BENCH_S:-80}
-HEAD_S=${RLPAD_GPU_HEAD_S:-60}
+DRY=${RLPAD_GPU_DRY_RUN:-0}
+# Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...): 30 + 110 + 100 + 50 + 120 + 60 = 470 s. On the H100 of 2026-11-24
+# the install took 18 s, the tests 63 s (before the LM-head tests; the 19000-token one and liger's add ~15 s) and
+# bench prefix 36 s; bench logprob (34 s then, one shape and two columns) is estimated at about 2 minutes now: 4
+# timed rounds of 5 columns x fwd and fwd+bwd at two shapes (the issue's per-column figures: ~7.7 s a round at the
+# 0.5B shape, 6.1 s at 7b-layers), plus the agreement pass, the profile and flex_attention's compilation. The
+# sweep: 27 configurations, each compiled once (~2-4 s, two kernels) and timed at both token counts (~0.8 s); it
+# starts none after SWEEP_BUDGET_S, so its JSON is written inside its limit.
+TEST_S=${RLPAD_GPU_TEST_S:-110}
+SWEEP_S=${RLPAD_GPU_SWEEP_S:-100}
+SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-70}
+HEAD_S=${RLPAD_GPU_HEAD_S:-50}
+LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-120}
+BENCH_S=${RLPAD_GPU_BENCH_S:-60}
 
-# shellcheck disable=SC2086
-why=$($PY -c 'import torch; print("" if torch.cuda.is_available() else f"torch {torch.__version__} sees none")' 2>/dev/null) \
-    || why="$PY has no torch"
-if [ -n "$why" ]; then
-    echo "make test-gpu: no CUDA device ($why); the GPU lane runs on a CUDA machine" >&2
-    exit 1
+if [ "$DRY" = 1 ]; then  # a shared CPU, not the GPU's budget: each step gets 10 minutes
+    TEST_S=600 SWEEP_S=600 HEAD_S=600 LOGPROB_S=600 BENCH_S=600
+    SIDE=${RLPAD_TRITON_INTERPRETER:-$($PY -c 'import sys; print(sys.prefix)')/triton-interpreter}
+    BENCH=(--dry-run --reps 1)
+    HEAD_SIZES=(--tokens 16 40 --hidden 32 --vocab 101)
+    SWEEP_ARGS=("${HEAD_SIZES[@]}" --budget-s 600)
+    SWEEP_ENV=(env TRITON_INTERPRET=1 "PYTHONPATH=$HERE:$SIDE")
+else
+    # shellcheck disable=SC2086
+    why=$($PY -c 'import torch; print("" if torch.cuda.is_available() else f"torch {torch.__version__} sees none")' 2>/dev/null) \
+        || why="$PY has no torch"
+    if [ -n "$why" ]; then
+        echo "make test-gpu: no CUDA device ($why); the GPU lane runs on a CUDA machine" >&2
+        exit 1
+    fi
+    BENCH=()
+    HEAD_SIZES=()
+    SWEEP_ARGS=(--budget-s "$SWEEP_BUDGET_S")
+    SWEEP_ENV=()
 fi
 
 start=$(date +%s)
@@ -47,27 +72,38 @@ step() {  # step NAME LIMIT_S CMD...: run, log to $OUT/NAME.log, append "NAME rc
     return $rc
 }
 
-if ! step install 30 bash scripts/gpu_site.sh "$SITE"; then
+if [ "$DRY" = 1 ]; then
+    export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+elif ! step install 30 bash scripts/gpu_site.sh "$SITE"; then
     cat "$OUT/install.log" >&2
     exit 1
+else
+    export PYTHONPATH="$HERE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$HERE:$SITE${PYTHONPATH:+:$PYTHONPATH}" RLPAD_GPU_OUT="$OUT" PYTHONUNBUFFERED=1
+export RLPAD_GPU_OUT="$OUT" PYTHONUNBUFFERED=1
 # shellcheck disable=SC2086
 step tests "$TEST_S" $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/junit.xml"
 tests_rc=$?
 tail -n 15 "$OUT/tests.log"
 # shellcheck disable=SC2086
-step bench_logprob "$LOGPROB_S" $PY -m rlpad.cli bench logprob --device cuda --out "$OUT/bench_logprob.json"
-lp_rc=$?
+step bench_head_sweep "$SWEEP_S" "${SWEEP_ENV[@]}" $PY -m rlpad.cli bench head --sweep --device cuda "${BENCH[@]}" \
+    "${SWEEP_ARGS[@]}" --out "$OUT/bench_head_sweep.json"
+sweep_rc=$?
 # shellcheck disable=SC2086
-step bench_prefix "$BENCH_S" $PY -m rlpad.cli bench prefix --device cuda --out "$OUT/bench_prefix.json"
-prefix_rc=$?
-# shellcheck disable=SC2086
-step bench_head "$HEAD_S" $PY -m rlpad.cli bench head --device cuda --out "$OUT/bench_head.json"
+step bench_head "$HEAD_S" $PY -m rlpad.cli bench head --device cuda "${BENCH[@]}" "${HEAD_SIZES[@]}" \
+    --out "$OUT/bench_head.json"
 head_rc=$?
 # shellcheck disable=SC2086
-$PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))"
+step bench_logprob "$LOGPROB_S" $PY -m rlpad.cli bench logprob --device cuda "${BENCH[@]}" --out "$OUT/bench_logprob.json"
+lp_rc=$?
+# shellcheck disable=SC2086
+step bench_prefix "$BENCH_S" $PY -m rlpad.cli bench prefix --device cuda "${BENCH[@]}" --out "$OUT/bench_prefix.json"
+prefix_rc=$?
+dry=()
+[ "$DRY" = 1 ] && dry=(--dry-run)
+# shellcheck disable=SC2086
+$PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))" "${dry[@]}"
 report_rc=$?
-for rc in $tests_rc $lp_rc $prefix_rc $head_rc $report_rc; do
+for rc in $tests_rc $sweep_rc $head_rc $lp_rc $prefix_rc $report_rc; do
     [ "$rc" -eq 0 ] || exit 1
 done

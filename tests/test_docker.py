@@ -301,3 +301,18 @@ def test_ray_node_script_starts_head_and_workers(tmp_path):
     assert ray_node(tmp_path, "worker").returncode == 2
     assert ray_node(tmp_path).returncode == 2
     assert ("COPY", "docker/ray-node.sh /usr/local/bin/ray-node.sh") in instructions(GPU)
+
+
+def test_gpu_image_gives_run_time_compilers_a_cuda_home():
+    """FlashInfer's JIT finds nvcc through CUDA_HOME: the GPU image sets it to /usr/local/cuda and,
+    before that, makes /usr/local/cuda exist on either base (the devel base's toolkit, else a link to
+    the cuda-toolkit wheels' nvidia/cu13, checked to hold the headers), with its bin on PATH; the
+    link is made after torch (which brings those wheels) is installed."""
+    steps = instructions(GPU)
+    env = [i for i, (k, a) in enumerate(steps) if k == "ENV" and "CUDA_HOME=/usr/local/cuda" in a]
+    assert len(env) == 1, "the GPU Dockerfile must set CUDA_HOME=/usr/local/cuda once"
+    assert "PATH=/usr/local/cuda/bin:" in steps[env[0]][1]
+    link = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "ln -s" in a and "/usr/local/cuda" in a]
+    torch_step = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and PIP_INSTALL.search(a) and " torch " in f"{a} ")
+    assert link and torch_step < link[0] < env[0], (torch_step, link, env)
+    assert "nvidia" in steps[link[0]][1] and "cu13" in steps[link[0]][1] and "test -e /usr/local/cuda/include" in steps[link[0]][1]

@@ -167,3 +167,55 @@ def test_report_shows_the_logprob_benchmark_as_its_tables(tmp_path):
     md = (out / "report.md").read_text()
     assert format_markdown(cuda_tables(result)) in md
     assert "| shapes[0]" not in md  # not the key/value fallback
+
+
+def test_gpu_run_dry_run_on_the_cpu(tmp_path):
+    """`make gpu-run`'s script end to end on the CPU (RLPAD_GPU_DRY_RUN=1): the lane (skipped without
+    CUDA), the head's tile sweep under Triton's interpreter, bench head | logprob | prefix with
+    --dry-run, and one report holding every step, every benchmark's own table and the targets table;
+    then the targets read real figures out of those JSONs once their shapes carry the GPU run's names
+    (the tiny shapes stand in), so a renamed key fails here, not on the GPU."""
+    from rlpad.bench.gpu_targets import TARGETS, target_rows
+
+    out = tmp_path / "run"
+    env = {**os.environ, "RLPAD_GPU_DRY_RUN": "1", "PY": sys.executable, "PYTHONPATH": ROOT}
+    done = run(["bash", "scripts/test_gpu.sh", str(out)], env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [(s[0], s[1]) for s in steps] == [(n, "0") for n in ("tests", "bench_head_sweep", "bench_head",
+                                                                 "bench_logprob", "bench_prefix")]
+    md = (out / "report.md").read_text()
+    assert "**DRY RUN on the CPU**" in md and "## Targets (issue #34)" in md
+    for t in TARGETS:
+        assert f"| {t.name} |" in md, t.name
+    for bench in ("head --sweep", "head", "logprob", "prefix"):
+        assert f"### rlpad bench {bench} --device cuda: exit 0" in md, bench
+    assert "LM head tile sweep" in md and "HBM model per grid order" in md and "| packed_sdpa" in md.replace(" ", " ")
+    report = json.loads((out / "report.json").read_text())
+    sweep = report["bench"]["head_sweep"]["json"]
+    assert all(r["ok"] for r in sweep["rows"]), sweep["rows"]  # every order exact under the interpreter
+    assert report["summary"]["failed"] == 0 and report["summary"]["skipped"] > 0
+
+    # The targets' extractors on these real JSONs, relabelled with the GPU run's shapes.
+    bench = {k: v["json"] for k, v in report["bench"].items()}
+    small, large = sorted({r["tokens"] for r in bench["head"]["rows"]})
+    relabel = {small: 4800, large: 19000}
+    for key in ("head", "head_sweep"):
+        for r in bench[key]["rows"]:
+            r["tokens"] = relabel[r["tokens"]]
+    bench["head_sweep"]["best"] = {str(relabel[int(k)]): v for k, v in bench["head_sweep"]["best"].items()}
+    for r in bench["head"]["rows"]:
+        r["peak_gib"] = 1.0  # CUDA only
+    tiny = bench["logprob"]["shapes"][0]
+    tiny["fwdbwd"]["packed_flex"] = dict(tiny["fwd"]["packed_flex"])  # FlexAttention: no CPU backward
+    for mode in ("fwd", "fwdbwd"):
+        tiny[mode]["rmpad"]["mfu"] = 0.5  # on a GPU of the peak table only (path_rates' rmpad_mfu)
+    bench["logprob"]["shapes"] = [{**tiny, "model": m} for m in ("qwen2.5-0.5b", "7b-layers")]
+    shape = bench["prefix"]["shapes"][0]
+    bench["prefix"]["shapes"] = [{**shape, "prompt": p} for p in (512, 128)]
+    figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {"rmpad/2 layers": 0}}}
+    rows = target_rows({"bench": {k: {"json": v} for k, v in bench.items()}, "figures": figures, "wall_s": 100})
+    missing = [r["name"] for r in rows if r["value"] is None]
+    assert missing == ["7b-layers fwd+bwd: rmpad speed-up over packed + liger"], missing  # liger: CUDA only
+    assert tiny["skipped"]["packed_liger"] == "liger-kernel's kernels need CUDA"
+    assert all(isinstance(r["met"], bool) for r in rows if r["value"] is not None)

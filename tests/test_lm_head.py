@@ -129,10 +129,9 @@ def interpreter_dir() -> str:
     return os.environ.get("RLPAD_TRITON_INTERPRETER") or os.path.join(sys.prefix, "triton-interpreter")
 
 
-def test_triton_kernel_under_the_interpreter_matches_fp64():
-    """The fused kernel, forward and every gradient, in fp16 and fp32 (bf16: the GPU lane), tiles of
-    16 x 32 x 16 over N, V, H that none of the shapes divides, 1-3 vocabulary splits, 1-3 backward
-    slices, temperatures 0.7-1.6, one token, labels at V-1 (tests/lm_head_interpret.py)."""
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """tests/lm_head_interpret.py's JSON: the fused kernel run by Triton's interpreter (one subprocess)."""
     side = interpreter_dir()
     assert os.path.isdir(os.path.join(side, "triton")), (
         f"no Triton for the interpreter at {side}: run `make setup` (scripts/setup_cpu.sh installs it there)")
@@ -141,15 +140,61 @@ def test_triton_kernel_under_the_interpreter_matches_fp64():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "lm_head_interpret.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    control = got.pop("control_float16_rounded_logits")
-    assert control["lp_max"] > 10 * HEAD_LP_BOUND, control  # what rounding the logits to fp16 costs
-    assert len(got) == 7
-    for name, errs in got.items():
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_exact(name: str, errs: dict) -> None:
+    assert errs["lp_max"] < HEAD_LP_BOUND and errs["ent_max"] < HEAD_LP_BOUND, (name, errs)
+    fp16 = "fp16" in name or "large" in name
+    grad_bound = 1e-3 if fp16 else FP32_GRAD_REL  # fp16: dz is rounded to fp16
+    grads = {k: v for k, v in errs.items() if k.startswith("grad_")}
+    assert grads and max(grads.values()) < grad_bound, (name, errs)
+    if not fp16:
+        assert errs["lp_max"] < FP32_TOL and errs["ent_max"] < FP32_TOL, (name, errs)
+
+
+def test_triton_kernel_under_the_interpreter_matches_fp64(interpreted):
+    """The fused kernel, forward and every gradient, in fp16 and fp32 (bf16: the GPU lane), in each
+    grid order: tiles of 16 x 32 x 16 over N, V, H that none of the shapes divides (groups of 2 token
+    blocks, the last one partial), 1-3 vocabulary splits, 1-3 backward slices, temperatures 0.7-1.6,
+    one token, labels at V-1; and every tile configuration of the table in each order."""
+    from rlpad.core.lm_head_plan import GRID_ORDERS, TILE_TABLE
+
+    cases = interpreted["cases"]
+    assert interpreted["control"]["lp_max"] > 10 * HEAD_LP_BOUND, interpreted["control"]  # fp16-rounded logits
+    table = {t.name.rsplit(" ", 1)[0] for entries in TILE_TABLE.values() for _, t in entries}
+    expected = {f"table {t} {o}" for t in table for o in GRID_ORDERS}
+    assert expected <= {n.replace("grouped/L2", "grouped") for n in cases}, sorted(cases)
+    assert sum(n.startswith(tuple(f"{o}/" for o in GRID_ORDERS)) for n in cases) == 7 * len(GRID_ORDERS)
+    for name, errs in cases.items():
         assert errs["label_v_minus_1"], name
-        assert errs["lp_max"] < HEAD_LP_BOUND and errs["ent_max"] < HEAD_LP_BOUND, (name, errs)
-        grad_bound = 1e-3 if name.startswith("fp16") else FP32_GRAD_REL  # fp16: dz is rounded to fp16
-        grads = {k: v for k, v in errs.items() if k.startswith("grad_")}
-        assert grads and max(grads.values()) < grad_bound, (name, errs)
-        if name.startswith("fp32"):
-            assert errs["lp_max"] < FP32_TOL and errs["ent_max"] < FP32_TOL, (name, errs)
+        assert_exact(name, errs)
+
+
+def test_triton_backward_slices_follow_the_byte_budget(interpreted):
+    """A dz budget of 37 tokens x 32 fp32 columns gives 3 slices of V = 83, exact; the rule itself at
+    the 7B head's shape: every N keeps dz within the default budget (N x BLOCK_V permitting)."""
+    from rlpad.core.lm_head_plan import DZ_BUDGET_BYTES, dz_columns
+
+    got = interpreted["budget"]
+    assert got["columns"] == 32 and got["slices"] == 3, got
+    assert_exact("fp32 budget", got["errors"])
+    v, block_v = 152064, 128
+    for n in (1, 300, 4800, 19000, 65536, 10**6, 2**22):
+        cols = dz_columns(n, v, block_v, None, 2)
+        assert cols % block_v == 0 or cols == v
+        assert n * cols * 2 <= DZ_BUDGET_BYTES, (n, cols)
+        assert cols == v or n * (cols + block_v) * 2 > DZ_BUDGET_BYTES, (n, cols)  # the widest that fits
+    assert -(-v // dz_columns(19000, v, block_v, None, 2)) == 6  # the 5.8 GB slice of logits_chunk_size null
+    assert dz_columns(19000, v, block_v, 1024, 2) == 1024 * v // 19000 // block_v * block_v  # the chunk key binds
+    assert dz_columns(2**23, v, block_v, None, 2) == block_v  # past 4.19M tokens: one tile, over the budget
+
+
+def test_triton_offsets_past_2_31(interpreted):
+    """h and W rows, and dz rows, at element offsets past 2^31 (row strides of views): the values
+    match fp64 and the contiguous launch (an int32 offset would wrap: NaNs left, or a crash)."""
+    got = interpreted["large_offsets"]
+    assert min(got["max_h_offset"], got["max_w_offset"], got["max_dz_offset"]) > 2**31 - 1, got
+    assert_exact("large offsets", {k: v for k, v in got.items() if k in ("lp_max", "ent_max", "grad_hidden",
+                                                                         "grad_weight")})
+    assert got["dz_equal"] and not got["dz_nan"], got

@@ -28,6 +28,7 @@ from rlpad.batch import Batch
 from rlpad.config.schema import TOPK_MODES, ActorRolloutRefConfig
 from rlpad.core.distill_scoring import compute_log_probs_and_at, compute_teacher_topk
 from rlpad.core.forward import LogProbModel
+from rlpad.core.fused_modules import apply_fused_modules
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.lora.rules import LoraSpec, lora_spec
 from rlpad.lora.adapters import adapter_disabled, apply_lora, load_adapter_weights
@@ -81,6 +82,9 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         else:
             model = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         self._check_heads(model.config)
+        if mcfg.use_liger:  # liger-kernel's fused decoder modules (before sharding: they patch the modules)
+            apply_fused_modules(model, "liger", key="actor_rollout_ref.model.use_liger",
+                                device_type=torch.device(self.device).type)
         if self.role == "actor" and mcfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role in ("ref", "teacher"):

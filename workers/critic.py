@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlpad.algorithms.losses import compute_value_loss, masked_sum
 from rlpad.batch import Batch
 from rlpad.config.schema import CriticConfig
+from rlpad.core.fused_modules import apply_fused_modules
 from rlpad.core.models import empty_causal_lm, load_causal_lm
 from rlpad.core.value import ValueModel
 from workers.contract import FORWARD, batch_method, forward_plus
@@ -44,6 +47,8 @@ class CriticWorker(FSDPWorker):
         else:
             lm = empty_causal_lm(path, dtype=mcfg.dtype, attn_device=self.device, **attn)
         self._check_heads(lm.config)
+        if mcfg.use_liger:  # liger-kernel's fused decoder modules (before sharding: they patch the modules)
+            apply_fused_modules(lm, "liger", key="critic.model.use_liger", device_type=torch.device(self.device).type)
         if mcfg.enable_gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         value_model = ValueModel(lm, seed=self.seed)

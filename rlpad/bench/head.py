@@ -15,7 +15,9 @@ Rows per token count (random inputs of one shape, :func:`rlpad.embedded.head_exa
 Seconds are medians of interleaved repetitions (CUDA-synchronised), each with its ratio to the
 floor of the same pass; peak memory is ``torch.cuda.max_memory_allocated`` above the inputs during
 one forward+backward (CUDA only); ``lp err`` / ``ent err`` are max |error| against the fp64
-reference on the first ``err_tokens`` tokens.
+reference on the first ``err_tokens`` tokens. A second table: the fused head's launch plan per token
+count (its tile table's choice; on the CPU, an H100's) and the HBM model of each grid order
+(:func:`rlpad.core.lm_head_plan.head_plan`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from rlpad.bench.measure import device_peak, interleaved_medians, require_cuda
 from rlpad.bench.table import Table
 from rlpad.core.lm_head import TORCH, TORCH_CUDA, head_path, triton_missing
+from rlpad.core.lm_head_plan import head_plan
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.embedded.head_exactness import fp64_head, head_inputs
 
@@ -92,7 +95,8 @@ def run_head(device: str = "cpu", *, tokens: tuple[int, ...] | None = None, hidd
     name, _ = device_peak(dev)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__,
                               "triton": None if triton_missing() else _triton_version(), "dtype": "bf16", "hidden": hidden,
-                              "vocab": vocab, "chunk": chunk, "reps": reps, "err_tokens": err_tokens, "rows": []}
+                              "vocab": vocab, "chunk": chunk, "reps": reps, "err_tokens": err_tokens, "rows": [],
+                              "plans": [head_plan(n, hidden, vocab, dev) for n in tokens]}
     for n in tokens:
         x = head_inputs(n, hidden, vocab, dtype=torch.bfloat16, device=dev, seed=n)
         result["head_path"] = head_path(x["hidden"], x["weight"])
@@ -150,5 +154,18 @@ def tables(result: dict[str, Any]) -> list[Table]:
     notes = ["floor: the three bf16 GEMMs alone (logits, grad_hidden, grad_weight); peak: GiB above the inputs in "
              "one forward+backward (CUDA); errors: max |x - fp64| over the first "
              f"{result['err_tokens']} tokens."]
-    return [Table(["tokens", "variant", "fwd ms", "/ floor", "fwd+bwd ms", "/ floor", "peak GiB", "lp err", "ent err"],
-                  rows, title=title, notes=notes, align="rlrrrrrrr")]
+    main = Table(["tokens", "variant", "fwd ms", "/ floor", "fwd+bwd ms", "/ floor", "peak GiB", "lp err", "ent err"],
+                 rows, title=title, notes=notes, align="rlrrrrrrr")
+    return [main, plan_table(result["plans"])] if result.get("plans") else [main]
+
+
+def plan_table(plans: list[dict[str, Any]]) -> Table:
+    """The launch plan per token count and the forward's HBM traffic in each grid order (chosen: *)."""
+    rows = [[str(p["tokens"]), f"{p['tiles']} (sm {p['capability']})", o["order"] + (" *" if o["order"] == p["order"] else ""),
+             str(o["splits"]), str(o["group"] or "-"), str(o["resident"]), str(o["waves"]), f"{o['hidden_gb']:.1f}",
+             f"{o['weight_gb']:.1f}", f"{o['total_gb']:.1f}", f"{o['ms_at_hbm']:.1f}"] for p in plans for o in p["orders"]]
+    return Table(["tokens", "tiles", "grid order", "splits", "group", "resident", "waves", "h GB", "W GB", "HBM GB",
+                  "ms at HBM"], rows, title=f"Fused head's forward launch on {plans[0]['gpu']}: HBM model per grid order",
+                 notes=["rlpad.core.lm_head_plan.forward_traffic: waves of resident programs in step; a wave reads each "
+                        "weight tile once and its hidden panels once if they fit in half the L2, else once per tile; "
+                        "*: the order the head runs."], align="rllrrrrrrrr")

@@ -10,7 +10,10 @@ columns of :data:`COLUMNS`:
   :mod:`rlpad.core.lm_head`), as the workers run it;
 * ``padded``: rlpad's padded path, sdpa with the padding mask;
 * ``packed_sdpa`` / ``packed_flex``: transformers packed (:mod:`rlpad.bench.peers`) with sdpa /
-  flex_attention: full logits, fp32 log_softmax.
+  flex_attention: full logits, fp32 log_softmax;
+* ``packed_liger``: transformers packed with sdpa on a copy of the model with liger-kernel's fused
+  RMSNorm, SwiGLU and rotary (``use_liger``; CUDA with liger-kernel installed, else not run, said
+  under ``skipped``).
 
 Each column, forward and forward+backward (loss: mean log-prob + 0.01 x entropy over the
 response tokens): medians of interleaved repetitions (CUDA-synchronised wall time), tokens/s of
@@ -41,27 +44,44 @@ from rlpad.bench.kernels import kind_table, profile_pass
 from rlpad.bench.measure import device_peak, interleaved_medians, path_rates, require_cuda
 from rlpad.bench.mfu import PEAK_SOURCE
 from rlpad.bench.models import bench_model, model_shape
-from rlpad.bench.peers import PEER_ATTENTION, packed_peer_log_probs
+from rlpad.bench.peers import PEER_ATTENTION, liger_copy, packed_peer_log_probs
 from rlpad.bench.table import Table
 from rlpad.core.attn_choice import resolve_attn_implementation
 from rlpad.core.forward import backbone_of, compute_log_probs
 from rlpad.core.lm_head import choose_head, triton_missing
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["COLUMNS", "CUDA_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
+__all__ = ["COLUMNS", "CUDA_SHAPES", "DRY_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
 
-COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex")
+COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex", "packed_liger")
 # name -> model row of rlpad.bench.models.MODEL_SHAPES and its batch; `make test-gpu` runs both (about 2 minutes
 # on an H100, estimated from the 2026-11-24 figures: see docs/development.md#the-gpu-lane).
 CUDA_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model="qwen2.5-0.5b", rows=64, prompt=512, response=1024, micro_rows=16),
     "7b-layers": dict(model="7b-layers", rows=32, prompt=512, response=1536, micro_rows=8),
 }
+DRY_SHAPES = {"tiny": dict(model="tiny", rows=4, prompt=8, response=12, micro_rows=2)}  # the dry run, on the CPU
 NO_CPU_BACKWARD = {"packed_flex": "FlexAttention has no backward on the CPU"}
+
+
+def _unavailable(column: str, device: torch.device) -> str | None:
+    """Why ``column`` cannot run on ``device`` (None: it can)."""
+    if column != "packed_liger":
+        return None
+    from rlpad.core.fused_modules import liger_missing
+
+    return "liger-kernel's kernels need CUDA" if device.type != "cuda" else liger_missing()
 
 
 def _column(model, column: str, packed_impl: str, response: int, chunk: int) -> tuple[str, Callable]:
     """``(attention implementation, fn(piece) -> (log_probs, entropy) (B, R))`` of ``column`` on one micro-batch."""
+    if column == "packed_liger":
+        fused, scoped = liger_copy(model)
+
+        def liger_fn(p):
+            fused.zero_grad(set_to_none=True)
+            return packed_peer_log_probs(fused, p["input_ids"], p["attention_mask"], p["position_ids"], response)
+        return PEER_ATTENTION[column], scoped(liger_fn)
     if column in PEER_ATTENTION:
         return PEER_ATTENTION[column], lambda p: packed_peer_log_probs(
             model, p["input_ids"], p["attention_mask"], p["position_ids"], response)
@@ -88,6 +108,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
         raise ValueError(f"reps must be >= 1, got {reps}")
     if "rmpad" not in columns or set(columns) - set(COLUMNS):
         raise ValueError(f"columns must include 'rmpad' and be among {COLUMNS}, got {list(columns)}")
+    absent = {c: why for c in columns if (why := _unavailable(c, device))}
+    columns = [c for c in columns if c not in absent]
     packed_impl = resolve_attn_implementation("auto", device)
     if "packed_flex" in columns:  # transformers compiles flex_attention: each shape starts with dynamo's whole
         torch._dynamo.reset()     # recompile budget (shapes x nnz x grad mode could reach its limit: then eager flex)
@@ -97,9 +119,16 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     pieces = [{k: v[i : i + micro_rows] for k, v in data.items()} for i in range(0, rows, micro_rows)]
     valid_tokens = int(data["attention_mask"].sum())
     impls, fns = {}, {}
-    for c in columns:
-        impls[c], fns[c] = _column(model, c, packed_impl, response, chunk)
+    for c in list(columns):
+        try:
+            impls[c], fns[c] = _column(model, c, packed_impl, response, chunk)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be built (liger's patch): not run, said why
+            if c == "rmpad":
+                raise
+            absent[c] = f"could not be built: {type(e).__name__}: {str(e)[:160]}"
+            columns.remove(c)
     skipped = {f"fwdbwd.{c}": why for c, why in NO_CPU_BACKWARD.items() if c in columns and device.type == "cpu"}
+    skipped.update(absent)
 
     # Agreement first, without gradients: each column's (B, R) numbers vs rmpad's on the valid response tokens.
     got = {}
@@ -138,7 +167,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     mask = data["attention_mask"].cpu()
     works = {"rmpad": packed_work(mask, response), "padded": padded_work(mask, response),
              "packed_sdpa": packed_peer_work(mask, response, masked=True),
-             "packed_flex": packed_peer_work(mask, response, masked=False)}
+             "packed_flex": packed_peer_work(mask, response, masked=False),
+             "packed_liger": packed_peer_work(mask, response, masked=True)}
     flops = {c: forward_flops(model.config, works[c])["total"] for c in columns}
     name, peak = device_peak(device)
     result: dict[str, Any] = {
@@ -235,21 +265,25 @@ def cuda_tables(result: dict[str, Any]) -> list[Table]:
 
 
 def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None = None, micro_rows: int | None = None,
-             chunk: int = 4096) -> dict[str, Any]:
+             chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
     """The whole CUDA benchmark over ``shapes`` (names of :data:`CUDA_SHAPES`, default all); ``micro_rows``
-    overrides each shape's own. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
-    names = list(shapes or CUDA_SHAPES)
-    unknown = [n for n in names if n not in CUDA_SHAPES]
+    overrides each shape's own. ``dry_run``: the same code on the CPU over :data:`DRY_SHAPES`, no memory
+    part. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
+    table = DRY_SHAPES if dry_run else CUDA_SHAPES
+    names = list(shapes or table)
+    unknown = [n for n in names if n not in table]
     if unknown:
-        raise ValueError(f"unknown CUDA benchmark shape(s) {unknown}; choose among {list(CUDA_SHAPES)}")
-    device = require_cuda()
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "shapes": []}
+        raise ValueError(f"unknown CUDA benchmark shape(s) {unknown}; choose among {list(table)}")
+    device = torch.device("cpu") if dry_run else require_cuda()
+    memory = memory and not dry_run
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "shapes": [], "dry_run": dry_run}
     for n in names:
-        spec = dict(CUDA_SHAPES[n])
+        spec = dict(table[n])
         if micro_rows is not None:
             spec["micro_rows"] = micro_rows
         result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, **spec))
         gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     result["memory"] = [measure_cuda(v, device) for v in VARIANTS] if memory else []
     return result

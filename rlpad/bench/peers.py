@@ -4,20 +4,26 @@ The valid tokens of a micro-batch in one (1, nnz) row (the same row and order as
 remove-padding, :func:`rlpad.core.host_plan.packed_plan`), position ids restarting at 0 for each
 sequence, ``attention_mask=None`` and ``use_cache=False``: transformers finds the sequences in the
 position ids and builds the packed mask itself (a block-diagonal causal mask for sdpa, a block
-mask for flex_attention). Then the full logits of all nnz tokens, an fp32 ``log_softmax`` over them
+mask for flex_attention; ``packed_liger``: sdpa on a copy with liger-kernel's fused RMSNorm, SwiGLU and
+rotary, :func:`liger_copy`, the strongest peer a verl user has). Then the full logits of all nnz tokens, an fp32 ``log_softmax`` over them
 and the entropy from it; the scored tokens' values are gathered into the (B, R) grid.
 """
 
 from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from rlpad.core.host_plan import HostBatch, packed_plan
 
-__all__ = ["PEER_ATTENTION", "packed_peer_log_probs"]
+__all__ = ["PEER_ATTENTION", "liger_copy", "packed_peer_log_probs"]
 
-PEER_ATTENTION = {"packed_sdpa": "sdpa", "packed_flex": "flex_attention"}  # column -> attn_implementation
+PEER_ATTENTION = {"packed_sdpa": "sdpa", "packed_flex": "flex_attention",  # column -> attn_implementation
+                  "packed_liger": "sdpa"}  # + liger-kernel's fused modules, on a copy of the model (liger_copy)
 
 
 def packed_peer_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -36,3 +42,36 @@ def packed_peer_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_m
     lp = grid.index_copy(0, plan.response_idx, scored).view(batch, response_length)
     ent = grid.index_copy(0, plan.response_idx, entropy.index_select(0, plan.score_slots))
     return lp, ent.view(batch, response_length)
+
+
+def liger_copy(model: nn.Module, device_type: str | None = None) -> tuple[nn.Module, Callable[[Callable], Callable]]:
+    """``(copy of model with liger-kernel's fused modules, scoped)``: the copy through rlpad's hook
+    (:func:`rlpad.core.fused_modules.apply_fused_modules`, sdpa attention). liger also rebinds names of
+    the model's transformers module (the rotary function, the norm and MLP classes) for the whole
+    process; they are undone at once, so the other columns and later models keep transformers' own,
+    and ``scoped(fn)`` wraps a call of the copy with them in place (the rotary's backward is the
+    autograd function its forward recorded). ``device_type``: the model's (a test names cuda to build it
+    on the CPU)."""
+    from rlpad.core.fused_modules import apply_fused_modules
+
+    module = sys.modules[type(model).__module__]
+    before = dict(vars(module))
+    fused = copy.deepcopy(model)
+    fused.set_attn_implementation(PEER_ATTENTION["packed_liger"])
+    apply_fused_modules(fused, "liger", key="rlpad bench logprob packed_liger",
+                        device_type=device_type or next(model.parameters()).device.type)
+    rebinds = {k: v for k, v in vars(module).items() if before.get(k) is not v}
+    for k in rebinds:
+        setattr(module, k, before[k]) if k in before else delattr(module, k)
+
+    def scoped(fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            for k, v in rebinds.items():
+                setattr(module, k, v)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for k in rebinds:
+                    setattr(module, k, before[k]) if k in before else delattr(module, k)
+        return call
+    return fused, scoped

@@ -157,9 +157,13 @@ def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = 
 
 
 def run_cuda(*, reps: int = 3, groups: int = GROUPS, micro_rows: int = 16, shapes=SHAPES,
-             chunk: int = 4096) -> dict[str, Any]:
+             chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
     """The CUDA benchmark: ``qwen2.5-0.5b`` in bf16, micro-batches of ``micro_rows`` rows (whole
-    groups), a warm-up round per shape; returns the result (the CLI prints :func:`tables`, writes the JSON)."""
+    groups), a warm-up round per shape; returns the result (the CLI prints :func:`tables`, writes the JSON).
+    ``dry_run``: the same code on the CPU, the ``tiny`` model, 2 groups, one shape of P = 8, R <= 8."""
+    if dry_run:
+        model = bench_model("tiny", seed=0, dtype=torch.bfloat16, attn_implementation=VARLEN_ATTENTION)
+        return _run(model.train(), "tiny", reps=1, shapes=((8, 8),), groups=2, micro_rows=8, chunk=chunk, warmup=True)
     device = require_cuda()
     model = bench_model(CUDA_MODEL, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
     return _run(model.train(), CUDA_MODEL, reps=reps, shapes=shapes, groups=groups, micro_rows=micro_rows,

@@ -137,6 +137,9 @@ class ModelConfig:
     # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
     attn_implementation: str = "auto"
     enable_gradient_checkpointing: bool = False  # recompute activations in the backward (actor): less memory
+    # liger-kernel's fused RMSNorm, SwiGLU and rotary in the decoder (verl's key; CUDA, liger-kernel
+    # installed: rlpad/core/fused_modules.py); the LM head stays rlpad's
+    use_liger: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
     trust_remote_code: bool = False  # allow the checkpoint's own modelling code (transformers and vLLM)

@@ -130,6 +130,9 @@ def validate_config(config: Config) -> Config:
         if mcfg.share_prompts and not mcfg.use_remove_padding:
             problems.append(f"{key}.share_prompts=true needs {key}.use_remove_padding=true "
                             "(the shared prompt lives in the packed row)")
+        if mcfg.use_liger and trainer.device != "cuda":
+            problems.append(f"{key}.use_liger=true needs trainer.device=cuda (liger-kernel's kernels are Triton on "
+                            f"CUDA), got trainer.device={trainer.device!r}")
         if mcfg.share_prompts_min_saved_fraction is not None and not 0 <= mcfg.share_prompts_min_saved_fraction <= 1:
             problems.append(f"{key}.share_prompts_min_saved_fraction={mcfg.share_prompts_min_saved_fraction!r} must be "
                             "a fraction in [0, 1] (of a micro-batch's valid tokens that sharing saves)")

@@ -94,3 +94,35 @@ def test_7b_head_shape_errors_and_memory(record):
     assert lp_err < HEAD_LP_BOUND and ent_err < HEAD_LP_BOUND, (lp_err, ent_err)
     assert rounded_err > 10 * HEAD_LP_BOUND, rounded_err
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_19000_tokens_past_2_31_against_fp64_on_a_subset(record):
+    """N = 19000 at the 7B head (N x V = 2.9e9 > 2^31, logits_chunk_size null: the dz slice bounded
+    by bytes, 6 slices): log-prob / entropy of 384 rows spread over N (the last included) and their
+    grad_hidden rows (row i depends on row i only) against fp64; grad_weight finite. The table's
+    tiles and order, the peak above the inputs (issue #34's target: <= 10.5 GiB)."""
+    from rlpad.core.lm_head_plan import dz_columns
+
+    n, hidden, vocab = 19000, 3584, 152064
+    x = head_inputs(n, hidden, vocab, dtype=torch.bfloat16, device="cuda", seed=19)
+    h, w = x["hidden"].requires_grad_(), x["weight"].requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = chunked_log_probs_and_entropy(h, w, x["labels"], chunk_size=n)  # what logits_chunk_size null runs
+    ((lp * x["g_lp"]).sum() + (ent * x["g_ent"]).sum()).backward()
+    peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    rows = torch.cat([torch.arange(0, n, 50, device="cuda")[:383], torch.tensor([n - 1], device="cuda")])
+    h64 = x["hidden"][rows].detach().double().requires_grad_()
+    ref_lp, ref_ent = fp64_head(h64, x["weight"].detach(), x["labels"][rows])
+    ((ref_lp * x["g_lp"][rows]).sum() + (ref_ent * x["g_ent"][rows]).sum()).backward()
+    lp_err = (lp[rows].double() - ref_lp).abs().max().item()
+    ent_err = (ent[rows].double() - ref_ent).abs().max().item()
+    g = h.grad[rows].double()
+    grad_rel = ((g - h64.grad).norm() / h64.grad.norm()).item()
+    slices = -(-vocab // dz_columns(n, vocab, 128, n, 2))
+    record(tokens=n, rows=len(rows), lp_err=lp_err, ent_err=ent_err, grad_hidden_rel=grad_rel, peak_gib=peak_gib,
+           dz_slices_at_block_v_128=slices)
+    assert lp_err < HEAD_LP_BOUND and ent_err < HEAD_LP_BOUND, (lp_err, ent_err)
+    assert grad_rel < GRAD_REL, grad_rel
+    assert torch.isfinite(w.grad).all()
