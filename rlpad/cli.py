@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="also write the table(s) into this Markdown file, between the markers "
                             "<!-- rlpad bench NAME: begin/end --> (replaced when present, else appended)")
     cfg = sub.add_parser("config", help="every config key with its value (default, recipe or override), type and "
-                         "meaning, read from rlpad/config/schema.py")
+                         "meaning, read from the schema's comments (rlpad/config/)")
     cfg.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the built-in defaults)")
     cfg.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     cfg.add_argument("--markdown", metavar="PATH", default=None,

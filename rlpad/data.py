@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from rlpad.batch import Batch
-from rlpad.config.schema import TRUNCATION_MODES, DataConfig
+from rlpad.config.choices import TRUNCATION_MODES
+from rlpad.config.schema import DataConfig
 from rlpad.core.layout import left_pad, position_ids_from_mask
 
 __all__ = ["PromptDataset", "PromptLoader", "build_datasets", "check_renders_tools", "read_rows", "val_batches", "write_rows"]

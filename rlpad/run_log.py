@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-from rlpad.config.schema import LOG_LEVELS
+from rlpad.config.choices import LOG_LEVELS
 
 __all__ = ["LEVELS", "LineLevels", "RunLog"]
 

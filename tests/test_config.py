@@ -323,7 +323,7 @@ def test_loading_a_config_stays_torch_free():
 def test_dtype_names_are_defined_once():
     import torch
 
-    from rlpad.config.schema import DTYPES
+    from rlpad.config.choices import DTYPES
     from rlpad.core.models import DTYPES as TORCH_DTYPES, parse_dtype
 
     assert list(TORCH_DTYPES) == list(DTYPES)
@@ -463,7 +463,7 @@ def test_every_config_field_is_read_somewhere():
     import glob
     import typing
 
-    from rlpad.config.schema import NO_EFFECT_KEYS
+    from rlpad.config.verl_keys import NO_EFFECT_KEYS
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sections = _sections()
@@ -472,7 +472,7 @@ def test_every_config_field_is_read_somewhere():
             glob.glob(os.path.join(root, "workers", "**", "*.py"), recursive=True):
         if os.path.join("rlpad", "recipe", "") in path:
             continue
-        reads |= _field_reads(path, sections, functions_only=path.endswith(os.path.join("rlpad", "config", "schema.py")))
+        reads |= _field_reads(path, sections, functions_only=os.path.join("rlpad", "config", "") in path)
     unread = [f"{'/'.join(sorted(sections[cls]))}.{name}" for cls in sections if cls is not Config
               for name, tp in typing.get_type_hints(cls).items()
               if not dataclasses.is_dataclass(tp)  # a read typed as a base class (ModelConfig) serves its subclasses

@@ -1,4 +1,4 @@
-"""`rlpad config`: every key's meaning comes from rlpad/config/schema.py's comments; docs/configuration.md is its output."""
+"""`rlpad config`: every key's meaning comes from the schema's comments (rlpad/config/); docs/configuration.md is its output."""
 
 import os
 import subprocess
@@ -14,7 +14,7 @@ DOC = os.path.join(ROOT, "docs", "configuration.md")
 def test_every_field_has_a_meaning():
     missing = missing_meanings()
     assert not missing, (f"config fields without a comment (add `field: type = default  # meaning` or a comment line "
-                         f"above it in rlpad/config/schema.py, then run `{MARKDOWN_COMMAND}`): {missing}")
+                         f"above it in rlpad/config/, then run `{MARKDOWN_COMMAND}`): {missing}")
 
 
 def test_parser_reads_comments_above_and_trailing_and_reports_a_missing_one():

@@ -10,7 +10,8 @@ import torch
 
 from rlpad.algorithms.distillation import combine, distillation_loss, distillation_metrics, per_token_losses
 from rlpad.algorithms.losses import compute_policy_loss
-from rlpad.config.schema import SAMPLED_TOKEN_MODES, DistillationLossConfig
+from rlpad.config.choices import SAMPLED_TOKEN_MODES
+from rlpad.config.distillation import DistillationLossConfig
 
 pytestmark = pytest.mark.exactness
 

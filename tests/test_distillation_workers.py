@@ -12,7 +12,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from rlpad.batch import WORKER_SECONDS, Batch  # noqa: E402
-from rlpad.config.schema import ActorRolloutRefConfig, DistillationConfig, DistillationLossConfig  # noqa: E402
+from rlpad.config.distillation import DistillationConfig, DistillationLossConfig
+from rlpad.config.schema import ActorRolloutRefConfig
 from rlpad.core.distill_scoring import compute_teacher_topk  # noqa: E402
 from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402

@@ -67,7 +67,7 @@ def test_library_never_imports_ray():
 # model source with rlpad.core.models), the rollout backends, RL math, data, trainer, entry points,
 # benchmarks and the Ray workers all build on it, so none of them may be imported by it.
 CORE = "rlpad.core"
-BELOW_CORE = ("rlpad.config.schema",)
+BELOW_CORE = ("rlpad.config",)
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:

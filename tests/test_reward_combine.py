@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config.schema import RewardConfig, RewardModelScoringConfig
+from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig
 from rlpad.core.layout import left_pad
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.rewards.combine import CombinedReward, RunningStats, build_reward, part_metrics, score_rewards

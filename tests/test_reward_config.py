@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlpad.config.schema import LEGACY_KEYS, LEGACY_REFUSED
+from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED
 from rlpad.recipe.load import config_from_dict, load_config
 
 

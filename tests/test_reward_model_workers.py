@@ -8,7 +8,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from rlpad.batch import Batch  # noqa: E402
-from rlpad.config.schema import RewardModelScoringConfig  # noqa: E402
+from rlpad.config.rewards import RewardModelScoringConfig
 from rlpad.core.reward_model import compute_scores, load_reward_model  # noqa: E402
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL  # noqa: E402
 from rlpad.embedded.synthetic import rollout_batch  # noqa: E402

@@ -14,7 +14,8 @@ import typing
 import pytest
 import yaml
 
-from rlpad.config.schema import NO_EFFECT_KEYS, Config
+from rlpad.config.schema import Config
+from rlpad.config.verl_keys import NO_EFFECT_KEYS
 from rlpad.recipe.checks import no_effect_notice
 from rlpad.recipe.load import load_config
 from rlpad.train import main

@@ -25,7 +25,8 @@ import torch
 from rlpad.algorithms.distillation import combine, distillation_loss, distillation_metrics, per_token_losses
 from rlpad.algorithms.losses import agg_loss, kl_penalty
 from rlpad.batch import Batch
-from rlpad.config.schema import TOPK_MODES, ActorRolloutRefConfig
+from rlpad.config.choices import TOPK_MODES
+from rlpad.config.schema import ActorRolloutRefConfig
 from rlpad.core.distill_scoring import compute_log_probs_and_at, compute_teacher_topk
 from rlpad.core.forward import LogProbModel
 from rlpad.core.fused_modules import apply_fused_modules

@@ -20,7 +20,7 @@ from torch import nn
 
 from rlpad.batch import Batch
 from rlpad.batching.micro_batches import micro_batches
-from rlpad.config.schema import RewardModelScoringConfig
+from rlpad.config.rewards import RewardModelScoringConfig
 from rlpad.core.reward_model import check_reward_inputs, compute_scores, load_reward_model
 from workers.contract import Contract, DeclaredBatch
 from workers.fsdp import FSDPWorker, reports_seconds

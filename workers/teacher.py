@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpad.algorithms.distillation_rules import teacher_path
-from rlpad.config.schema import TOPK_MODES, ActorRolloutRefConfig, Config, DistillationConfig
+from rlpad.config.choices import TOPK_MODES
+from rlpad.config.distillation import DistillationConfig
+from rlpad.config.schema import ActorRolloutRefConfig, Config
 
 __all__ = ["TEACHER_KEYS", "DistilledSection", "own_pool", "student_section", "teacher_keys", "teacher_section",
            "tokenizer_ids"]

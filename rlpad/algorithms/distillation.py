@@ -27,7 +27,8 @@ import math
 import torch
 
 from rlpad.algorithms.losses import Normalizer, agg_loss, check_tensors, compute_policy_loss, kl_penalty, token_stat
-from rlpad.config.schema import SAMPLED_TOKEN_MODES, TOPK_MODES, DistillationLossConfig
+from rlpad.config.choices import SAMPLED_TOKEN_MODES, TOPK_MODES
+from rlpad.config.distillation import DistillationLossConfig
 
 __all__ = ["combine", "distillation_loss", "distillation_metrics", "log1mexp", "per_token_losses", "topk_forward_kl"]
 

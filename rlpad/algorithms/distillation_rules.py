@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpad.config.schema import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
+from rlpad.config.choices import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
 
 __all__ = ["distillation_problems", "teacher_problems", "teacher_path", "uses_teacher_topk"]
 

@@ -28,7 +28,7 @@ from numbers import Real
 
 import torch
 
-from rlpad.config.schema import KL_KINDS, LOSS_AGG_MODES, kl_kind
+from rlpad.config.choices import KL_KINDS, LOSS_AGG_MODES, kl_kind
 
 __all__ = [
     "KL_KINDS",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlpad.config.schema import LOSS_AGG_MODES
+from rlpad.config.choices import LOSS_AGG_MODES
 
 if TYPE_CHECKING:
     import torch

@@ -37,7 +37,7 @@ from numbers import Real
 
 import torch
 
-from rlpad.config.schema import ROLLOUT_CORRECTION_MODES
+from rlpad.config.choices import ROLLOUT_CORRECTION_MODES
 
 __all__ = [
     "CORRECTION_MODES",

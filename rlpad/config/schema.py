@@ -1,126 +1,24 @@
 """Typed configuration: dataclasses with verl's key names, loaded from YAML recipes.
 
 ``load_config(path, overrides)`` lives in :mod:`rlpad.recipe.load`; this module only defines
-the schema, so every component can import its section without pulling in YAML handling.
+the schema, so every component can import its section without pulling in YAML handling. The
+reward and distillation sections live in rewards.py and distillation.py, the choices of the
+enumerated keys in choices.py, verl's removed / legacy / no-effect keys in verl_keys.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from rlpad.config.distillation import DistillationConfig
+from rlpad.config.rewards import RewardConfig, RewardModelConfig
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config",
-    "CriticConfig", "CriticFSDPConfig", "CriticModelConfig", "CustomRewardFunctionConfig", "DataConfig",
-    "DistillationConfig", "DistillationLossConfig", "FSDPConfig", "FilterGroupsConfig", "ModelConfig",
-    "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig", "RefConfig", "RefFSDPConfig",
-    "RewardConfig", "RewardManagerConfig", "RewardModelConfig", "RewardModelScoringConfig",
-    "RewardModelServingConfig", "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig", "TeacherModelConfig",
-    "TeacherModelsConfig", "TrainerConfig", "ValidationSamplingConfig", "ATTN_IMPLEMENTATIONS", "BACKENDS",
-    "DEVICES", "DISTILLATION_LOSS_MODES", "DTYPES", "FILTER_METRICS", "KL_KINDS", "LEGACY_KEYS",
-    "LEGACY_REFUSED", "LOG_LEVELS", "LOSS_AGG_MODES", "NO_EFFECT_KEYS", "OLD_LOG_PROB_LAYOUTS", "REMOVED_KEYS",
-    "REWARD_MANAGERS", "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES",
-    "kl_kind",
+    "CriticConfig", "CriticFSDPConfig", "CriticModelConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig",
+    "ModelConfig", "MultiTurnConfig", "OptimConfig", "PolicyLossConfig", "RefConfig", "RefFSDPConfig",
+    "RolloutConfig", "RolloutCorrectionConfig", "SFTConfig", "TrainerConfig", "ValidationSamplingConfig",
 ]
-
-# The choices of the config's enumerated keys, defined once (torch-free, so loading stays light).
-# Those with a registry derive from it instead: algorithm.adv_estimator (rlpad.algorithms.advantages.ESTIMATORS),
-# actor_rollout_ref.rollout.name (rlpad.rollout.BACKENDS), trainer.logger (rlpad.training.metrics.LOGGERS).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each may end in "+" (straight-through)
-
-
-def kl_kind(kind: str) -> tuple[str, bool]:
-    """``(estimator, straight_through)`` of a KL kind: ``"k3+"`` -> ``("k3", True)`` (a trailing ``+``
-    keeps the estimator's value and takes k2's gradient). ValueError naming the choices otherwise."""
-    base = kind.removesuffix("+")
-    if base not in KL_KINDS:
-        raise ValueError(f"unknown kl kind {kind!r}; choose one of {', '.join(KL_KINDS)} (optionally with a "
-                         "trailing '+')")
-    return base, kind.endswith("+")
-
-
-# distillation.distillation_loss.loss_mode (verl's names; the math: rlpad/algorithms/distillation.py):
-# per-token estimators of KL(student || teacher) at the sampled token, and the forward KL over the teacher's top-k
-SAMPLED_TOKEN_MODES = KL_KINDS  # without verl's straight-through "+": its distillation registry has none
-TOPK_MODES = ("forward_kl_topk",)
-DISTILLATION_LOSS_MODES = SAMPLED_TOKEN_MODES + TOPK_MODES
-TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
-# model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
-ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
-BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
-DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)
-ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollout_correction.mode
-# algorithm.filter_groups.metric: the per-response value whose spread within a group decides if it is kept
-# (rlpad/training/dynamic_sampling.py); each is read before the overlong shaping
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
-LOG_LEVELS = ("error", "warning", "info", "debug")  # trainer.log_level, most to least severe
-# model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
-# Keys rlpad no longer has: a recipe or override that sets one fails at load with this note.
-REMOVED_KEYS = {
-    "sft.enable": "the supervised warm start runs whenever a model path is embedded:<task> and never "
-                  "otherwise (a random tiny model is tiny:<arch>); delete the key",
-}
-# verl keys rlpad accepts but has no use for: each is named, with why, in the one warning line a run
-# starts with when its value differs from the default (rlpad.recipe.checks.no_effect_notice).
-_NO_SHM = "rlpad reads model.path where it is, with no copy into /dev/shm"
-_RM_SERVED = ("how verl serves its reward model (a reward loop of vLLM/SGLang servers); rlpad scores "
-              "reward.reward_model.model_path on the packed row of its own FSDP ranks")
-NO_EFFECT_KEYS = {
-    "data.return_raw_chat": "rlpad's batches always carry the chat messages as raw_prompt",
-    "actor_rollout_ref.model.use_shm": _NO_SHM,
-    "critic.model.use_shm": _NO_SHM,
-    "actor_rollout_ref.rollout.load_format": "the engines load model.path themselves and every sync replaces their "
-                                             "weights with the actor's",
-    "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets of "
-                                                "rollout.weight_sync_bucket_mb",
-    "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
-    "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
-    **{f"reward_model.{key}": _RM_SERVED for key in ("use_reward_loop", "num_workers", "rollout.name",
-       "rollout.gpu_memory_utilization", "rollout.tensor_model_parallel_size", "rollout.prompt_length",
-       "rollout.response_length")},
-}
-
-# reward.reward_manager.name: verl's reward managers rlpad has. Both score each response with the reward
-# function (reward.fn); dapo's overlong shaping is reward_model.overlong_buffer, which works under either.
-REWARD_MANAGERS = ("naive", "dapo")
-# verl's legacy reward names (before its 0.9 ``reward.*`` section), read as verl's own migration
-# (migrate_legacy_reward_impl) maps them: a recipe or override may use either name, not both.
-LEGACY_KEYS = {
-    "reward_model.enable": "reward.reward_model.enable",
-    "reward_model.model.path": "reward.reward_model.model_path",
-    "reward_model.reward_manager": "reward.reward_manager.name",
-    "reward_model.reward_kwargs": "reward.reward_kwargs",
-    # verl 0.9 dropped these with its FSDP reward-model worker; rlpad's worker reads them
-    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
-    "reward_model.use_dynamic_bsz": "reward.reward_model.use_dynamic_bsz",
-    "reward_model.forward_max_token_len_per_gpu": "reward.reward_model.forward_max_token_len_per_gpu",
-    "custom_reward_function.path": "reward.custom_reward_function.path",
-    "custom_reward_function.name": "reward.custom_reward_function.name",
-}
-# verl's legacy reward keys (and those of its 0.9 reward loop) that mean nothing in rlpad: a recipe or
-# override setting one (or a key under one) fails at load with this note, in one line.
-LEGACY_REFUSED = {
-    "reward_model.reward_loop_source": "verl's reward-loop class loading: rlpad has no reward-loop classes; name a "
-                                       "function with reward.fn or reward.custom_reward_function; delete the key",
-    "reward_model.reward_loop_module_path": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
-    "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:fn",
-    "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad compares the reward model's tokenizer "
-                                          "with the policy's itself (actor_rollout_ref.model.tokenizer_path); delete it",
-    "reward_model.model.external_lib": "verl's external model code: set actor_rollout_ref.model.trust_remote_code",
-    "reward_model.model.override_config": "verl's config overrides: save the reward model with the config you want",
-    "reward_model.model.trust_remote_code": "use actor_rollout_ref.model.trust_remote_code (one switch for every model)",
-    "reward_model.strategy": "rlpad's reward model always runs FSDP2 (no megatron); delete the key",
-    "reward_model.micro_batch_size": "verl's deprecated global micro-batch: delete the key",
-    "reward_model.launch_reward_fn_async": "rlpad scores rule functions in the driver between the rollout and the "
-                                           "log-probs; delete the key",
-    "reward_model.sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
-    "sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
-    "custom_reward_function.reward_kwargs": "use reward.reward_kwargs (keyword arguments of every reward call)",
-}
 
 
 @dataclass
@@ -431,103 +329,6 @@ class DataConfig:
 
 
 @dataclass
-class CustomRewardFunctionConfig:
-    """verl's ``custom_reward_function``: the reward function as a file (or module) and a name; when
-    ``path`` is set it replaces ``reward.fn`` (``path:name``)."""
-
-    path: str | None = None  # path/to/file.py or package.module; null: reward.fn decides
-    name: str = "compute_score"  # the function in it
-
-
-@dataclass
-class RewardManagerConfig:
-    """verl's ``reward.reward_manager``: how each response's reward is computed."""
-
-    name: str = "naive"  # naive | dapo (rlpad.config.schema.REWARD_MANAGERS): both call the reward function per response
-
-
-@dataclass
-class RewardModelScoringConfig:
-    """verl 0.9's ``reward.reward_model``: a discriminative reward model, a ``*ForSequenceClassification``
-    or ``*ForTokenClassification`` with one output, scored at each response's last valid token
-    (rlpad/core/reward_model.py, docs/rewards.md)."""
-
-    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
-    model_path: str | None = None  # a local folder holding the reward model and its tokenizer
-    use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
-    # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
-    attn_implementation: str = "auto"
-    micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
-    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
-    forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
-
-
-@dataclass
-class RewardConfig:
-    """The rewards: a rule-based function, optionally a reward model (docs/rewards.md)."""
-
-    # "pkg.module:function" or "path/to/file.py:function". Default: verl 0.9.1's default_compute_score for the
-    # data sources it names (openai/gsm8k, MATH, math_dapo / math / aime*) and rlpad's toy tasks;
-    # rlpad.rewards.rules:compute_score: rlpad's lenient verifier (numbers by value, math-verify for math)
-    fn: str = "rlpad.rewards.verl_default:compute_score"
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
-    # keyword arguments passed to every call of the reward function, beside verl's four (data_source, ...)
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
-    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
-    # part alone: "rule" (the reward function), "reward_model" (when enabled) and each name of extra_fns.
-
-    # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
-    extra_fns: dict[str, str] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)  # part name -> its weight; a part not listed weighs 1
-    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights)
-    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    # parts standardised by the running mean / std of all their training scores so far, before weighting
-    normalize: list[str] = field(default_factory=list)
-    clip: float | None = None  # each part's score (after normalisation) clipped to [-clip, clip]; null: not clipped
-
-    @property
-    def function_spec(self) -> str:
-        """The reward function to load: ``custom_reward_function.path:name`` when set, else ``fn``."""
-        crf = self.custom_reward_function
-        return f"{crf.path}:{crf.name}" if crf.path else self.fn
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens
-    before ``data.max_response_length`` (applied after the dynamic-sampling filter)."""
-
-    enable: bool = False  # add min(0, -(length - (max_response_length - len)) / len * penalty_factor) to each reward
-    len: int = 0  # the buffer: tokens before the response limit over which the penalty grows
-    penalty_factor: float = 1.0  # the penalty at the response limit
-
-
-@dataclass
-class RewardModelServingConfig:
-    """verl's ``reward_model.rollout``: the engine verl serves its reward model with (no effect here: NO_EFFECT_KEYS)."""
-
-    name: str | None = None  # verl's reward-model engine (vllm / sglang); no effect in rlpad
-    gpu_memory_utilization: float | None = None  # that engine's memory share; no effect in rlpad
-    tensor_model_parallel_size: int | None = None  # that engine's tensor parallelism; no effect in rlpad
-    prompt_length: int | None = None  # that engine's prompt limit; no effect in rlpad
-    response_length: int | None = None  # that engine's response limit; no effect in rlpad
-
-
-@dataclass
-class RewardModelConfig:
-    """verl's ``reward_model`` section: the reward shaping keys rlpad reads from it; its reward-model keys
-    are read as their ``reward.*`` names (LEGACY_KEYS); how verl serves the model has no effect here."""
-
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    use_reward_loop: bool | None = None  # verl's reward-loop switch; no effect in rlpad (one scoring path)
-    num_workers: int | None = None  # verl's reward-loop worker count; no effect in rlpad
-    rollout: RewardModelServingConfig = field(default_factory=RewardModelServingConfig)
-
-
-@dataclass
 class SFTConfig:
     """Supervised warm-start of the embedded tiny model (``model.path: embedded:<task>``; cached
     after the first run)."""
@@ -552,59 +353,6 @@ class SFTConfig:
     # The embedded teacher (distillation's model_path embedded-teacher:<task>): the same supervised recipe run
     # this many steps, with no early stop (a stronger model; cached beside the warm start)
     teacher_steps: int = 1000
-
-
-@dataclass
-class DistillationLossConfig:
-    """The distillation loss (verl's ``distillation.distillation_loss``; docs/distillation.md)."""
-
-    # kl|k1, abs, mse|k2, low_var_kl|k3: an estimate of KL(student || teacher) at each sampled token;
-    # forward_kl_topk: KL(teacher || student) over the teacher's top-k ids plus one tail bucket (the rest)
-    loss_mode: str = "k3"
-    topk: int | None = None  # forward_kl_topk: ids per position (required there, refused with the other modes)
-    use_task_rewards: bool = True  # keep the task's policy loss and add distillation_loss_coef x the distillation loss
-    distillation_loss_coef: float = 1.0  # the distillation loss's weight beside the task loss (1 without task rewards)
-    # Each token's distillation loss clamped to [-loss_max_clamp, loss_max_clamp] (the advantage bound with
-    # use_policy_gradient); null: no clamp
-    loss_max_clamp: float | None = 10.0
-    # forward_kl_topk: the top-k log-probs clamped from below at this value (verl's -10); null (rlpad's default):
-    # none, the tail bucket keeps the truncated KL a true KL (>= 0, finite) without it
-    log_prob_min_clamp: float | None = None
-    # true: the negative per-token loss is the advantage of a policy-gradient term (Thinking Machines; use k1);
-    # false: the loss itself is back-propagated (supervised; use k3 or forward_kl_topk). k1 needs true.
-    use_policy_gradient: bool = True
-    policy_loss_mode: str = "vanilla"  # the policy-gradient term's loss (verl supports vanilla only, so does rlpad)
-    clip_ratio: float = 0.2  # the policy-gradient term's PPO clip on both sides of 1, unless set below
-    clip_ratio_low: float | None = None  # the clip below 1; null: clip_ratio
-    clip_ratio_high: float | None = None  # the clip above 1; null: clip_ratio
-
-
-@dataclass
-class TeacherModelConfig:
-    """One teacher: a causal LM sharing the student's tokenizer."""
-
-    model_path: str | None = None  # a local HF checkpoint, tiny:<arch> or embedded-teacher:<task> (built in set-up)
-
-
-@dataclass
-class TeacherModelsConfig:
-    """verl's ``distillation.teacher_models``: rlpad has the one teacher ``teacher_model`` (verl's default name)."""
-
-    teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-
-
-@dataclass
-class DistillationConfig:
-    """On-policy distillation (verl's ``distillation.*``): a teacher scores the student's samples per token
-    (docs/distillation.md). The teacher's forward uses the actor's model keys and ref.log_prob_* micro-batches."""
-
-    enabled: bool = False  # score every batch with the teacher and add the distillation loss to the update
-    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
-    teacher_models: TeacherModelsConfig = field(default_factory=TeacherModelsConfig)
-    teacher_key: str | None = None  # verl's per-data-source teacher column (one teacher only: must stay null)
-    # The teacher's ranks per node in a pool of their own; 0: colocated with the actor's pool (trainer.n_gpus_per_node)
-    n_gpus_per_node: int = 0
-    nnodes: int = 0  # the teacher pool's nodes; 0: trainer.nnodes
 
 
 @dataclass

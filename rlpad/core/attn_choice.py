@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from rlpad.config.schema import ATTN_IMPLEMENTATIONS as ATTN_CHOICES
+from rlpad.config.choices import ATTN_IMPLEMENTATIONS as ATTN_CHOICES
 from rlpad.core.attention import VARLEN_ATTENTION  # also registers rlpad_varlen with transformers
 from rlpad.core.attn_dispatch import flash_attn_installed, torch_varlen_missing
 

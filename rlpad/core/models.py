@@ -15,7 +15,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from rlpad.config.schema import DTYPES as DTYPE_NAMES
+from rlpad.config.choices import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
 

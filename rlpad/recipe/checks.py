@@ -11,10 +11,12 @@ from typing import Any
 
 from rlpad.algorithms.advantages import ESTIMATORS
 from rlpad.config.doc import format_value
-from rlpad.config.schema import (
-    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES, OLD_LOG_PROB_LAYOUTS,
-    NO_EFFECT_KEYS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, Config, kl_kind,
+from rlpad.config.choices import (
+    ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES,
+    OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, kl_kind,
 )
+from rlpad.config.schema import Config
+from rlpad.config.verl_keys import NO_EFFECT_KEYS
 from rlpad.lora.rules import lora_value_problems, syncs_adapter
 from rlpad.training.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
@@ -67,7 +69,7 @@ def _value(config: Any, key: str) -> Any:
 
 
 def no_effect_notice(config: Config) -> str | None:
-    """The one warning line naming the keys of :data:`rlpad.config.schema.NO_EFFECT_KEYS` set to a value
+    """The one warning line naming the keys of :data:`rlpad.config.verl_keys.NO_EFFECT_KEYS` set to a value
     other than their default (verl's), each with why it changes nothing in rlpad; None when there are none."""
     default = Config()
     changed = [key for key in NO_EFFECT_KEYS if _value(config, key) != _value(default, key)]

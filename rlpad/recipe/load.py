@@ -14,7 +14,7 @@ and section fields parse it as YAML (``data.train_files=[a.parquet,b.parquet]``)
 list (``data.train_files=train.parquet``), as verl accepts.
 
 verl's legacy reward names (``reward_model.enable``, ``custom_reward_function.path``, ...) are read
-as their ``reward.*`` names (:data:`rlpad.config.schema.LEGACY_KEYS`, the mapping of verl's own
+as their ``reward.*`` names (:data:`rlpad.config.verl_keys.LEGACY_KEYS`, the mapping of verl's own
 migration); those that mean nothing in rlpad fail with what replaced them (``LEGACY_REFUSED``).
 """
 
@@ -34,7 +34,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlpad.config.schema import LEGACY_KEYS, LEGACY_REFUSED, REMOVED_KEYS, Config
+from rlpad.config.schema import Config
+from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED, REMOVED_KEYS
 from rlpad.recipe.checks import validate_config
 
 __all__ = ["config_from_dict", "config_to_dict", "load_config", "migrate_legacy_keys", "parse_override", "save_config",

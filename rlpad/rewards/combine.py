@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config.schema import RewardConfig
+from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards.rules import RewardFn, load_reward_fn, place_scores, score_batch
 from rlpad.rewards.settings import MODEL, RULE

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config.schema import RewardConfig
+from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards import math_verifier
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer

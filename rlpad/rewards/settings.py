@@ -3,7 +3,9 @@ parts and :func:`reward_problems`, every check of ``reward.*`` and its verl name
 
 from __future__ import annotations
 
-from rlpad.config.schema import ATTN_IMPLEMENTATIONS, DTYPES, REWARD_MANAGERS, Config, RewardConfig
+from rlpad.config.choices import ATTN_IMPLEMENTATIONS, DTYPES, REWARD_MANAGERS
+from rlpad.config.rewards import RewardConfig
+from rlpad.config.schema import Config
 
 __all__ = ["MODEL", "RULE", "part_names", "reward_problems"]
 

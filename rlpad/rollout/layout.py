@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rlpad.batch import Batch
-from rlpad.config.schema import TRUNCATION_MODES
+from rlpad.config.choices import TRUNCATION_MODES
 from rlpad.core.layout import left_pad, position_ids_from_mask
 
 __all__ = ["PROMPT_KEYS", "build_rollout_batch", "check_sampling", "prompt_token_lists", "truncate_at_eos"]

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from rlpad.config.schema import DTYPES, DataConfig, RolloutConfig
+from rlpad.config.choices import DTYPES
+from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.lora.rules import LoraSpec, engine_max_lora_rank
 from rlpad.lora.adapters import save_adapter
 from rlpad.rollout.base import NamedTensors, RolloutBackend, eos_token_ids, named_pairs

@@ -8,7 +8,7 @@ One step with ``filter_groups.enable``::
     kept groups, in generation order, cut to data.train_batch_size -> overlong shaping -> ...
 
 A group (the ``rollout.n`` responses of one prompt, one ``uid``) is kept when its ``metric``
-(:data:`rlpad.config.schema.FILTER_METRICS`) is not the same for all its responses (max > min; a group of
+(:data:`rlpad.config.choices.FILTER_METRICS`) is not the same for all its responses (max > min; a group of
 one is kept, as verl does, which is why the filter refuses ``rollout.n = 1``). The metric is read from the raw reward, before any shaping: a penalty
 applied first would give an all-wrong group a spread of lengths (NeMo-RL #2478). ``acc`` is the
 reward function's ``acc`` when it returns a dict holding one, else its score; ``score`` the score;

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpad.config.schema import DTYPES
+from rlpad.config.choices import DTYPES
 
 __all__ = ["initial_weight_differences", "sync_initial_weights"]
 

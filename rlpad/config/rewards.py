@@ -1,0 +1,110 @@
+"""The reward sections of the schema: ``reward.*`` (the rule function, the reward model, combining) and
+verl's ``reward_model`` section (overlong shaping; its serving keys have no effect here). docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CustomRewardFunctionConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerConfig",
+    "RewardModelConfig", "RewardModelScoringConfig", "RewardModelServingConfig",
+]
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's ``custom_reward_function``: the reward function as a file (or module) and a name; when
+    ``path`` is set it replaces ``reward.fn`` (``path:name``)."""
+
+    path: str | None = None  # path/to/file.py or package.module; null: reward.fn decides
+    name: str = "compute_score"  # the function in it
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's ``reward.reward_manager``: how each response's reward is computed."""
+
+    name: str = "naive"  # naive | dapo (rlpad.config.schema.REWARD_MANAGERS): both call the reward function per response
+
+
+@dataclass
+class RewardModelScoringConfig:
+    """verl 0.9's ``reward.reward_model``: a discriminative reward model, a ``*ForSequenceClassification``
+    or ``*ForTokenClassification`` with one output, scored at each response's last valid token
+    (rlpad/core/reward_model.py, docs/rewards.md)."""
+
+    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
+    model_path: str | None = None  # a local folder holding the reward model and its tokenizer
+    use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    # auto | flash_attention_2 | rlpad_varlen | sdpa (rlpad/core/attn_choice.py); sdpa runs the padded path only
+    attn_implementation: str = "auto"
+    micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
+    forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
+
+
+@dataclass
+class RewardConfig:
+    """The rewards: a rule-based function, optionally a reward model (docs/rewards.md)."""
+
+    # "pkg.module:function" or "path/to/file.py:function". Default: verl 0.9.1's default_compute_score for the
+    # data sources it names (openai/gsm8k, MATH, math_dapo / math / aime*) and rlpad's toy tasks;
+    # rlpad.rewards.rules:compute_score: rlpad's lenient verifier (numbers by value, math-verify for math)
+    fn: str = "rlpad.rewards.verl_default:compute_score"
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    # keyword arguments passed to every call of the reward function, beside verl's four (data_source, ...)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
+    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
+    # part alone: "rule" (the reward function), "reward_model" (when enabled) and each name of extra_fns.
+
+    # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
+    extra_fns: dict[str, str] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # part name -> its weight; a part not listed weighs 1
+    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights)
+    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    # parts standardised by the running mean / std of all their training scores so far, before weighting
+    normalize: list[str] = field(default_factory=list)
+    clip: float | None = None  # each part's score (after normalisation) clipped to [-clip, clip]; null: not clipped
+
+    @property
+    def function_spec(self) -> str:
+        """The reward function to load: ``custom_reward_function.path:name`` when set, else ``fn``."""
+        crf = self.custom_reward_function
+        return f"{crf.path}:{crf.name}" if crf.path else self.fn
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens
+    before ``data.max_response_length`` (applied after the dynamic-sampling filter)."""
+
+    enable: bool = False  # add min(0, -(length - (max_response_length - len)) / len * penalty_factor) to each reward
+    len: int = 0  # the buffer: tokens before the response limit over which the penalty grows
+    penalty_factor: float = 1.0  # the penalty at the response limit
+
+
+@dataclass
+class RewardModelServingConfig:
+    """verl's ``reward_model.rollout``: the engine verl serves its reward model with (no effect here: NO_EFFECT_KEYS)."""
+
+    name: str | None = None  # verl's reward-model engine (vllm / sglang); no effect in rlpad
+    gpu_memory_utilization: float | None = None  # that engine's memory share; no effect in rlpad
+    tensor_model_parallel_size: int | None = None  # that engine's tensor parallelism; no effect in rlpad
+    prompt_length: int | None = None  # that engine's prompt limit; no effect in rlpad
+    response_length: int | None = None  # that engine's response limit; no effect in rlpad
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's ``reward_model`` section: the reward shaping keys rlpad reads from it; its reward-model keys
+    are read as their ``reward.*`` names (LEGACY_KEYS); how verl serves the model has no effect here."""
+
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    use_reward_loop: bool | None = None  # verl's reward-loop switch; no effect in rlpad (one scoring path)
+    num_workers: int | None = None  # verl's reward-loop worker count; no effect in rlpad
+    rollout: RewardModelServingConfig = field(default_factory=RewardModelServingConfig)
