@@ -21,9 +21,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlpad.config.schema import SFTConfig
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.reward_model import compute_scores
-from rlpad.embedded.cache import cache_root
+from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.sft import cache_key, encode, warm_start
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
@@ -142,36 +139,11 @@ def toy_reward_model(cfg: SFTConfig | None = None, *, verbose: bool = False, **o
     cfg = cfg or SFTConfig()
     settings = {**RM_SETTINGS, **overrides}
     key = _key(cfg, settings)
-    root = cache_root(cfg)
-    final = os.path.join(root, f"rm-{key}")
-    if os.path.isfile(os.path.join(final, INFO_FILE)):
-        return final
-    policy = warm_start(cfg, seed=0, task=TASK)
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-rm-{key}-", dir=root)
-    try:
-        start = time.perf_counter()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(settings["seed"])
-                info = _train(policy, cfg, settings, tmp, verbose)
-        finally:
-            torch.set_num_threads(threads)
-        info |= {"key": key, "policy": policy, "settings": settings, "seconds": round(time.perf_counter() - start, 2)}
-        with open(os.path.join(tmp, INFO_FILE), "w") as f:  # written last: its presence marks a complete cache
-            json.dump(info, f, indent=1)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first
-            if not os.path.isfile(os.path.join(final, INFO_FILE)):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    def build(folder: str) -> dict[str, Any]:
+        policy = warm_start(cfg, seed=0, task=TASK)
+        return _train(policy, cfg, settings, folder, verbose) | {"key": key, "policy": policy, "settings": settings}
+
+    return build_cached(cache_root(cfg), f"rm-{key}", INFO_FILE, settings["seed"], build)
 
 
 def _train(policy: str, cfg: SFTConfig, settings: dict[str, Any], out: str, verbose: bool) -> dict[str, Any]:

@@ -26,9 +26,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -39,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlpad.config.schema import SFTConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
-from rlpad.embedded.cache import cache_root
+from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.shapes import WARM_START_DIMS
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
@@ -259,53 +256,28 @@ def warm_start(
     check_vllm_shape(tiny_config(ARCH, **dims))
     spec = get_task(task)
     key = cache_key(cfg, seed=seed, task=task, **dims)
-    root = cache_root(cfg)
-    final = os.path.join(root, f"sft-{key}")
-    if os.path.isfile(os.path.join(final, INFO_FILE)):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-sft-{key}-", dir=root)
-    try:
-        start = time.perf_counter()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                tokenizer = build_tokenizer()
-                model = tiny_model(ARCH, seed=seed, **dims)
-                every = max(1, cfg.steps // 10)
-                log = None
-                if verbose:
-                    def log(s: int, l: float) -> None:
-                        if (s + 1) % every == 0:
-                            print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
-                losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log)
-                val_acc = val_accuracy(model, tokenizer, cfg, task)
-                probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)
-                val_reward = val_score(model, tokenizer, cfg, task)
-        finally:
-            torch.set_num_threads(threads)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+
+    def build(folder: str) -> dict[str, Any]:
+        tokenizer = build_tokenizer()
+        model = tiny_model(ARCH, seed=seed, **dims)
+        every = max(1, cfg.steps // 10)
+        log = None
+        if verbose:
+            def log(s: int, l: float) -> None:
+                if (s + 1) % every == 0:
+                    print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
+        losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log)
+        val_acc = val_accuracy(model, tokenizer, cfg, task)
+        probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)
         info = {"key": key, "settings": _settings(cfg, seed, dims, task), "task": task, "val_accuracy": val_acc,
-                "val_reward": val_reward, "probe_accuracy": probe_acc, "steps_run": len(losses),
-                "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-                "seconds": round(time.perf_counter() - start, 2)}
-        with open(os.path.join(tmp, INFO_FILE), "w") as f:  # written last: its presence marks a complete cache
-            json.dump(info, f, indent=1, default=str)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first (or a stale incomplete folder is in the way)
-            if os.path.isfile(os.path.join(final, INFO_FILE)):
-                shutil.rmtree(tmp, ignore_errors=True)
-                return final
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+                "val_reward": val_score(model, tokenizer, cfg, task), "probe_accuracy": probe_acc,
+                "steps_run": len(losses), "loss_first": losses[0] if losses else None,
+                "loss_last": losses[-1] if losses else None}
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return info
+
+    return build_cached(cache_root(cfg), f"sft-{key}", INFO_FILE, seed, build)
 
 
 def read_info(path: str) -> dict[str, Any]:
