@@ -119,13 +119,23 @@ def stack(tmp_path_factory):
     ray.shutdown()
 
 
+# Where the modules the old trainer imports live today (rlpad/ was regrouped into packages since).
+MOVED_SINCE = {"rlpad.advantages": "rlpad.algorithms.advantages", "rlpad.algos": "rlpad.algorithms.losses",
+               "rlpad.checkpoint": "rlpad.training.checkpoint", "rlpad.config": "rlpad.config.schema",
+               "rlpad.metrics": "rlpad.training.metrics", "rlpad.rewards": "rlpad.rewards.rules",
+               "rlpad.rollout_correction": "rlpad.algorithms.rollout_correction"}
+
+
 def trainer_before_async():
-    """``rlpad.training.trainer.Trainer`` as it was before this change, from the git history."""
+    """``Trainer`` as it was before asynchronous training (rlpad/trainer.py then), from the git history,
+    its imports pointed at where those modules live today."""
     try:
-        source = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ASYNC}:rlpad/training/trainer.py"], capture_output=True,
+        source = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ASYNC}:rlpad/trainer.py"], capture_output=True,
                                 text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"needs the git history (commit {BEFORE_ASYNC[:8]}): {e}")
+    for old, new in MOVED_SINCE.items():
+        source = source.replace(f"from {old} import ", f"from {new} import ")
     module = types.ModuleType("trainer_before_async")
     exec(compile(source, "trainer_before_async.py", "exec"), module.__dict__)
     # today's score_batch also returns the rows' accuracy (dynamic sampling's metric): the old loop took two
