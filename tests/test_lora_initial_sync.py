@@ -17,9 +17,9 @@ import ray  # noqa: E402
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.train import fit, resolve_embedded  # noqa: E402
-from rlpad.training.async_schedule import Done  # noqa: E402
 from rlpad.training.initial_weights import initial_weight_differences  # noqa: E402
 from paths import CACHE, recipe  # noqa: E402
+from stale_engine import NoSync  # noqa: E402
 
 pytest.importorskip("vllm")
 
@@ -57,22 +57,6 @@ def _saved_adapter(folder, **options) -> str:
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> str:
     return _saved_adapter(tmp_path_factory.mktemp("adapter"))
-
-
-class NoSync:
-    """The workers, except that the engines never receive the actor's weights (the code before the fix)."""
-
-    def __init__(self, workers):
-        self.workers = workers
-
-    def __getattr__(self, name):
-        return getattr(self.workers, name)
-
-    def sync_weights(self) -> float:
-        return 0.0
-
-    def submit_weight_sync(self, version: int) -> Done[float]:
-        return Done(0.0)
 
 
 class Recorder:

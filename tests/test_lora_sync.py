@@ -17,6 +17,7 @@ from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.train import fit  # noqa: E402
 from paths import CACHE, recipe  # noqa: E402
+from stale_engine import NoSync  # noqa: E402
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -44,19 +45,6 @@ def run(out_dir, sync: str, backend: str, wrap=None, k: int = 0, extra: tuple[st
         "actor_rollout_ref.actor.optim.lr=5e-3",  # the adapter moves the policy far in one step: a clear control
         *extra])
     return fit(config, wrap_workers=wrap)
-
-
-class NoSync:
-    """The workers, except that the engines never receive the actor's weights: they serve the base model."""
-
-    def __init__(self, workers):
-        self.workers = workers
-
-    def __getattr__(self, name):
-        return getattr(self.workers, name)
-
-    def sync_weights(self) -> float:
-        return 0.0
 
 
 def test_every_sync_reaches_the_engine_and_a_stale_engine_is_caught(ray_session, tmp_path):
