@@ -16,6 +16,7 @@ from rlpad.rollout.agent import run_agent_loop
 from rlpad.rollout.base import Sampling
 from rlpad.rollout.tools import ToolCall, ToolSet
 from paths import ROOT, recipe
+from processes import gone_within
 
 RECIPE = recipe("grpo_tiny_tools")
 MT = "actor_rollout_ref.rollout.multi_turn"
@@ -34,14 +35,6 @@ def children() -> list[int]:
             if int(stat.rpartition(")")[2].split()[1]) == me:
                 out.append(int(entry))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_hung_tools_cost_one_timeout_per_turn_and_leave_nothing_behind():
@@ -80,10 +73,7 @@ def test_a_hung_tool_and_what_it_started_are_killed(tmp_path):
         tools.close()
     assert result.reason == "spawner timed out after 1 s"
     grandchild = int(marker.read_text())
-    deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(grandchild)
+    assert gone_within(grandchild, 5)
 
 
 def test_outputs_checked_before_tokenising_async_tools_and_prints_to_the_log(capfd, caplog):
@@ -128,7 +118,7 @@ def test_outputs_checked_before_tokenising_async_tools_and_prints_to_the_log(cap
     ("tools=[]", f"{MT}.enable=true with no {MT}.tools"),
     ("enable=false", f"{MT}.tools=['rlpad.embedded.toy_tools:calc'] is set but {MT}.enable=false"),
     ("tools=[mt_tools:add]", f"{MT}.tools: add cannot be called with one argument, as the bracket format"),
-    ("tools=[mt_tools:explicit,test_multi_turn_pool:alive]", f"{MT}.tools='test_multi_turn_pool:alive': no schema"),
+    ("tools=[mt_tools:explicit,processes:alive]", f"{MT}.tools='processes:alive': no schema"),
 ])
 def test_every_multi_turn_key_is_checked_when_the_config_loads(override, says):
     """Control: each of these was caught only inside the rollout backend, after the actor started (or never)."""

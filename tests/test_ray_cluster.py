@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from processes import alive
 from ray_cluster import MARKER, SINGLE_NODE_ENV, RayCluster, RayNode, node_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,14 +45,6 @@ init_local_ray(1, log_to_driver=False)
 print(json.dumps(listening(descendants({{os.getpid()}}))))
 ray.shutdown()
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_stop_ends_the_nodes_processes_and_nothing_else():

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,24 +22,9 @@ import ray  # noqa: E402
 from rlpad.recipe.load import load_config  # noqa: E402
 from rlpad.rollout.tools import ERROR_TEXTS, ToolCall, ToolSet  # noqa: E402
 from paths import ROOT, recipe  # noqa: E402
+from processes import alive, gone_within  # noqa: E402
 
 TESTS = os.path.join(ROOT, "tests")
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not alive(pid)
 
 
 def test_a_tool_exiting_its_process_answers_its_calls_crashed_and_the_pool_recovers():
