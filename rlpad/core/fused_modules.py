@@ -6,6 +6,13 @@ MLP and rotary embedding in the decoder, applied by liger's own instance patch
 model's transformers module). Its cross-entropy and fused-linear-cross-entropy patches stay off: the
 LM head is rlpad's (:mod:`rlpad.core.lm_head`). liger-kernel's kernels are Triton on CUDA: a CPU
 model is refused before anything changes; liger-kernel is a dependency of the ``gpu`` extra only.
+
+``compile`` (``actor_rollout_ref.model.compile_decoder_layers``): each decoder layer of the model
+compiled on its own instance (``nn.Module.compile``, ``dynamic=True``: one graph for every packed
+length: recompiles stay few and are counted; the class and every other model are left
+alone). rlpad's varlen attention reads the sequence bounds on the host: it runs between two compiled
+graphs. :func:`compile_counts` counts the graphs compiled (recompiles included). Measured by
+``rlpad bench logprob --device cuda`` (column ``packed_compiled``); kept only if the GPU run says it pays.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["FUSED_MODULES", "apply_fused_modules", "liger_missing", "register_fused_modules"]
+__all__ = ["COMPILE_BACKEND", "FUSED_MODULES", "apply_fused_modules", "compile_counts", "compile_decoder_layers",
+           "liger_missing", "register_fused_modules"]
 
 FUSED_MODULES: dict[str, Callable[[nn.Module], list[str]]] = {}
 
@@ -53,6 +61,43 @@ def apply_liger(model: nn.Module) -> list[str]:
             if type(m) is not before.get(name) or "forward" in vars(m) or "Liger" in type(m).__name__]
 
 
+COMPILE_BACKEND = "inductor"
+_COMPILED: dict[str, int] = {"graphs": 0}
+
+
+def compile_counts() -> dict[str, int]:
+    """``{"graphs": n}``: graphs the compiled decoder layers have compiled in this process so far."""
+    return dict(_COMPILED)
+
+
+def _counting(backend: str) -> Callable:
+    """A torch.compile backend: ``backend`` (by name), each graph it is handed counted."""
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def compile_graph(gm, example_inputs):
+        _COMPILED["graphs"] += 1
+        return inner(gm, example_inputs)
+    return compile_graph
+
+
+def compile_decoder_layers(model: nn.Module, backend: str | None = None) -> list[str]:
+    """Each decoder layer of ``model`` under ``torch.compile(dynamic=True)`` (per instance), with
+    ``backend`` (default :data:`COMPILE_BACKEND`; the CPU tests may name ``aot_eager``)."""
+    prefix = model.base_model_prefix
+    layers = getattr(getattr(model, prefix, None), "layers", None)
+    if layers is None:
+        return []
+    compiler = _counting(backend or COMPILE_BACKEND)
+    for layer in layers:
+        layer.compile(dynamic=True, backend=compiler)
+    return [f"{prefix}.layers.{i}" for i in range(len(layers))]
+
+
+register_fused_modules("compile")(compile_decoder_layers)
+
+
 def apply_fused_modules(model: nn.Module, name: str, *, key: str, device_type: str) -> list[str]:
     """Hook ``name`` of :data:`FUSED_MODULES` on ``model``; ValueError naming the config ``key`` when it
     is unknown, when liger-kernel is missing or the model is not meant for CUDA, before any change."""
@@ -66,6 +111,6 @@ def apply_fused_modules(model: nn.Module, name: str, *, key: str, device_type: s
             raise ValueError(f"{key}=true needs liger-kernel (pip install 'rlpad[gpu]'): {liger_missing()}")
     replaced = FUSED_MODULES[name](model)
     if not replaced:
-        raise ValueError(f"{key}=true: liger-kernel has no fused modules for model type "
+        raise ValueError(f"{key}=true: {name!r} has no modules to replace in model type "
                          f"{getattr(model.config, 'model_type', None)!r}")
     return replaced

@@ -1,0 +1,79 @@
+"""``compile_decoder_layers`` (rlpad/core/fused_modules.py, hook ``compile``) on the CPU: the tiny
+model's decoder layers under ``torch.compile(dynamic=True)`` score every response token of ragged
+packed rows as the plain forward does, per token within the fp32 bound, and give the same gradients;
+new packed lengths after the first two micro-batches compile nothing more; the negative control (the
+boundary leak of rlpad/embedded/exactness.py run through the compiled layers) is far outside the bound.
+
+Inductor compiles one micro-batch (forward and backward: the backend the option uses on a GPU);
+the several-lengths test uses ``aot_eager`` (the same dynamo graphs and autograd split, no code
+generation), which keeps compile time small."""
+
+import copy
+
+import pytest
+import torch
+
+from rlpad.core.fused_modules import apply_fused_modules, compile_counts, compile_decoder_layers
+from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL, errors, leaky_packed, scored
+from rlpad.embedded.synthetic import rollout_batch
+from rlpad.embedded.tiny import tiny_model
+
+pytestmark = pytest.mark.exactness
+PROMPT, RESPONSE, VOCAB = 8, 10, 64
+KEY = "actor_rollout_ref.model.compile_decoder_layers"
+
+
+def _pair(backend: str):
+    plain = tiny_model("qwen2", vocab_size=VOCAB, seed=1, attn_implementation="rlpad_varlen")
+    compiled = copy.deepcopy(plain)
+    names = compile_decoder_layers(compiled, backend)
+    assert names == [f"model.layers.{i}" for i in range(plain.config.num_hidden_layers)]
+    return plain, compiled
+
+
+def _assert_same(plain, compiled, batch):
+    """Per-token log-probs and entropies within FP32_LOGPROB_TOL, each parameter's gradient within FP32_GRAD_REL."""
+    ref = scored(plain, batch, RESPONSE, rmpad=True)
+    got = scored(compiled, batch, RESPONSE, rmpad=True)
+    valid = batch["attention_mask"][:, -RESPONSE:]
+    errs = errors(got, ref, valid)
+    assert errs["lp_max"] <= FP32_LOGPROB_TOL and errs["ent_max"] <= FP32_LOGPROB_TOL, errs
+    assert sorted(got.grads) == sorted(ref.grads)
+    for name, g in ref.grads.items():
+        assert (got.grads[name] - g).norm() <= FP32_GRAD_REL * g.norm(), name
+    return errs
+
+
+def test_inductor_compiled_layers_equal_the_plain_forward():
+    plain, compiled = _pair("inductor")
+    batch = rollout_batch(4, PROMPT, RESPONSE, vocab_size=VOCAB, seed=3)
+    before = compile_counts()["graphs"]
+    _assert_same(plain, compiled, batch)
+    assert compile_counts()["graphs"] > before  # it did compile
+
+
+def test_ragged_lengths_exact_recompiles_bounded_and_the_leak_fails():
+    plain, compiled = _pair("aot_eager")
+    batches = [rollout_batch(rows, PROMPT, RESPONSE, vocab_size=VOCAB, seed=seed)
+               for rows, seed in ((4, 3), (3, 5), (5, 7), (2, 11))]
+    lengths = {int(b["attention_mask"].sum()) for b in batches}
+    assert len(lengths) == len(batches)  # a new packed length each micro-batch
+    counts = []
+    for batch in batches:
+        _assert_same(plain, compiled, batch)
+        counts.append(compile_counts()["graphs"])
+    assert counts[2] == counts[1] == counts[3], counts  # after two lengths: no more graphs
+    # negative control: the one-segment row (attention across the sequences) through the compiled layers
+    batch = batches[0]
+    leak = errors(leaky_packed(compiled, batch, RESPONSE), scored(plain, batch, RESPONSE, rmpad=True),
+                  batch["attention_mask"][:, -RESPONSE:])
+    assert leak["lp_max"] > 100 * FP32_LOGPROB_TOL and leak["grad_rel"] > 100 * FP32_GRAD_REL, leak
+
+
+def test_the_hook_is_registered_and_per_instance():
+    plain = tiny_model("qwen2", vocab_size=VOCAB, seed=1)
+    other = tiny_model("qwen2", vocab_size=VOCAB, seed=1)
+    replaced = apply_fused_modules(plain, "compile", key=KEY, device_type="cpu")
+    assert replaced == [f"model.layers.{i}" for i in range(plain.config.num_hidden_layers)]
+    assert all(layer._compiled_call_impl is not None for layer in plain.model.layers)
+    assert all(layer._compiled_call_impl is None for layer in other.model.layers)  # the class is untouched
