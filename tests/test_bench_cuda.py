@@ -213,7 +213,10 @@ def test_logprob_columns_code_runs_on_a_small_shape():
     assert r["skipped"] == {"fwdbwd.packed_flex": "FlexAttention has no backward on the CPU",
                             "packed_liger": "liger-kernel's kernels need CUDA"}
     ran = [c for c in COLUMNS if c != "packed_liger"]
-    assert list(r["fwd"]) == ran and list(r["fwdbwd"]) == ["rmpad", "padded", "packed_sdpa"]
+    assert list(r["fwd"]) == ran and list(r["fwdbwd"]) == ["rmpad", "padded", "packed_sdpa", "packed_compiled"]
+    compiled = r["compile"]  # compiled before the timing: the timed rounds compile nothing more
+    assert compiled["graphs"] > 0 and compiled["seconds"] > 0 and compiled["graphs_after_warmup"] == 0, compiled
+    assert r["tflop"]["packed_compiled"] == r["tflop"]["rmpad"]
     tf = r["tflop"]  # executed FLOPs: padded > sdpa-packed (nnz x nnz, head on nnz) > flex-packed > rmpad
     assert tf["padded"] > tf["packed_sdpa"] > tf["packed_flex"] > tf["rmpad"]
     for mode, factor in (("fwd", 1), ("fwdbwd", 3)):

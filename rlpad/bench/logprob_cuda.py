@@ -13,7 +13,13 @@ columns of :data:`COLUMNS`:
   flex_attention: full logits, fp32 log_softmax;
 * ``packed_liger``: transformers packed with sdpa on a copy of the model with liger-kernel's fused
   RMSNorm, SwiGLU and rotary (``use_liger``; CUDA with liger-kernel installed, else not run, said
-  under ``skipped``).
+  under ``skipped``);
+* ``packed_compiled``: rmpad on a copy of the model whose decoder layers run under
+  ``torch.compile(dynamic=True)`` (``compile_decoder_layers``, :mod:`rlpad.core.fused_modules`; inductor on
+  a GPU, aot_eager in the CPU dry run). Its compile time is measured apart, before any timing: one
+  forward and one forward+backward over the micro-batches (``compile``: seconds and graphs compiled),
+  and the graphs compiled during the timed rounds after it (``compile.graphs_after_warmup``, recompiles).
+  A failure to compile puts the column under ``skipped`` with the error, the others still run.
 
 Each column, forward and forward+backward (loss: mean log-prob + 0.01 x entropy over the
 response tokens): medians of interleaved repetitions (CUDA-synchronised wall time), tokens/s of
@@ -31,6 +37,7 @@ no backward, so ``packed_flex`` is forward only (the result says so under ``skip
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +60,7 @@ from rlpad.embedded.synthetic import rollout_batch
 
 __all__ = ["COLUMNS", "CUDA_SHAPES", "DRY_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
 
-COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex", "packed_liger")
+COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex", "packed_liger", "packed_compiled")
 # name -> model row of rlpad.bench.models.MODEL_SHAPES and its batch; `make test-gpu` runs both (about 2 minutes
 # on an H100, estimated from the 2026-11-24 figures: see docs/development.md#the-gpu-lane).
 CUDA_SHAPES: dict[str, dict[str, Any]] = {
@@ -73,8 +80,43 @@ def _unavailable(column: str, device: torch.device) -> str | None:
     return "liger-kernel's kernels need CUDA" if device.type != "cuda" else liger_missing()
 
 
+def _compiled_copy(model, packed_impl: str, device: torch.device):
+    """A copy of ``model`` (same weights, ``packed_impl`` attention) with its decoder layers compiled."""
+    from rlpad.core.fused_modules import compile_decoder_layers
+
+    compiled = copy.deepcopy(model)
+    compiled.set_attn_implementation(packed_impl)
+    compile_decoder_layers(compiled, "inductor" if device.type == "cuda" else "aot_eager")
+    return compiled
+
+
+def _warm_up(fn: Callable, pieces: list[dict], device: torch.device) -> dict[str, float]:
+    """Compile ``fn``'s graphs before any timing: one forward (no grad) and one forward+backward over
+    ``pieces``; ``{"seconds": wall time of both, "graphs": graphs compiled}``."""
+    from rlpad.core.fused_modules import compile_counts
+
+    before = compile_counts()["graphs"]
+    start = time.perf_counter()
+    with torch.no_grad():
+        for p in pieces:
+            fn(p)
+    for p in pieces:
+        _loss(*fn(p), p["response_mask"]).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"seconds": time.perf_counter() - start, "graphs": compile_counts()["graphs"] - before}
+
+
 def _column(model, column: str, packed_impl: str, response: int, chunk: int) -> tuple[str, Callable]:
     """``(attention implementation, fn(piece) -> (log_probs, entropy) (B, R))`` of ``column`` on one micro-batch."""
+    if column == "packed_compiled":
+        compiled = _compiled_copy(model, packed_impl, next(model.parameters()).device)
+
+        def compiled_fn(p):
+            compiled.zero_grad(set_to_none=True)
+            return compute_log_probs(compiled, p["input_ids"], p["attention_mask"], p["position_ids"], response,
+                                     use_remove_padding=True, calculate_entropy=True, logits_chunk_size=chunk)
+        return packed_impl, compiled_fn
     if column == "packed_liger":
         fused, scoped = liger_copy(model)
 
@@ -127,6 +169,17 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
                 raise
             absent[c] = f"could not be built: {type(e).__name__}: {str(e)[:160]}"
             columns.remove(c)
+    compiled = None
+    if "packed_compiled" in columns:
+        from rlpad.core.fused_modules import compile_counts
+
+        try:
+            compiled = _warm_up(fns["packed_compiled"], pieces, device)
+            compiled["graphs_total"] = compile_counts()["graphs"]
+        except Exception as e:  # noqa: BLE001 - a compile failure: the column not run, said why
+            absent["packed_compiled"] = f"did not compile: {type(e).__name__}: {str(e)[:160]}"
+            columns.remove("packed_compiled")
+            del fns["packed_compiled"]
     skipped = {f"fwdbwd.{c}": why for c, why in NO_CPU_BACKWARD.items() if c in columns and device.type == "cpu"}
     skipped.update(absent)
 
@@ -168,7 +221,7 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     works = {"rmpad": packed_work(mask, response), "padded": padded_work(mask, response),
              "packed_sdpa": packed_peer_work(mask, response, masked=True),
              "packed_flex": packed_peer_work(mask, response, masked=False),
-             "packed_liger": packed_peer_work(mask, response, masked=True)}
+             "packed_liger": packed_peer_work(mask, response, masked=True), "packed_compiled": packed_work(mask, response)}
     flops = {c: forward_flops(model.config, works[c])["total"] for c in columns}
     name, peak = device_peak(device)
     result: dict[str, Any] = {
@@ -181,6 +234,12 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
         "valid_fraction": valid_tokens / data["attention_mask"].numel(),
         "tflop": {c: f / 1e12 for c, f in flops.items()}, "skipped": skipped, "agreement": diff,
     }
+    if compiled is not None:
+        from rlpad.core.fused_modules import compile_counts
+
+        result["compile"] = {"seconds": compiled["seconds"], "graphs": compiled["graphs"],
+                             "graphs_after_warmup": compile_counts()["graphs"] - compiled.pop("graphs_total"),
+                             "backend": "inductor" if device.type == "cuda" else "aot_eager"}
     for mode, factor in (("fwd", 1), ("fwdbwd", 3)):
         result[mode] = {}
         for c in columns:
@@ -234,6 +293,11 @@ def shape_tables(s: dict[str, Any]) -> list[Table]:
                          "" if c == "rmpad" else f"{m['of_ideal']:.2f}",
                          f"{s['agreement'][c]['lp_max_diff']:.2g}" if c != "rmpad" else ""])
     notes = [f"not run: {k} ({why})" for k, why in s["skipped"].items()]
+    if "compile" in s:
+        c = s["compile"]
+        notes.append(f"packed_compiled: decoder layers under torch.compile(dynamic=True, {c['backend']}); compile "
+                     f"(warm-up: one fwd + one fwd+bwd over the micro-batches, untimed) {c['seconds']:.1f} s, "
+                     f"{c['graphs']} graphs; graphs compiled during the timed rounds: {c['graphs_after_warmup']}")
     notes.insert(0, "s: seconds of the whole batch (median); tok/s: valid tokens; TF/s and MFU: the FLOPs the column "
                     "executes; peak GiB: torch.cuda.max_memory_allocated over the pass, weights included; rmpad "
                     "speed-up: the column's seconds / rmpad's, next to its FLOPs / rmpad's (FLOP ratio) and their "
