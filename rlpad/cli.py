@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
                 result = run_cuda(reps=args.reps, memory=not args.no_memory, shapes=args.models,
-                                  micro_rows=args.micro_rows, dry_run=args.dry_run)
+                                  micro_rows=args.micro_rows, dry_run=args.dry_run, columns=args.columns)
                 tables = cuda_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables
@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--micro-rows", type=int, default=None,
                        help="logprob, prefix --device cuda: rows per micro-batch (logprob: default each shape's "
                             "own; prefix: 16, whole groups of 8)")
+    bench.add_argument("--columns", default="all",
+                       help="logprob --device cuda: a set of rlpad/bench/logprob_cuda.py COLUMN_SETS (all, peers: "
+                            "all but packed_compiled, compiled: rmpad and packed_compiled) or a comma list of columns")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=None,

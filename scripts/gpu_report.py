@@ -24,7 +24,9 @@ from typing import Any
 
 # the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
 TABLES = {"head_sweep": "rlpad.bench.head_sweep:sweep_tables", "head": "rlpad.bench.head:tables",
-          "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables"}
+          "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
+          "compiled": "rlpad.bench.logprob_cuda:cuda_tables"}  # logprob's rmpad + packed_compiled, a step of its own
+COMMANDS = {"head_sweep": "head --sweep", "compiled": "logprob --columns compiled"}  # name -> `rlpad bench` args
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 
@@ -223,7 +225,7 @@ def markdown(r: dict[str, Any]) -> str:
               "its sweep: hidden 3584, vocab 152064)", ""]
     for name, b in r["bench"].items():
         step = b["step"] or {}
-        lines.append(f"### rlpad bench {name.replace('_sweep', ' --sweep')} --device cuda: exit {step.get('rc', 'not run')}"
+        lines.append(f"### rlpad bench {COMMANDS.get(name, name)} --device cuda: exit {step.get('rc', 'not run')}"
                      f"{' (timed out)' if step.get('timed_out') else ''}, {step.get('seconds', '?')} s")
         shown = bench_tables(name, b["json"]) if isinstance(b["json"], dict) else None
         if shown:

@@ -75,5 +75,40 @@ def test_the_hook_is_registered_and_per_instance():
     other = tiny_model("qwen2", vocab_size=VOCAB, seed=1)
     replaced = apply_fused_modules(plain, "compile", key=KEY, device_type="cpu")
     assert replaced == [f"model.layers.{i}" for i in range(plain.config.num_hidden_layers)]
-    assert all(layer._compiled_call_impl is not None for layer in plain.model.layers)
-    assert all(layer._compiled_call_impl is None for layer in other.model.layers)  # the class is untouched
+    assert all("forward" in vars(layer) for layer in plain.model.layers)
+    assert not any("forward" in vars(m) for m in other.modules())  # the class is untouched
+
+
+def test_actor_worker_option_scores_and_updates_as_without(monkeypatch):
+    """``actor_rollout_ref.model.compile_decoder_layers=true`` in a real actor (FSDP2, one CPU rank): the
+    layers of the sharded model compiled, old log-probs within the fp32 bound and one update's
+    metrics and new weights as the plain actor's. Backend aot_eager (inductor under FSDP: 4 minutes
+    of compilation on a shared CPU, passed once by hand)."""
+    monkeypatch.setattr("rlpad.core.fused_modules.COMPILE_BACKEND", "aot_eager")
+    from rlpad.batch import WORKER_SECONDS
+    from rlpad.config.schema import ActorRolloutRefConfig
+    from rlpad.embedded.synthetic import ppo_batch
+    from workers.actor import ActorWorker
+
+    def actor(compiled: bool) -> ActorWorker:
+        cfg = ActorRolloutRefConfig()
+        cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu = 8, 4
+        cfg.actor.optim.lr, cfg.rollout.n = 1e-3, 1
+        cfg.model.compile_decoder_layers = compiled
+        w = ActorWorker(cfg, device="cpu")
+        w.init_model()
+        return w
+
+    plain, compiled = actor(False), actor(True)
+    assert all("forward" in vars(layer) for layer in compiled.model.model.layers)
+    batch = ppo_batch(8, PROMPT, RESPONSE, vocab_size=compiled.model.config.vocab_size, seed=1)
+    a, b = plain.compute_log_prob(batch), compiled.compute_log_prob(batch)
+    for key in ("old_log_probs", "entropy"):
+        assert (a[key] - b[key]).abs().max() <= FP32_LOGPROB_TOL, key
+    m1, m2 = plain.update_actor(batch), compiled.update_actor(batch)
+    m1.pop(WORKER_SECONDS), m2.pop(WORKER_SECONDS)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
+    for (name, p), q in zip(plain.root.named_parameters(), compiled.root.parameters()):
+        assert (p.full_tensor() - q.full_tensor()).abs().max() <= 1e-5, name

@@ -96,6 +96,9 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
                 load_adapter_weights(self.peft, self._local_path(mcfg.lora_adapter_path))
         self.model = model
         self.root = self._shard_from_rank0(LogProbModel(model), model)
+        if mcfg.compile_decoder_layers:  # after sharding: FSDP's hooks stay outside the compiled forwards
+            apply_fused_modules(model, "compile", key="actor_rollout_ref.model.compile_decoder_layers",
+                                device_type=torch.device(self.device).type)
         if self.role == "actor":
             self._build_optimizer(self.config.actor.optim)
         else:  # verl's ref.fsdp_config.param_offload: the reference's parameters in host memory between calls

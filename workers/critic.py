@@ -54,6 +54,9 @@ class CriticWorker(FSDPWorker):
         value_model = ValueModel(lm, seed=self.seed)
         del lm  # the LM head is not part of the critic
         self.root = self._shard_from_rank0(value_model, value_model.backbone)
+        if mcfg.compile_decoder_layers:  # after sharding: FSDP's hooks stay outside the compiled forwards
+            apply_fused_modules(lm, "compile", key="critic.model.compile_decoder_layers",
+                                device_type=torch.device(self.device).type)
         self.model = value_model.backbone
         self._build_optimizer(self.config.optim)
         fsdp = self.config.model.fsdp_config  # verl's: the state in host memory between calls

@@ -58,9 +58,12 @@ from rlpad.core.forward import backbone_of, compute_log_probs
 from rlpad.core.lm_head import choose_head, triton_missing
 from rlpad.embedded.synthetic import rollout_batch
 
-__all__ = ["COLUMNS", "CUDA_SHAPES", "DRY_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
+__all__ = ["COLUMNS", "COLUMN_SETS", "column_list", "CUDA_SHAPES", "DRY_SHAPES", "cuda_tables", "measure_shape", "run_cuda"]
 
 COLUMNS = ("rmpad", "padded", "packed_sdpa", "packed_flex", "packed_liger", "packed_compiled")
+# --columns: named sets; the GPU lane runs "peers" and "compiled" as two steps (compilation has its own time limit)
+COLUMN_SETS = {"all": COLUMNS, "peers": tuple(c for c in COLUMNS if c != "packed_compiled"),
+               "compiled": ("rmpad", "packed_compiled")}
 # name -> model row of rlpad.bench.models.MODEL_SHAPES and its batch; `make test-gpu` runs both (about 2 minutes
 # on an H100, estimated from the 2026-11-24 figures: see docs/development.md#the-gpu-lane).
 CUDA_SHAPES: dict[str, dict[str, Any]] = {
@@ -69,6 +72,18 @@ CUDA_SHAPES: dict[str, dict[str, Any]] = {
 }
 DRY_SHAPES = {"tiny": dict(model="tiny", rows=4, prompt=8, response=12, micro_rows=2)}  # the dry run, on the CPU
 NO_CPU_BACKWARD = {"packed_flex": "FlexAttention has no backward on the CPU"}
+
+
+def column_list(spec: str) -> tuple[str, ...]:
+    """The columns of ``spec``: a name of :data:`COLUMN_SETS` or a comma list of :data:`COLUMNS` (rmpad first)."""
+    if spec in COLUMN_SETS:
+        return COLUMN_SETS[spec]
+    names = tuple(c.strip() for c in spec.split(",") if c.strip())
+    bad = [c for c in names if c not in COLUMNS]
+    if bad or "rmpad" not in names:
+        raise ValueError(f"--columns {spec!r}: name a set of {sorted(COLUMN_SETS)} or columns among {list(COLUMNS)} "
+                         f"including 'rmpad'" + (f"; unknown {bad}" if bad else ""))
+    return ("rmpad", *(c for c in names if c != "rmpad"))
 
 
 def _unavailable(column: str, device: torch.device) -> str | None:
@@ -329,10 +344,12 @@ def cuda_tables(result: dict[str, Any]) -> list[Table]:
 
 
 def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None = None, micro_rows: int | None = None,
-             chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
+             chunk: int = 4096, dry_run: bool = False, columns: str = "all") -> dict[str, Any]:
     """The whole CUDA benchmark over ``shapes`` (names of :data:`CUDA_SHAPES`, default all); ``micro_rows``
     overrides each shape's own. ``dry_run``: the same code on the CPU over :data:`DRY_SHAPES`, no memory
-    part. Returns the result (the CLI prints :func:`cuda_tables` and writes the JSON)."""
+    part. ``columns``: see :func:`column_list`. Returns the result (the CLI prints :func:`cuda_tables`
+    and writes the JSON)."""
+    chosen = column_list(columns)  # ValueError before any compute
     table = DRY_SHAPES if dry_run else CUDA_SHAPES
     names = list(shapes or table)
     unknown = [n for n in names if n not in table]
@@ -345,7 +362,7 @@ def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None
         spec = dict(table[n])
         if micro_rows is not None:
             spec["micro_rows"] = micro_rows
-        result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, **spec))
+        result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, columns=chosen, **spec))
         gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -38,6 +38,9 @@ class ModelConfig:
     # liger-kernel's fused RMSNorm, SwiGLU and rotary in the decoder (verl's key; CUDA, liger-kernel
     # installed: rlpad/core/fused_modules.py); the LM head stays rlpad's
     use_liger: bool = False
+    # each decoder layer's forward under torch.compile(dynamic=True) (rlpad/core/fused_modules.py: inductor,
+    # exact on the CPU; CUDA: measured by `rlpad bench logprob --device cuda --columns compiled`, kept if it pays)
+    compile_decoder_layers: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
     logits_chunk_size: int | None = None  # LM head chunking (tokens); None = whole
     trust_remote_code: bool = False  # allow the checkpoint's own modelling code (transformers and vLLM)

@@ -7,8 +7,9 @@ model's transformers module). Its cross-entropy and fused-linear-cross-entropy p
 LM head is rlpad's (:mod:`rlpad.core.lm_head`). liger-kernel's kernels are Triton on CUDA: a CPU
 model is refused before anything changes; liger-kernel is a dependency of the ``gpu`` extra only.
 
-``compile`` (``actor_rollout_ref.model.compile_decoder_layers``): each decoder layer of the model
-compiled on its own instance (``nn.Module.compile``, ``dynamic=True``: one graph for every packed
+``compile`` (``actor_rollout_ref.model.compile_decoder_layers``): each decoder layer's forward under
+``torch.compile`` on its own instance (an instance attribute, as liger's MLP patch: module hooks, FSDP's
+all-gathers, stay outside the compiled code; ``dynamic=True``: one graph for every packed
 length: recompiles stay few and are counted; the class and every other model are left
 alone). rlpad's varlen attention reads the sequence bounds on the host: it runs between two compiled
 graphs. :func:`compile_counts` counts the graphs compiled (recompiles included). Measured by
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 __all__ = ["COMPILE_BACKEND", "FUSED_MODULES", "apply_fused_modules", "compile_counts", "compile_decoder_layers",
@@ -91,7 +93,7 @@ def compile_decoder_layers(model: nn.Module, backend: str | None = None) -> list
         return []
     compiler = _counting(backend or COMPILE_BACKEND)
     for layer in layers:
-        layer.compile(dynamic=True, backend=compiler)
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=compiler)
     return [f"{prefix}.layers.{i}" for i in range(len(layers))]
 
 
