@@ -266,3 +266,16 @@ def test_prefix_shape_code_runs_in_micro_batches_of_whole_groups():
         assert m["shared_tflops"] == pytest.approx(factor * r["shared_gflop"] / 1e3 / m["shared_s"])
     with pytest.raises(ValueError, match="micro_rows=4 must be a multiple of n=8"):
         bench_shape(model, 12, 8, reps=1, groups=2, micro_rows=4)
+
+
+def test_column_sets_and_a_bad_column_list():
+    """`--columns`: the named sets split COLUMNS into the peers and the compiled pair; a bad list is one line."""
+    from rlpad.bench.logprob_cuda import COLUMN_SETS, column_list
+
+    assert set(COLUMN_SETS["peers"]) | set(COLUMN_SETS["compiled"]) == set(COLUMNS) == set(column_list("all"))
+    assert "packed_compiled" not in COLUMN_SETS["peers"]
+    assert column_list("packed_compiled, rmpad") == ("rmpad", "packed_compiled")
+    with pytest.raises(ValueError, match=r"--columns 'rmpad,packed_jit'.*unknown \['packed_jit'\]"):
+        column_list("rmpad,packed_jit")
+    with pytest.raises(ValueError, match="including 'rmpad'"):
+        column_list("padded")
