@@ -61,8 +61,14 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             if args.what == "logprob":
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
+                out = args.out or f"results/bench_{args.what}_cuda.json"
+
+                def shape_done(so_far: dict) -> None:  # the JSON so far: a run cut short keeps its shapes
+                    write_json(so_far, out)
+                    print(f"bench logprob --device cuda: {so_far['shapes'][-1]['model']} done", flush=True)
                 result = run_cuda(reps=args.reps, memory=not args.no_memory, shapes=args.models,
-                                  micro_rows=args.micro_rows, dry_run=args.dry_run, columns=args.columns)
+                                  micro_rows=args.micro_rows, dry_run=args.dry_run, columns=args.columns,
+                                  on_shape=shape_done)
                 tables = cuda_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables

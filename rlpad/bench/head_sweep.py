@@ -6,7 +6,10 @@ Per token count (random inputs of the 7B head's shape, bf16 on CUDA): the three-
 every configuration of :data:`SWEEP` (BLOCK_N x BLOCK_V x BLOCK_K x warps x stages x grid order):
 forward and forward+backward seconds (medians of interleaved repetitions), their ratio to the
 floor, max |log-prob| / |entropy| error against fp64 on the first ``err_tokens`` tokens (``ok``:
-both within :data:`~rlpad.embedded.head_exactness.HEAD_LP_BOUND`), and the model's HBM gigabytes of
+both within :data:`~rlpad.embedded.head_exactness.HEAD_LP_BOUND`, or within 1.25x of what fp32 logits
+from torch's own GEMM of the same bf16 inputs reach: at 4800 tokens on the H200 of 2026-11-27 every
+configuration and torch's fp32 head itself were at 5.5e-5, the fp32 rounding of those rows, not a
+fault of a tile choice), and the model's HBM gigabytes of
 the forward launch. The fastest ``ok`` configuration per token count is marked. A configuration
 that fails to compile or run (shared memory, registers) is a row with its error.
 
@@ -89,6 +92,7 @@ def run_sweep(device: str = "cuda", *, tokens: tuple[int, ...] | None = None, hi
         h, w = x["hidden"], x["weight"]
         e = min(n, err_tokens)
         refs[n] = (e, *fp64_head(h[:e], w, x["labels"][:e]))
+        result.setdefault("fp32_err", {})[str(n)] = _fp32_logits_errors(h[:e], w, x["labels"][:e], refs[n])
 
         def floor(backward: bool, h=h, w=w) -> None:
             logits = h @ w.t()
@@ -109,6 +113,9 @@ def run_sweep(device: str = "cuda", *, tokens: tuple[int, ...] | None = None, hi
                 continue
             try:
                 row.update(_measure(triton_log_probs_and_entropy, x, tiles, reps, dev, *refs[n]))
+                fp32_lp, fp32_ent = result["fp32_err"][str(n)]
+                row["ok"] = (row["lp_err"] < max(HEAD_LP_BOUND, FP32_SLACK * fp32_lp)
+                             and row["ent_err"] < max(HEAD_LP_BOUND, FP32_SLACK * fp32_ent))
                 row["fwd_vs_floor"] = row["fwd_s"] / floors[n]["fwd"]
                 row["fwdbwd_vs_floor"] = row["fwdbwd_s"] / floors[n]["fwdbwd"]
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit: its row says why
@@ -142,8 +149,19 @@ def _measure(head, x, tiles, reps, dev, e, ref_lp, ref_ent) -> dict[str, Any]:
     lp_err = (lp[:e].double() - ref_lp).abs().max().item()
     ent_err = (ent[:e].double() - ref_ent).abs().max().item()
     seconds = interleaved_medians({"fwd": lambda: one(False), "fwdbwd": lambda: one(True)}, reps, dev)
-    return {"fwd_s": seconds["fwd"], "fwdbwd_s": seconds["fwdbwd"], "lp_err": lp_err, "ent_err": ent_err,
-            "ok": lp_err < HEAD_LP_BOUND and ent_err < HEAD_LP_BOUND}
+    return {"fwd_s": seconds["fwd"], "fwdbwd_s": seconds["fwdbwd"], "lp_err": lp_err, "ent_err": ent_err}
+
+
+FP32_SLACK = 1.25  # a configuration is exact when within HEAD_LP_BOUND or 1.25x torch's fp32-logits head
+
+
+def _fp32_logits_errors(h, w, labels, ref) -> tuple[float, float]:
+    """Max |log-prob| / |entropy| error vs fp64 of fp32 logits from torch's GEMM (TF32 off) of the same rows."""
+    _, ref_lp, ref_ent = ref
+    z = (h.float() @ w.float().t()).log_softmax(-1)
+    lp = z.gather(-1, labels[:, None])[:, 0]
+    ent = -(z.exp() * z).sum(-1)
+    return (lp.double() - ref_lp).abs().max().item(), (ent.double() - ref_ent).abs().max().item()
 
 
 def sweep_tables(result: dict[str, Any]) -> list[Table]:
@@ -161,6 +179,8 @@ def sweep_tables(result: dict[str, Any]) -> list[Table]:
              f"{result['hidden']}, vocab {result['vocab']}; medians of {result['reps']}")
     notes = [f"HBM GB: the forward launch's traffic by rlpad.core.lm_head_plan.forward_traffic on {result['model_gpu']}; "
              f"errors: max |x - fp64| of log-prob / entropy over the first {result['err_tokens']} tokens, ok: both < "
-             f"{HEAD_LP_BOUND:g}; *: the fastest ok configuration (fwd+bwd) per token count."]
+             f"{HEAD_LP_BOUND:g} or {FP32_SLACK:g}x torch's fp32-logits head (lp / ent: "
+             + ", ".join(f"{n}: {a:.1e} / {b:.1e}" for n, (a, b) in result.get("fp32_err", {}).items())
+             + "); *: the fastest ok configuration (fwd+bwd) per token count."]
     return [Table(["tokens", "tiles", "HBM GB", "fwd ms", "/ floor", "fwd+bwd ms", "/ floor", "lp / ent err", "ok"],
                   rows, title=title, notes=notes, align="rlrrrrrrl")]

@@ -133,12 +133,12 @@ def _column(model, column: str, packed_impl: str, response: int, chunk: int) -> 
                                      use_remove_padding=True, calculate_entropy=True, logits_chunk_size=chunk)
         return packed_impl, compiled_fn
     if column == "packed_liger":
-        fused, scoped = liger_copy(model)
+        fused = liger_copy(model)
 
         def liger_fn(p):
             fused.zero_grad(set_to_none=True)
             return packed_peer_log_probs(fused, p["input_ids"], p["attention_mask"], p["position_ids"], response)
-        return PEER_ATTENTION[column], scoped(liger_fn)
+        return PEER_ATTENTION[column], liger_fn
     if column in PEER_ATTENTION:
         return PEER_ATTENTION[column], lambda p: packed_peer_log_probs(
             model, p["input_ids"], p["attention_mask"], p["position_ids"], response)
@@ -344,11 +344,13 @@ def cuda_tables(result: dict[str, Any]) -> list[Table]:
 
 
 def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None = None, micro_rows: int | None = None,
-             chunk: int = 4096, dry_run: bool = False, columns: str = "all") -> dict[str, Any]:
+             chunk: int = 4096, dry_run: bool = False, columns: str = "all",
+             on_shape: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The whole CUDA benchmark over ``shapes`` (names of :data:`CUDA_SHAPES`, default all); ``micro_rows``
     overrides each shape's own. ``dry_run``: the same code on the CPU over :data:`DRY_SHAPES`, no memory
-    part. ``columns``: see :func:`column_list`. Returns the result (the CLI prints :func:`cuda_tables`
-    and writes the JSON)."""
+    part. ``columns``: see :func:`column_list`. ``on_shape(result so far)`` after each shape (the CLI
+    writes the JSON then, so a run cut short keeps the shapes it finished). Returns the result (the CLI
+    prints :func:`cuda_tables` and writes the JSON)."""
     chosen = column_list(columns)  # ValueError before any compute
     table = DRY_SHAPES if dry_run else CUDA_SHAPES
     names = list(shapes or table)
@@ -363,6 +365,8 @@ def run_cuda(*, reps: int = 3, memory: bool = True, shapes: Sequence[str] | None
         if micro_rows is not None:
             spec["micro_rows"] = micro_rows
         result["shapes"].append(measure_shape(device, spec.pop("model"), chunk=chunk, reps=reps, columns=chosen, **spec))
+        if on_shape is not None:
+            on_shape(result)
         gc.collect()  # the shape's model, batch and closures are gone: give their memory back before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()

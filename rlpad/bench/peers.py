@@ -12,8 +12,6 @@ and the entropy from it; the scored tokens' values are gathered into the (B, R) 
 from __future__ import annotations
 
 import copy
-import sys
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,34 +42,15 @@ def packed_peer_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_m
     return lp, ent.view(batch, response_length)
 
 
-def liger_copy(model: nn.Module, device_type: str | None = None) -> tuple[nn.Module, Callable[[Callable], Callable]]:
-    """``(copy of model with liger-kernel's fused modules, scoped)``: the copy through rlpad's hook
-    (:func:`rlpad.core.fused_modules.apply_fused_modules`, sdpa attention). liger also rebinds names of
-    the model's transformers module (the rotary function, the norm and MLP classes) for the whole
-    process; they are undone at once, so the other columns and later models keep transformers' own,
-    and ``scoped(fn)`` wraps a call of the copy with them in place (the rotary's backward is the
-    autograd function its forward recorded). ``device_type``: the model's (a test names cuda to build it
-    on the CPU)."""
+def liger_copy(model: nn.Module, device_type: str | None = None) -> nn.Module:
+    """A copy of ``model`` with liger-kernel's fused modules through rlpad's hook
+    (:func:`rlpad.core.fused_modules.apply_fused_modules`, sdpa attention), which keeps liger's rebinds
+    of the transformers module to the copy's own decoder layers. ``device_type``: the model's (a test
+    names cuda to build it on the CPU)."""
     from rlpad.core.fused_modules import apply_fused_modules
 
-    module = sys.modules[type(model).__module__]
-    before = dict(vars(module))
     fused = copy.deepcopy(model)
     fused.set_attn_implementation(PEER_ATTENTION["packed_liger"])
     apply_fused_modules(fused, "liger", key="rlpad bench logprob packed_liger",
                         device_type=device_type or next(model.parameters()).device.type)
-    rebinds = {k: v for k, v in vars(module).items() if before.get(k) is not v}
-    for k in rebinds:
-        setattr(module, k, before[k]) if k in before else delattr(module, k)
-
-    def scoped(fn: Callable) -> Callable:
-        def call(*args, **kwargs):
-            for k, v in rebinds.items():
-                setattr(module, k, v)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                for k in rebinds:
-                    setattr(module, k, before[k]) if k in before else delattr(module, k)
-        return call
-    return fused, scoped
+    return fused

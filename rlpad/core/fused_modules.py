@@ -2,8 +2,11 @@
 
 ``liger`` (``actor_rollout_ref.model.use_liger``, verl's key): liger-kernel's fused RMSNorm, SwiGLU
 MLP and rotary embedding in the decoder, applied by liger's own instance patch
-(``_apply_liger_kernel_to_instance``, which also rebinds the classes and the rotary function of the
-model's transformers module). Its cross-entropy and fused-linear-cross-entropy patches stay off: the
+(``_apply_liger_kernel_to_instance``). That patch also rebinds names of the model's transformers module
+(the norm and MLP classes, the rotary function) for the whole process: they are undone at once and the
+rotary function is put back only while one of THIS model's decoder layers runs (forward hooks), so
+every other model in the process keeps transformers' own (the GPU run of 2026-11-27 found a CPU
+model built after a liger one running liger's Triton RMSNorm). Its cross-entropy and fused-linear-cross-entropy patches stay off: the
 LM head is rlpad's (:mod:`rlpad.core.lm_head`). liger-kernel's kernels are Triton on CUDA: a CPU
 model is refused before anything changes; liger-kernel is a dependency of the ``gpu`` extra only.
 
@@ -19,13 +22,14 @@ graphs. :func:`compile_counts` counts the graphs compiled (recompiles included).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 __all__ = ["COMPILE_BACKEND", "FUSED_MODULES", "apply_fused_modules", "compile_counts", "compile_decoder_layers",
-           "liger_missing", "register_fused_modules"]
+           "liger_missing", "register_fused_modules", "scope_module_rebinds"]
 
 FUSED_MODULES: dict[str, Callable[[nn.Module], list[str]]] = {}
 
@@ -52,15 +56,41 @@ def liger_missing() -> str | None:
 
 @register_fused_modules("liger")
 def apply_liger(model: nn.Module) -> list[str]:
-    """liger-kernel's RMSNorm, SwiGLU and rotary on ``model`` (a transformers causal LM)."""
+    """liger-kernel's RMSNorm, SwiGLU and rotary on ``model`` (a transformers causal LM), on this model alone."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     before = {name: type(m) for name, m in model.named_modules()}
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    scope_module_rebinds(model, lambda: _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False))
     # RMSNorm is patched in place (its forward and class name change), the MLPs by class or forward
     return [name for name, m in model.named_modules()
             if type(m) is not before.get(name) or "forward" in vars(m) or "Liger" in type(m).__name__]
+
+
+def scope_module_rebinds(model: nn.Module, patch: Callable[[], None]) -> dict[str, object]:
+    """Runs ``patch()``; the names it rebinds in the model's transformers module are undone at once and
+    put back only while a decoder layer of ``model`` runs (a forward pre-hook and an always-called
+    forward hook per layer, so activation-checkpoint recomputes see them too). Returns the rebinds."""
+    module = sys.modules[type(model).__module__]
+    before = dict(vars(module))
+    patch()
+    rebinds = {k: v for k, v in vars(module).items() if before.get(k) is not v}
+
+    def restore(*_) -> None:
+        for k in rebinds:
+            setattr(module, k, before[k]) if k in before else delattr(module, k)
+
+    def put_back(*_) -> None:
+        for k, v in rebinds.items():
+            setattr(module, k, v)
+
+    restore()
+    if rebinds:
+        backbone = getattr(model, model.base_model_prefix, model)
+        for layer in getattr(backbone, "layers", None) or [model]:
+            layer.register_forward_pre_hook(put_back)
+            layer.register_forward_hook(restore, always_call=True)
+    return rebinds
 
 
 COMPILE_BACKEND = "inductor"
