@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="logprob, prefix --device cuda: rows per micro-batch (logprob: default each shape's "
                             "own; prefix: 16, whole groups of 8)")
     bench.add_argument("--columns", default="all",
-                       help="logprob --device cuda: a set of rlpad/bench/logprob_cuda.py COLUMN_SETS (all, peers: "
-                            "all but packed_compiled, compiled: rmpad and packed_compiled) or a comma list of columns")
+                       help="logprob --device cuda: a set of rlpad/bench/logprob_cuda.py COLUMN_SETS (all, peers, "
+                            "compiled, flex) or a comma list of columns")
     bench.add_argument("--recipe", nargs="*", default=None,
                        help="e2e: recipe(s) to run (default recipes/grpo_tiny_long.yaml)")
     bench.add_argument("--steps", type=int, default=None,

@@ -25,8 +25,10 @@ from typing import Any
 # the benchmarks the lane runs (bench_NAME.json / .log): name -> "module:function" turning its JSON into Tables
 TABLES = {"head_sweep": "rlpad.bench.head_sweep:sweep_tables", "head": "rlpad.bench.head:tables",
           "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
-          "compiled": "rlpad.bench.logprob_cuda:cuda_tables"}  # logprob's rmpad + packed_compiled, a step of its own
-COMMANDS = {"head_sweep": "head --sweep", "compiled": "logprob --columns compiled"}  # name -> `rlpad bench` args
+          "compiled": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_compiled, a step of its own
+          "flex": "rlpad.bench.logprob_cuda:cuda_tables"}  # logprob's rmpad + packed_flex, likewise
+COMMANDS = {"head_sweep": "head --sweep", "compiled": "logprob --columns compiled",  # name -> `rlpad bench` args
+            "flex": "logprob --columns flex"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 

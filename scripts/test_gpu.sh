@@ -23,24 +23,23 @@ PY=${PY:-python3}
 OUT=${1:-${RLPAD_GPU_OUT:-results/gpu}}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
 DRY=${RLPAD_GPU_DRY_RUN:-0}
-# Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...): 30 + 110 + 100 + 50 + 120 + 60 = 470 s, + 150
-# for bench_compiled (the torch.compile column, last: 620 s when it uses its whole limit). On the H100 of 2026-11-24
-# the install took 18 s, the tests 63 s (before the LM-head tests; the 19000-token one and liger's add ~15 s) and
-# bench prefix 36 s; bench logprob (34 s then, one shape and two columns) is estimated at about 2 minutes now: 4
-# timed rounds of 5 columns x fwd and fwd+bwd at two shapes (the per-column figures: ~7.7 s a round at the
-# 0.5B shape, 6.1 s at 7b-layers), plus the agreement pass, the profile and flex_attention's compilation. The
-# sweep: 27 configurations, each compiled once (~2-4 s, two kernels) and timed at both token counts (~0.8 s); it
-# starts none after SWEEP_BUDGET_S, so its JSON is written inside its limit.
+# Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...), against what the H200 of 2026-11-27 took:
+# install 30 (19), tests 110 (51-68), sweep 80 with a 50 s budget (65: 16 of its 27 configurations), head 30 (17),
+# logprob's four peer columns 150 (not measured: two runs with packed_flex among them wrote nothing in 120 and 180 s),
+# prefix 45 (28), compiled 110 (99, 63 of it inductor), flex 120 (not measured): 675 s at most, ~300 s measured
+# plus the two unmeasured steps. The sweep starts no configuration after SWEEP_BUDGET_S, so its JSON is written
+# inside its limit; logprob writes its JSON after each shape.
 TEST_S=${RLPAD_GPU_TEST_S:-110}
-SWEEP_S=${RLPAD_GPU_SWEEP_S:-100}
-SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-70}
-HEAD_S=${RLPAD_GPU_HEAD_S:-50}
-LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-120}
-BENCH_S=${RLPAD_GPU_BENCH_S:-60}
-COMPILED_S=${RLPAD_GPU_COMPILED_S:-150}  # inductor compiles the layer's fwd and fwd+bwd graphs (estimate, not measured)
+SWEEP_S=${RLPAD_GPU_SWEEP_S:-80}
+SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-50}
+HEAD_S=${RLPAD_GPU_HEAD_S:-30}
+LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-150}
+BENCH_S=${RLPAD_GPU_BENCH_S:-45}
+COMPILED_S=${RLPAD_GPU_COMPILED_S:-110}
+FLEX_S=${RLPAD_GPU_FLEX_S:-120}
 
 if [ "$DRY" = 1 ]; then  # a shared CPU, not the GPU's budget: each step gets 10 minutes
-    TEST_S=600 SWEEP_S=600 HEAD_S=600 LOGPROB_S=600 BENCH_S=600 COMPILED_S=600
+    TEST_S=600 SWEEP_S=600 HEAD_S=600 LOGPROB_S=600 BENCH_S=600 COMPILED_S=600 FLEX_S=600
     SIDE=${RLPAD_TRITON_INTERPRETER:-$($PY -c 'import sys; print(sys.prefix)')/triton-interpreter}
     BENCH=(--dry-run --reps 1)
     HEAD_SIZES=(--tokens 16 40 --hidden 32 --vocab 101)
@@ -108,11 +107,16 @@ prefix_rc=$?
 step bench_compiled "$COMPILED_S" $PY -m rlpad.cli bench logprob --device cuda "${BENCH[@]}" --columns compiled \
     --no-memory --out "$OUT/bench_compiled.json"
 compiled_rc=$?
+# packed flex_attention (transformers compiles it): last, in its own limit, for the same reason
+# shellcheck disable=SC2086
+step bench_flex "$FLEX_S" $PY -m rlpad.cli bench logprob --device cuda "${BENCH[@]}" --columns flex \
+    --no-memory --out "$OUT/bench_flex.json"
+flex_rc=$?
 dry=()
 [ "$DRY" = 1 ] && dry=(--dry-run)
 # shellcheck disable=SC2086
 $PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))" "${dry[@]}"
 report_rc=$?
-for rc in $tests_rc $sweep_rc $head_rc $lp_rc $prefix_rc $compiled_rc $report_rc; do
+for rc in $tests_rc $sweep_rc $head_rc $lp_rc $prefix_rc $compiled_rc $flex_rc $report_rc; do
     [ "$rc" -eq 0 ] || exit 1
 done

@@ -269,11 +269,14 @@ def test_prefix_shape_code_runs_in_micro_batches_of_whole_groups():
 
 
 def test_column_sets_and_a_bad_column_list():
-    """`--columns`: the named sets split COLUMNS into the peers and the compiled pair; a bad list is one line."""
+    """`--columns`: the lane's three named sets (peers, compiled, flex) cover COLUMNS, the compiling
+    columns each in a set of its own with rmpad; a bad list is one line."""
     from rlpad.bench.logprob_cuda import COLUMN_SETS, column_list
 
-    assert set(COLUMN_SETS["peers"]) | set(COLUMN_SETS["compiled"]) == set(COLUMNS) == set(column_list("all"))
-    assert "packed_compiled" not in COLUMN_SETS["peers"]
+    lane = ("peers", "compiled", "flex")
+    assert set().union(*(COLUMN_SETS[n] for n in lane)) == set(COLUMNS) == set(column_list("all"))
+    assert COLUMN_SETS["compiled"] == ("rmpad", "packed_compiled") and COLUMN_SETS["flex"] == ("rmpad", "packed_flex")
+    assert not {"packed_compiled", "packed_flex"} & set(COLUMN_SETS["peers"])
     assert column_list("packed_compiled, rmpad") == ("rmpad", "packed_compiled")
     with pytest.raises(ValueError, match=r"--columns 'rmpad,packed_jit'.*unknown \['packed_jit'\]"):
         column_list("rmpad,packed_jit")

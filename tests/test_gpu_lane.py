@@ -183,12 +183,13 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert [(s[0], s[1]) for s in steps] == [(n, "0") for n in ("tests", "bench_head_sweep", "bench_head",
-                                                                 "bench_logprob", "bench_prefix", "bench_compiled")]
+                                                                 "bench_logprob", "bench_prefix", "bench_compiled",
+                                                                 "bench_flex")]
     md = (out / "report.md").read_text()
     assert "**DRY RUN on the CPU**" in md and "## Targets (issue #34)" in md
     for t in TARGETS:
         assert f"| {t.name} |" in md, t.name
-    for bench in ("head --sweep", "head", "logprob", "prefix", "logprob --columns compiled"):
+    for bench in ("head --sweep", "head", "logprob", "prefix", "logprob --columns compiled", "logprob --columns flex"):
         assert f"### rlpad bench {bench} --device cuda: exit 0" in md, bench
     assert "| packed_compiled" in md and "packed_compiled: decoder layers under torch.compile" in md
     assert "LM head tile sweep" in md and "HBM model per grid order" in md and "| packed_sdpa" in md.replace(" ", " ")
@@ -207,11 +208,13 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     bench["head_sweep"]["best"] = {str(relabel[int(k)]): v for k, v in bench["head_sweep"]["best"].items()}
     for r in bench["head"]["rows"]:
         r["peak_gib"] = 1.0  # CUDA only
-    tiny = bench["logprob"]["shapes"][0]
-    tiny["fwdbwd"]["packed_flex"] = dict(tiny["fwd"]["packed_flex"])  # FlexAttention: no CPU backward
+    tiny, flex = bench["logprob"]["shapes"][0], bench["flex"]["shapes"][0]
+    assert "packed_flex" not in tiny["fwd"] and "packed_flex" in flex["fwd"]  # its own step
+    flex["fwdbwd"]["packed_flex"] = dict(flex["fwd"]["packed_flex"])  # FlexAttention: no CPU backward
     for mode in ("fwd", "fwdbwd"):
         tiny[mode]["rmpad"]["mfu"] = 0.5  # on a GPU of the peak table only (path_rates' rmpad_mfu)
-    bench["logprob"]["shapes"] = [{**tiny, "model": m} for m in ("qwen2.5-0.5b", "7b-layers")]
+    for key, shape in (("logprob", tiny), ("flex", flex)):
+        bench[key]["shapes"] = [{**shape, "model": m} for m in ("qwen2.5-0.5b", "7b-layers")]
     shape = bench["prefix"]["shapes"][0]
     bench["prefix"]["shapes"] = [{**shape, "prompt": p} for p in (512, 128)]
     figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {"rmpad/2 layers": 0}}}

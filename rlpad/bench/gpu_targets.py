@@ -55,7 +55,10 @@ def _shape(bench: str, match: Callable[[dict], bool], *keys: str) -> Callable[[d
 
 
 def _model(name: str, *keys: str) -> Callable[[dict], Any]:
-    return _shape("logprob", lambda s: s.get("model") == name, *keys)
+    """A figure of model ``name`` from the lane's logprob steps (peers, flex, compiled: rmpad runs in each),
+    the first that has it."""
+    gets = [_shape(bench, lambda s: s.get("model") == name, *keys) for bench in ("logprob", "flex", "compiled")]
+    return lambda r: next((v for v in (g(r) for g in gets) if v is not None), None)
 
 
 def _prompt(p: int, *keys: str) -> Callable[[dict], Any]:

@@ -31,7 +31,7 @@ from rlpad.bench.measure import device_peak, interleaved_medians, require_cuda
 from rlpad.bench.table import Table
 from rlpad.core.lm_head import triton_missing
 from rlpad.core.lm_head_plan import GPUS, GRID_ORDERS, TILE_TABLE, Tiles, device_gpu, forward_traffic
-from rlpad.embedded.head_exactness import HEAD_LP_BOUND, fp64_head, head_inputs
+from rlpad.embedded.head_exactness import FP32_SLACK, HEAD_LP_BOUND, fp32_logits_errors, fp64_head, head_inputs
 
 __all__ = ["DRY_SWEEP", "SWEEP", "run_sweep", "sweep_tables"]
 
@@ -92,7 +92,7 @@ def run_sweep(device: str = "cuda", *, tokens: tuple[int, ...] | None = None, hi
         h, w = x["hidden"], x["weight"]
         e = min(n, err_tokens)
         refs[n] = (e, *fp64_head(h[:e], w, x["labels"][:e]))
-        result.setdefault("fp32_err", {})[str(n)] = _fp32_logits_errors(h[:e], w, x["labels"][:e], refs[n])
+        result.setdefault("fp32_err", {})[str(n)] = fp32_logits_errors(h[:e], w, x["labels"][:e], *refs[n][1:])
 
         def floor(backward: bool, h=h, w=w) -> None:
             logits = h @ w.t()
@@ -151,17 +151,6 @@ def _measure(head, x, tiles, reps, dev, e, ref_lp, ref_ent) -> dict[str, Any]:
     seconds = interleaved_medians({"fwd": lambda: one(False), "fwdbwd": lambda: one(True)}, reps, dev)
     return {"fwd_s": seconds["fwd"], "fwdbwd_s": seconds["fwdbwd"], "lp_err": lp_err, "ent_err": ent_err}
 
-
-FP32_SLACK = 1.25  # a configuration is exact when within HEAD_LP_BOUND or 1.25x torch's fp32-logits head
-
-
-def _fp32_logits_errors(h, w, labels, ref) -> tuple[float, float]:
-    """Max |log-prob| / |entropy| error vs fp64 of fp32 logits from torch's GEMM (TF32 off) of the same rows."""
-    _, ref_lp, ref_ent = ref
-    z = (h.float() @ w.float().t()).log_softmax(-1)
-    lp = z.gather(-1, labels[:, None])[:, 0]
-    ent = -(z.exp() * z).sum(-1)
-    return (lp.double() - ref_lp).abs().max().item(), (ent.double() - ref_ent).abs().max().item()
 
 
 def sweep_tables(result: dict[str, Any]) -> list[Table]:
