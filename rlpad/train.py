@@ -97,6 +97,12 @@ def resolve_embedded(config: Config) -> Config:
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
+    judge = config.reward.judge  # embedded:<task>: the task's warm-started policy as the judge (a tiny LM rlpad builds)
+    judge_task = _embedded_task(judge.model_path, "reward.judge.model_path") if judge.enable and judge.model_path else None
+    if judge_task is not None:
+        from rlpad.embedded.sft import warm_start
+
+        judge.model_path = warm_start(config.sft, seed=0, task=judge_task, verbose=False)
     rm = config.reward.reward_model
     if rm.enable and rm.model_path and _embedded_task(rm.model_path, "reward.reward_model.model_path") is not None:
         rm.model_path = _embedded_reward_model(rm.model_path, config.sft)
