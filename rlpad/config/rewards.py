@@ -48,9 +48,8 @@ class RewardModelScoringConfig:
 
 # The judge's default prompt: {prompt} (the prompt's messages), {response} (the decoded response); {ground_truth} may
 # be used too (rlpad.rewards.judge_rules.PLACEHOLDERS). Its verdict is read by JudgeConfig.score_pattern.
-DEFAULT_JUDGE_TEMPLATE = (
-    "Rate the response to the question from 0 (wrong or useless) to 10 (correct and helpful).\n\n"
-    "Question:\n{prompt}\n\nResponse:\n{response}\n\nReply with one line: Score: <0-10>")
+DEFAULT_JUDGE_TEMPLATE = ("Rate the response to the question from 0 (wrong or useless) to 10 (correct and helpful). "
+                          "Question: {prompt} Response: {response} End your reply with: Score: <0-10>")
 
 
 @dataclass

@@ -69,15 +69,17 @@ class JudgeScorer:
     (ValueError, every problem named) and a folder that is not a causal LM, reading the config and the
     tokenizer only. ``generate`` (the engines) is attached once the workers run (:meth:`attach`)."""
 
-    def __init__(self, judge: JudgeConfig, policy_tokenizer: Any, *, trust_remote_code: bool = False,
+    def __init__(self, config: JudgeConfig, policy_tokenizer: Any, *, trust_remote_code: bool = False,
                  generate: JudgeGenerate | None = None):
+        judge = config
         problems = judge_problems(judge)
         if not judge.enable:
             problems.insert(0, "reward.judge.enable is false: no judge to build")
         if problems:
             raise ValueError("invalid config:\n  " + "\n  ".join(problems))
         check_judge_model(judge.model_path, trust_remote_code)
-        self.config, self.policy_tokenizer = judge, policy_tokenizer
+        self.config = config
+        self.policy_tokenizer = policy_tokenizer
         self.tokenizer = load_tokenizer(judge.model_path)
         self.generate = generate
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlpad-judge")
