@@ -98,7 +98,7 @@ def resolve_embedded(config: Config) -> Config:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
     judge = config.reward.judge  # embedded:<task>: the task's warm-started policy as the judge (a tiny LM rlpad builds)
-    judge_task = _embedded_task(judge.model_path, "reward.judge.model_path") if judge.enable and judge.model_path else None
+    judge_task = _embedded_task(judge.model_path or "", "reward.judge.model_path") if judge.enable else None
     if judge_task is not None:
         from rlpad.embedded.sft import warm_start
 

@@ -124,7 +124,8 @@ def test_the_judge_is_one_more_part_combined_and_its_flags_logged_as_fractions()
     rule = lambda data_source, solution_str, ground_truth, extra_info=None: float(ground_truth)  # noqa: E731
     combined = CombinedReward(reward, rule, judge=FixedJudge([0.8, 0.0, 0.4, 1.0], [0.0, 1.0, 0.0, 0.0]))
     assert combined.parts == ["rule", "judge"]
-    batch = Batch({"responses": torch.ones(4, 3, dtype=torch.long), "response_mask": torch.ones(4, 3, dtype=torch.long)},
+    ones = torch.ones(4, 3, dtype=torch.long)
+    batch = Batch({"responses": ones, "response_mask": ones},
                   {"data_source": ["a", "a", "b", "b"], "ground_truth": ["1", "0", "0", "1"]})
     _, total, _ = combined.score(batch, tokenizer=_Decoder())
     expected = torch.tensor([1 + 0.25 * 0.8, 0 + 0.25 * 0.0, 0 + 2.0 * 0.4, 1 + 2.0 * 1.0])

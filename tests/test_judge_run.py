@@ -24,7 +24,8 @@ def test_judge_and_rule_combined_on_a_run(tmp_path, backend, rollout, replicas):
         f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
         f"trainer.backend={backend}", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
         "trainer.test_freq=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.rollout.cpu_kv_cache_gb=0.1", "actor_rollout_ref.rollout.n=4", "data.val_batch_size=16",
+        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.rollout.cpu_kv_cache_gb=0.1",
+        "actor_rollout_ref.rollout.n=4", "data.val_batch_size=16",
         # the judge: the embedded warm-started policy, which completes sums: asked "<response>+0=" it writes a
         # number (the verdict, /100), or not when the response is no number (unparsable)
         "reward.judge.enable=true", "reward.judge.model_path=embedded:toy",

@@ -33,7 +33,8 @@ from rlpad.functions import load_function
 from rlpad.rewards.rules import RewardFn, load_reward_fn, place_scores, score_batch
 from rlpad.rewards.settings import JUDGE, MODEL, RULE
 
-__all__ = ["FLAG_PREFIX", "PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "part_metrics", "parts_of", "score_rewards"]
+__all__ = ["FLAG_PREFIX", "PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "part_metrics", "parts_of",
+           "score_rewards"]
 
 PART_PREFIX = "reward_parts/"  # batch key prefix of each part's raw (B,) scores
 FLAG_PREFIX = "reward_flags/"  # batch key prefix of a part's (B,) 0/1 flags: reward_flags/<part>/<flag>
@@ -103,7 +104,8 @@ class CombinedReward:
 
     @property
     def parts(self) -> list[str]:
-        return [RULE] + ([MODEL] if self.uses_model else []) + ([JUDGE] if self.judge else []) + list(self.extra_fns)
+        judge = [JUDGE] if self.judge is not None else []
+        return [RULE] + ([MODEL] if self.uses_model else []) + judge + list(self.extra_fns)
 
     def weight(self, part: str, data_source: str) -> float:
         per_source = self.config.source_weights.get(str(data_source), {})
@@ -176,7 +178,8 @@ def part_metrics(batches: Batch | Sequence[Batch], prefix: str = "reward/") -> d
     out = {}
     for k in keys:
         head = PART_PREFIX if k.startswith(PART_PREFIX) else FLAG_PREFIX
-        out[f"{prefix}{k[len(head):]}{names[head]}"] = float(torch.cat([b[k] for b in batches if k in b]).float().mean())
+        values = torch.cat([b[k] for b in batches if k in b]).float()
+        out[f"{prefix}{k[len(head):]}{names[head]}"] = float(values.mean())
     return out
 
 
@@ -189,7 +192,8 @@ def build_reward(reward: RewardConfig, model_inputs: Callable[[Batch], Batch] | 
     if reward.reward_kwargs:
         rule_fn = functools.partial(rule_fn, **reward.reward_kwargs)
     extra = {name: load_function(spec, f"reward.extra_fns.{name}") for name, spec in reward.extra_fns.items()}
-    combined = reward.reward_model.enable or reward.judge.enable or extra or reward.weights or reward.source_weights or reward.normalize \
+    combined = reward.reward_model.enable or reward.judge.enable or extra or reward.weights or reward.source_weights \
+        or reward.normalize \
         or reward.clip is not None
     if not combined:
         return rule_fn

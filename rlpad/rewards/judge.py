@@ -110,8 +110,9 @@ class JudgeScorer:
         """Token lists -> the left-padded prompt rows a rollout engine generates from (one verdict each)."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(rows, max(len(r) for r in rows), pad)
-        return Batch({"input_ids": ids, "attention_mask": mask,
-                      "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, {"uid": [f"judge{i}" for i in range(len(rows))]})
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+                     {"uid": [f"judge{i}" for i in range(len(rows))]})
 
     def ask(self, rows: Sequence[Sequence[int]]) -> list[str] | None:
         """The judge's text for each row, from ONE call to the engines; None when the call took longer than
