@@ -97,6 +97,12 @@ def resolve_embedded(config: Config) -> Config:
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")
+    judge = config.reward.judge  # embedded:<task>: the task's warm-started policy as the judge (a tiny LM rlpad builds)
+    judge_task = _embedded_task(judge.model_path or "", "reward.judge.model_path") if judge.enable else None
+    if judge_task is not None:
+        from rlpad.embedded.sft import warm_start
+
+        judge.model_path = warm_start(config.sft, seed=0, task=judge_task, verbose=False)
     rm = config.reward.reward_model
     if rm.enable and rm.model_path and _embedded_task(rm.model_path, "reward.reward_model.model_path") is not None:
         rm.model_path = _embedded_reward_model(rm.model_path, config.sft)
@@ -217,7 +223,7 @@ def prepare(config: Config) -> Prepared:
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
     return Prepared(config, tokenizer, train_loader, val_dataset,
-                    build_reward(config.reward, _reward_model_inputs(config, tokenizer)))
+                    build_reward(config.reward, _reward_model_inputs(config, tokenizer), _judge(config, tokenizer)))
 
 
 def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
@@ -229,6 +235,16 @@ def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
     from rlpad.rewards.model_scorer import RewardModelInputs  # transformers' tokenizer loading
 
     return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
+
+
+def _judge(config: Config, tokenizer: Any) -> Any:
+    """The generative judge (rlpad.rewards.judge) when ``reward.judge.enable``, else None: built here, so a bad
+    template or a folder that is not a causal LM fails before any worker starts."""
+    if not config.reward.judge.enable:
+        return None
+    from rlpad.rewards.judge import JudgeScorer  # transformers' tokenizer loading
+
+    return JudgeScorer(config.reward.judge, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
 
 
 def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = None) -> list[dict[str, Any]]:
@@ -246,7 +262,7 @@ def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = N
         print(_starting_line(config, run_log), flush=True)
         workers = _launch(config, run_log)
         if isinstance(prep.reward_fn, CombinedReward):
-            prep.reward_fn.attach_workers(workers)  # the reward model's part: its worker group
+            prep.reward_fn.attach_workers(workers)  # the reward model's part: its worker group; the judge's engines
         try:
             driven = wrap_workers(workers) if wrap_workers is not None else workers
             return Trainer(config, driven, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn).fit()

@@ -65,7 +65,7 @@ def test_legacy_and_new_name_together_is_refused():
     (["reward.source_weights={gsm8k: {judge: 1.0}}"], "reward.source_weights.gsm8k.judge names no reward part"),
     (["reward.normalize=[nope]"], r"reward.normalize\[\]=nope"),
     (["reward.clip=-1"], "reward.clip=-1.0 must be > 0"),
-    (["reward.extra_fns={rule: a:b}"], "names 'rule' and 'reward_model' are taken"),
+    (["reward.extra_fns={rule: a:b}"], "names 'rule', 'reward_model' and 'judge' are taken"),
     (["reward.reward_kwargs={overlong_buffer_cfg: {enable: true}}"], "reward_model.overlong_buffer"),
     (["reward.reward_model.dtype=int8"], "reward.reward_model.dtype='int8'"),
 ])

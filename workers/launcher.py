@@ -47,6 +47,7 @@ from workers.teacher import own_pool, student_section, teacher_section, tokenize
 from workers.critic import CriticWorker
 from workers.reward_model import RewardModelWorker
 from workers.group import WorkerGroup
+from workers.judge import judge_engine_resources, judge_replicas
 from workers.placement import check_cluster_room, plan_nodes, release, reserve
 from workers.ray_logs import quiet_ray_logger, route_worker_output
 from workers.rollout import PendingRollout, RolloutReplicas
@@ -73,6 +74,7 @@ def driver_built_paths(config: Config) -> list[str]:
     arr = config.actor_rollout_ref
     found = {p for p in (arr.model.path, arr.model.tokenizer_path, config.critic.model.path,
                          config.reward.reward_model.model_path if config.reward.reward_model.enable else None,
+                         config.reward.judge.model_path if config.reward.judge.enable else None,
                          teacher_path(config))
              if p and os.path.isdir(p) and os.path.abspath(p).startswith(root)}  # isdir first: no getcwd for "tiny:..."
     return sorted(found)
@@ -100,16 +102,20 @@ class RayWorkers:
         nodes = plan_nodes(t.nnodes, per_node, what=f"{layout}trainer.nnodes={t.nnodes} x n_gpus_per_node="
                                                      f"{t.n_gpus_per_node} ({'+'.join(roles)})")
         num_replicas = rollout_replicas(config, cuda)
+        judge = config.reward.judge
         if not self.colocated:  # the engines go anywhere, after the groups: check the whole cluster first
             engines = {"CPU": 1.0} | ({"GPU": float(arr.rollout.tensor_model_parallel_size)} if gpus else {})
-            check_cluster_room({k: per_node[k] * t.nnodes + v * num_replicas for k, v in engines.items()},
-                               what=f"{'+'.join(roles)} groups and {num_replicas} rollout engine(s)")
+            need = {k: per_node[k] * t.nnodes + v * num_replicas for k, v in engines.items()}
+            for k, v in judge_engine_resources(config, gpus).items():
+                need[k] = need.get(k, 0.0) + v
+            judges = f" and {judge.rollout.num_replicas} judge engine(s)" if judge.enable else ""
+            check_cluster_room(need, what=f"{'+'.join(roles)} groups, {num_replicas} rollout engine(s){judges}")
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
                       resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
         group = dict(nnodes=t.nnodes, ranks_per_node=t.n_gpus_per_node, nodes=nodes, resolve_path=paths, seed=t.seed)
         self.pool: list[Any] = []
-        self.ref = self.critic = self.reward_model = self.teacher = None
+        self.ref = self.critic = self.reward_model = self.teacher = self.judge = None
         vocab = tokenizer_ids(config) if config.distillation.enabled else None
         try:
             if self.colocated:
@@ -148,6 +154,8 @@ class RayWorkers:
                 self.rollout = RolloutReplicas(
                     arr.model.path, arr.rollout, config.data, num_replicas=num_replicas,
                     num_gpus=gpus * arr.rollout.tensor_model_parallel_size, **engine)
+            if judge.enable:  # the generative judge: vLLM engines of its own model (rlpad.rewards.judge)
+                self.judge = judge_replicas(config, paths, gpus)
         except BaseException:
             self.shutdown()
             raise
@@ -172,6 +180,12 @@ class RayWorkers:
 
     def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
         return self.rollout.generate_validation(batch, seed=seed)
+
+    def judge_generate(self, prompts: Batch) -> Batch:
+        """The judge engines' greedy answer to each left-padded prompt row, split in whole slices between them."""
+        if self.judge is None:
+            raise ValueError("judge verdicts asked for, but reward.judge.enable is false")
+        return self.judge.generate_validation(prompts)
 
     def submit_generate(self, batch: Batch, seed: int) -> PendingRollout:
         """:meth:`generate` without waiting (rlpad.training.async_schedule.AsyncWorkers)."""
@@ -298,6 +312,8 @@ class RayWorkers:
                 group.shutdown()
         if hasattr(self, "rollout"):
             self.rollout.shutdown()
+        if self.judge is not None:
+            self.judge.shutdown()
         if getattr(self, "stash", None) is not None:
             ray.kill(self.stash)
             self.stash = None
@@ -356,6 +372,7 @@ def launch_workers(config: Config, run_log: RunLog | None = None) -> RayWorkers:
             # Logical CPUs: one per worker process (each runs with one torch thread on CPU), or one
             # per bundle of the colocated pool (its processes share it).
             cpus = world if colocated(config, _cuda(config)) else groups * world + rollout_replicas(config, _cuda(config))
+            cpus += int(judge_engine_resources(config, 0).get("CPU", 0))
             init_local_ray(cpus, runtime_env={"env_vars": QUIET_ENV | (run_log.worker_env() if run_log else {})})
             owns = True
     if run_log is not None:

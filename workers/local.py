@@ -28,6 +28,7 @@ from rlpad.algorithms.advantages import uses_critic
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.config.schema import Config
 from rlpad.lora.rules import engine_lora_kwargs, syncs_adapter
+from rlpad.rewards.judge_rules import engine_settings
 from rlpad.rollout import build_rollout
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -76,6 +77,11 @@ class LocalWorkers:
                                      trust_remote_code=arr.model.trust_remote_code, device=device,
                                      **engine_lora_kwargs(config))
         self.lora_version = 0  # adapter syncs done (rollout.lora_sync=adapter)
+        self.judge = None  # the generative judge's vLLM engine (reward.judge), in this process, after the rollout's
+        if config.reward.judge.enable:
+            judge_rollout, judge_data = engine_settings(config.reward.judge, config.trainer.seed)
+            self.judge = build_rollout(config.reward.judge.model_path, judge_rollout, judge_data,
+                                       trust_remote_code=arr.model.trust_remote_code, device=device)
 
     # ---- rollout ------------------------------------------------------------------------------
 
@@ -87,6 +93,12 @@ class LocalWorkers:
 
     def generate_validation(self, batch: Batch, seed: int | None = None) -> Batch:
         return self.rollout.generate_validation(batch, seed=seed)
+
+    def judge_generate(self, prompts: Batch) -> Batch:
+        """The judge engine's greedy answer to each left-padded prompt row (rlpad.rewards.judge)."""
+        if self.judge is None:
+            raise ValueError("judge verdicts asked for, but reward.judge.enable is false")
+        return self.judge.generate_validation(prompts)
 
     def sync_weights(self) -> float:
         """Actor full weights (with LoRA merged in) -> the rollout backend, or with ``rollout.lora_sync=adapter``
@@ -153,10 +165,11 @@ class LocalWorkers:
             worker.load_checkpoint(os.path.join(path, name))
 
     def shutdown(self) -> None:
-        """Stop the rollout engine, then destroy the shared process group."""
-        stop = getattr(self.rollout, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the judge engine (built last), the rollout engine, then destroy the shared process group."""
+        for engine in (self.judge, self.rollout):
+            stop = getattr(engine, "shutdown", None)
+            if stop is not None:
+                stop()
         self.actor.shutdown()
 
 

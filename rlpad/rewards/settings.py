@@ -6,17 +6,20 @@ from __future__ import annotations
 from rlpad.config.choices import ATTN_IMPLEMENTATIONS, DTYPES, REWARD_MANAGERS
 from rlpad.config.rewards import RewardConfig
 from rlpad.config.schema import Config
+from rlpad.rewards.judge_rules import judge_problems
 
-__all__ = ["MODEL", "RULE", "part_names", "reward_problems"]
+__all__ = ["JUDGE", "MODEL", "RULE", "part_names", "reward_problems"]
 
 RULE = "rule"  # the part scored by the reward function (reward.fn / reward.custom_reward_function)
 MODEL = "reward_model"  # the part scored by reward.reward_model
+JUDGE = "judge"  # the part scored by reward.judge (a generative judge: rlpad.rewards.judge)
 
 
 def part_names(reward: RewardConfig) -> list[str]:
-    """The reward parts a run computes, in order: the rule, the reward model when enabled, then
-    ``reward.extra_fns``."""
-    return [RULE] + ([MODEL] if reward.reward_model.enable else []) + list(reward.extra_fns)
+    """The reward parts a run computes, in order: the rule, the reward model and the judge when enabled,
+    then ``reward.extra_fns``."""
+    return ([RULE] + ([MODEL] if reward.reward_model.enable else []) + ([JUDGE] if reward.judge.enable else [])
+            + list(reward.extra_fns))
 
 
 def reward_problems(config: Config) -> list[str]:
@@ -51,8 +54,9 @@ def reward_problems(config: Config) -> list[str]:
             problems.append(f"reward.reward_model.{key}={getattr(rm, key)} must be >= 1")
     parts = part_names(r)
     for name, spec in r.extra_fns.items():
-        if name in (RULE, MODEL):
-            problems.append(f"reward.extra_fns.{name}: the names {RULE!r} and {MODEL!r} are taken; pick another")
+        if name in (RULE, MODEL, JUDGE):
+            problems.append(f"reward.extra_fns.{name}: the names {RULE!r}, {MODEL!r} and {JUDGE!r} are taken; "
+                            "pick another")
         elif ":" not in spec and "." not in spec:
             problems.append(f"reward.extra_fns.{name}={spec!r} must be 'package.module:function'")
     named = [(f"reward.weights.{k}", k) for k in r.weights] + [(f"reward.normalize[]={k}", k) for k in r.normalize]
@@ -60,7 +64,9 @@ def reward_problems(config: Config) -> list[str]:
     for key, name in named:
         if name not in parts:
             problems.append(f"{key} names no reward part of this run; the parts are {', '.join(parts)}"
-                            + (f" ({MODEL} needs reward.reward_model.enable=true)" if name == MODEL else ""))
+                            + (f" ({MODEL} needs reward.reward_model.enable=true)" if name == MODEL else "")
+                            + (f" ({JUDGE} needs reward.judge.enable=true)" if name == JUDGE else ""))
+    problems += judge_problems(r.judge)
     if r.clip is not None and not r.clip > 0:
         problems.append(f"reward.clip={r.clip} must be > 0 (or null: no clipping)")
     return problems
