@@ -20,7 +20,8 @@ def test_verl_09_names_load():
 def test_each_legacy_name_lands_on_its_new_key(old, new):
     value = {"reward_model.enable": True, "reward_model.reward_kwargs": {"a": 1}, "reward_model.reward_manager": "dapo",
              "reward_model.micro_batch_size_per_gpu": 8, "reward_model.use_dynamic_bsz": True,
-             "reward_model.forward_max_token_len_per_gpu": 4096}.get(old, "/some/path")
+             "reward_model.forward_max_token_len_per_gpu": 4096,
+             "reward_model.ulysses_sequence_parallel_size": 2}.get(old, "/some/path")
     extra = ["reward.reward_model.model_path=/rm"] if old == "reward_model.enable" else []
     via_override = load_config(None, [f"{old}={value}" if not isinstance(value, dict) else f"{old}={{a: 1}}"] + extra)
     nested: dict = {}
