@@ -55,7 +55,8 @@ def test_reward_model_shares_prompts_on_a_run(tmp_path):
         out = tmp_path / f"run-{share}"
         run(load_config(recipe("grpo_tiny"), [
             f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
-            "trainer.backend=local", "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            "trainer.backend=local", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
             "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4",
             f"actor_rollout_ref.model.share_prompts={share}",

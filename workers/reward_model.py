@@ -129,7 +129,8 @@ class RewardModelWorker(FSDPWorker):
         return pieces, [p for p in parts if p]
 
     def _on_device(self, piece: Batch) -> Batch:
-        """``piece`` on this rank's device, its host copy in ``meta[HOST_COPY]`` (no response mask: no token is skipped)."""
+        """``piece`` on this rank's device, its host copy in ``meta[HOST_COPY]`` (no response mask: a
+        reward model skips no token)."""
         t = piece.tensors
         host = HostBatch.of(t["input_ids"], t["attention_mask"], t.get("position_ids"))
         out = piece.to(self.device)

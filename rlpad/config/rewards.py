@@ -48,7 +48,7 @@ class RewardModelScoringConfig:
     # where the reward model reads the policy's own tokens (true with a re-rendering reward model is refused);
     # null: actor_rollout_ref.model.share_prompts where the policy's tokens are kept, else off
     share_prompts: bool | None = None
-    ulysses_sequence_parallel_size: int = 1  # the reward model's sequence parallelism (ranks splitting each packed row; 1: off)
+    ulysses_sequence_parallel_size: int = 1  # the reward model's sequence parallelism (as the actor's); 1: off
 
 
 @dataclass

@@ -42,8 +42,8 @@ from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entr
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
 
-__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs", "groups_to_share",
-           "head_log_probs", "scoring_hidden_states"]
+__all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
+           "groups_to_share", "head_log_probs", "scoring_hidden_states"]
 
 
 logger = logging.getLogger(__name__)
