@@ -22,8 +22,8 @@ import torch.distributed as dist
 from rlpad.batch import Batch
 from rlpad.config.rewards import RewardModelScoringConfig
 from rlpad.core.layout import position_ids_from_mask
-from rlpad.core.reward_model import compute_scores, load_reward_model
-from rlpad.core.shared_prompt import prompt_groups
+from rlpad.core.reward_model import compute_scores, load_reward_model, shared_last_slots
+from rlpad.core.shared_prompt import pack_shared_prompts, prompt_groups
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_reward_model
@@ -105,6 +105,12 @@ def test_the_batch_exercises_every_case(batch):
     lengths = mask[:, PROMPT:].sum(1)
     assert int(lengths[EMPTY_ROW]) == 0 and 1 in lengths.tolist() and RESPONSE in lengths.tolist()
     assert int(mask.sum()) % 2  # the packed row needs the sp padding segment
+    # at sp = 2 the rows' last tokens fall on both ranks' slices, plain and shared
+    plain_last, plain_total = mask.sum(1).cumsum(0) - 1, int(mask.sum()) + 1
+    row = pack_shared_prompts(*args_of(batch), RESPONSE, pad_to=2, groups=groups)
+    shared_last = shared_last_slots(row.segments, groups, lengths.tolist())
+    for last, total in ((plain_last, plain_total), (shared_last, row.input_ids.shape[1])):
+        assert total % 2 == 0 and {int(x) < total // 2 for x in last} == {True, False}
 
 
 @pytest.mark.parametrize("head", ["sequence", "token"])
