@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.rewards import RewardModelScoringConfig
 from rlpad.config.schema import ActorRolloutRefConfig, Config, CriticConfig
 from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_arch, tiny_heads
 
@@ -24,13 +25,15 @@ __all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "r
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
              "ref": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
              "critic": "critic.ulysses_sequence_parallel_size",
-             "teacher": "actor_rollout_ref.ref.ulysses_sequence_parallel_size"}  # distillation: scores as the ref
+             "teacher": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",  # distillation: scores as the ref
+             "reward_model": "reward.reward_model.ulysses_sequence_parallel_size"}
 
 
-def sp_size(section: ActorRolloutRefConfig | CriticConfig, role: str) -> int:
+def sp_size(section: ActorRolloutRefConfig | CriticConfig | RewardModelScoringConfig, role: str) -> int:
     """The sequence-parallel size of ``role`` from its worker's config section (``actor_rollout_ref``
-    for the actor and the reference, whose null size means the actor's; ``critic`` for the critic)."""
-    if role == "critic":
+    for the actor and the reference, whose null size means the actor's; ``critic`` for the critic;
+    ``reward.reward_model`` for the reward model)."""
+    if role in ("critic", "reward_model"):
         return section.ulysses_sequence_parallel_size  # type: ignore[union-attr]
     if role in ("ref", "teacher") and section.ref.ulysses_sequence_parallel_size is not None:
         return section.ref.ulysses_sequence_parallel_size
@@ -79,14 +82,19 @@ def attention_heads(path: str) -> tuple[int, int] | None:
 
 def sequence_parallel_problems(config: Config) -> list[str]:
     """Every role's sequence-parallel size against its world, its model and its attention."""
-    arr = config.actor_rollout_ref
-    roles = [("actor", arr, arr.model)] + [("ref", arr, arr.model)] * config.builds_ref
+    arr, rm = config.actor_rollout_ref, config.reward.reward_model
+    # (role, its section, its model's key, use_remove_padding, attn_implementation, path)
+    lm = ("actor_rollout_ref.model", arr.model.use_remove_padding, arr.model.attn_implementation, arr.model.path)
+    roles = [("actor", arr, *lm)] + [("ref", arr, *lm)] * config.builds_ref
     estimator = ESTIMATORS.get(config.algorithm.adv_estimator)  # an unknown one is reported elsewhere
-    roles += [("critic", config.critic, config.critic.model)] * bool(estimator is not None and estimator.uses_critic)
+    critic = config.critic.model
+    roles += [("critic", config.critic, "critic.model", critic.use_remove_padding, critic.attn_implementation,
+               critic.path)] * bool(estimator is not None and estimator.uses_critic)
+    roles += [("reward_model", rm, "reward.reward_model", rm.use_remove_padding, rm.attn_implementation,
+               rm.model_path or "")] * rm.enable
     world, problems = role_world(config), []
-    for role, section, model in roles:
+    for role, section, model_key, use_remove_padding, attn_implementation, path in roles:
         key, sp = ROLE_KEYS[role], sp_size(section, role)
-        model_key = "critic.model" if role == "critic" else "actor_rollout_ref.model"
         if sp < 1:
             problems.append(f"{key}={sp} must be >= 1")
             continue
@@ -101,13 +109,14 @@ def sequence_parallel_problems(config: Config) -> list[str]:
             problems.append(f"{key}={sp} must divide trainer.n_gpus_per_node={per_node}: a group of {sp} ranks "
                             f"would span nodes ({config.trainer.nnodes} nodes), and each layer's two all-to-alls "
                             "would cross the network")
-        if not model.use_remove_padding:
+        if not use_remove_padding:
             problems.append(f"{key}={sp} needs {model_key}.use_remove_padding=true (the ranks share one packed row)")
-        if model.attn_implementation not in ("auto", "rlpad_varlen"):
+        if attn_implementation not in ("auto", "rlpad_varlen"):
             problems.append(f"{key}={sp} needs {model_key}.attn_implementation auto or rlpad_varlen (its attention "
-                            f"exchanges the row's slices), got {model.attn_implementation!r}")
-        heads = attention_heads(model.path)
+                            f"exchanges the row's slices), got {attn_implementation!r}")
+        heads = attention_heads(path)
         if heads is not None and heads[0] % sp:
-            problems.append(f"{key}={sp} must divide the query heads of {model_key}.path={model.path!r}: "
+            path_key = f"{model_key}.model_path" if role == "reward_model" else f"{model_key}.path"
+            problems.append(f"{key}={sp} must divide the query heads of {path_key}={path!r}: "
                             f"{heads[0]} (each rank attends with heads / sp of them)")
     return problems

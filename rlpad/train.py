@@ -234,7 +234,8 @@ def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
         return None
     from rlpad.rewards.model_scorer import RewardModelInputs  # transformers' tokenizer loading
 
-    return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code)
+    return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code,
+                             share_prompts=rm.share_prompts)
 
 
 def _judge(config: Config, tokenizer: Any) -> Any:

@@ -161,3 +161,23 @@ def test_reward_model_inputs_and_retokenisation(tmp_path):
     tiny_model("qwen2").save_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
         RewardModelInputs(str(tiny_model_dir), TOK)
+
+
+def test_shared_prompts_need_the_policys_own_rows(tmp_path):
+    """The policy's own rows go out with ``responses`` (where each prompt ends, what sharing reads); a
+    re-rendered batch has none, and an explicit reward.reward_model.share_prompts=true with a reward model
+    that re-renders is refused in one line before anything is scored; null (the actor's) just does not share."""
+    same, other = tmp_path / "same", tmp_path / "other"
+    rm = tiny_reward_model("qwen2", seed=3)
+    for folder in (same, other):
+        rm.save_pretrained(folder)
+        tok = build_tokenizer(folder)
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tok.save_pretrained(other)
+    batch = batch_a()
+    assert torch.equal(RewardModelInputs(str(same), TOK, share_prompts=True)(batch)["responses"], batch["responses"])
+    assert "responses" not in RewardModelInputs(str(other), TOK, share_prompts=None)(batch)
+    with pytest.raises(ValueError) as e:
+        RewardModelInputs(str(other), TOK, share_prompts=True)
+    assert "\n" not in str(e.value) and str(e.value).startswith("reward.reward_model.share_prompts=true needs the "
+                                                                "policy's own tokens")

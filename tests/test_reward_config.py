@@ -3,7 +3,9 @@
 import pytest
 
 from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED
+from rlpad.parallel import sp_size
 from rlpad.recipe.load import config_from_dict, load_config
+from rlpad.rewards.settings import reward_model_section
 
 
 def test_verl_09_names_load():
@@ -20,7 +22,8 @@ def test_verl_09_names_load():
 def test_each_legacy_name_lands_on_its_new_key(old, new):
     value = {"reward_model.enable": True, "reward_model.reward_kwargs": {"a": 1}, "reward_model.reward_manager": "dapo",
              "reward_model.micro_batch_size_per_gpu": 8, "reward_model.use_dynamic_bsz": True,
-             "reward_model.forward_max_token_len_per_gpu": 4096}.get(old, "/some/path")
+             "reward_model.forward_max_token_len_per_gpu": 4096,
+             "reward_model.ulysses_sequence_parallel_size": 2}.get(old, "/some/path")
     extra = ["reward.reward_model.model_path=/rm"] if old == "reward_model.enable" else []
     via_override = load_config(None, [f"{old}={value}" if not isinstance(value, dict) else f"{old}={{a: 1}}"] + extra)
     nested: dict = {}
@@ -72,3 +75,49 @@ def test_legacy_and_new_name_together_is_refused():
 def test_reward_problems(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, overrides)
+
+
+RM_SP = "reward.reward_model.ulysses_sequence_parallel_size"
+RM_ON = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/rm"]
+
+
+@pytest.mark.parametrize("overrides,wanted", [
+    ([f"{RM_SP}=2", "trainer.n_gpus_per_node=3"], f"{RM_SP}=2 must divide the reward_model's ranks: the reward_model "
+                                                  "group has 3 ranks"),
+    ([f"{RM_SP}=2", "trainer.backend=local"], "trainer.backend=local runs one rank"),
+    ([f"{RM_SP}=2", "trainer.n_gpus_per_node=2", "reward.reward_model.use_remove_padding=false"],
+     f"{RM_SP}=2 needs reward.reward_model.use_remove_padding=true"),
+    ([f"{RM_SP}=2", "trainer.n_gpus_per_node=2", "reward.reward_model.attn_implementation=flash_attention_2"],
+     f"{RM_SP}=2 needs reward.reward_model.attn_implementation auto or rlpad_varlen"),
+    ([f"{RM_SP}=0"], f"{RM_SP}=0 must be >= 1"),
+    (["reward.reward_model.share_prompts=true", "reward.reward_model.use_remove_padding=false"],
+     "reward.reward_model.share_prompts=true needs reward.reward_model.use_remove_padding=true"),
+])
+def test_reward_model_sequence_parallel_and_shared_prompt_problems(overrides, wanted):
+    """Each refused in one line naming its key, at load (before any worker or model starts)."""
+    with pytest.raises(ValueError) as e:
+        load_config(None, RM_ON + overrides)
+    lines = [line.strip() for line in str(e.value).splitlines()[1:]]
+    assert any(wanted in line for line in lines), str(e.value)
+
+
+def test_reward_model_query_heads_from_its_folder(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 3, "num_key_value_heads": 1}')
+    on = ["reward.reward_model.enable=true", f"reward.reward_model.model_path={tmp_path}", "trainer.n_gpus_per_node=2"]
+    with pytest.raises(ValueError, match=f"{RM_SP}=2 must divide the query heads of reward.reward_model.model_path="):
+        load_config(None, on + [f"{RM_SP}=2"])
+    load_config(None, [k for k in on if "enable" not in k] + [f"{RM_SP}=2"])  # no reward model: its size is unused
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 1}')
+    assert sp_size(load_config(None, on + [f"{RM_SP}=2"]).reward.reward_model, "reward_model") == 2
+
+
+@pytest.mark.parametrize("actor, own, rmpad, shares", [
+    (True, None, True, True), (True, None, False, False), (False, None, True, False),
+    (True, False, True, False), (False, True, True, True)])
+def test_reward_model_share_prompts_follows_the_actor_unless_set(actor, own, rmpad, shares):
+    """null: the actor's setting where the reward model runs the packed row; an explicit value wins."""
+    cfg = load_config(None, [f"actor_rollout_ref.model.share_prompts={str(actor).lower()}",
+                             f"reward.reward_model.use_remove_padding={str(rmpad).lower()}"]
+                      + ([] if own is None else [f"reward.reward_model.share_prompts={str(own).lower()}"]))
+    assert reward_model_section(cfg).share_prompts is shares
+    assert cfg.reward.reward_model.share_prompts is own  # the loaded config keeps what the user wrote

@@ -13,10 +13,10 @@ fraction of its bundle) instead of reserving its own.
 
 ``call_batch`` splits a batch across the ranks with equal row counts and balanced token work
 (rlpad.batching.balance), runs the method on every rank and merges the results back in the caller's row
-order; with ``model.share_prompts`` whole prompt groups go to one rank when row counts allow. With
-sequence parallelism (sp ranks per group, rlpad.parallel) the rows are split over the ``world / sp``
-data-parallel groups of consecutive ranks, every rank of a group gets the group's rows, and the
-results come from each group's first rank. A rank whose actor died raises ``rlpad.errors.WorkerFailed`` (a RuntimeError) naming role and rank.
+order; with ``model.share_prompts`` (the reward model: its section's, for the policy's own rows)
+whole prompt groups go to one rank when row counts allow. With sequence parallelism (sp ranks per
+group, rlpad.parallel) the rows are split over the ``world / sp`` data-parallel groups of consecutive
+ranks, every rank of a group gets the group's rows, and the results come from each group's first rank. A rank whose actor died raises ``rlpad.errors.WorkerFailed`` (a RuntimeError) naming role and rank.
 """
 
 from __future__ import annotations
@@ -175,7 +175,9 @@ class WorkerGroup:
             raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {groups}")
         lengths = batch["attention_mask"].sum(-1).tolist()
         size = chunk_rows or len(batch)
-        share = bool(getattr(getattr(self._config, "model", None), "share_prompts", False))
+        # model.share_prompts (actor, critic) or the section's own (reward model), for the policy's own rows
+        section = getattr(self._config, "model", self._config)
+        share = bool(getattr(section, "share_prompts", False)) and "responses" in batch
         parts: list[list[int]] = [[] for _ in range(dp)]
         for start in range(0, len(batch), size):
             chunk = lengths[start : start + size]

@@ -39,6 +39,7 @@ from rlpad.config.schema import Config
 from rlpad.embedded.cache import cache_root
 from rlpad.lora.rules import engine_lora_kwargs, lora_spec, syncs_adapter
 from rlpad.rollout import backend_class
+from rlpad.rewards.settings import reward_model_section
 from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
@@ -148,8 +149,9 @@ class RayWorkers:
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
             if rm:
-                self.reward_model = WorkerGroup(RewardModelWorker, config.reward.reward_model, role="reward_model",
-                                                trust_remote_code=arr.model.trust_remote_code, **group)
+                self.reward_model = WorkerGroup(RewardModelWorker, reward_model_section(config), role="reward_model",
+                                                trust_remote_code=arr.model.trust_remote_code,
+                                                share_min_saved=arr.model.share_prompts_min_saved_fraction, **group)
             if not self.colocated:
                 self.rollout = RolloutReplicas(
                     arr.model.path, arr.rollout, config.data, num_replicas=num_replicas,

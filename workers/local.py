@@ -30,6 +30,7 @@ from rlpad.config.schema import Config
 from rlpad.lora.rules import engine_lora_kwargs, syncs_adapter
 from rlpad.rewards.judge_rules import engine_settings
 from rlpad.rollout import build_rollout
+from rlpad.rewards.settings import reward_model_section
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
 from workers.actor import ActorWorker
@@ -70,8 +71,9 @@ class LocalWorkers:
             self.critic.init_model()
         self.reward_model = None
         if config.reward.reward_model.enable:
-            self.reward_model = RewardModelWorker(config.reward.reward_model, role="reward_model",
-                                                  trust_remote_code=arr.model.trust_remote_code, **common)
+            self.reward_model = RewardModelWorker(reward_model_section(config), role="reward_model",
+                                                  trust_remote_code=arr.model.trust_remote_code,
+                                                  share_min_saved=arr.model.share_prompts_min_saved_fraction, **common)
             self.reward_model.init_model()
         self.rollout = build_rollout(arr.model.path, arr.rollout, config.data, tokenizer_path=arr.model.tokenizer_path,
                                      trust_remote_code=arr.model.trust_remote_code, device=device,

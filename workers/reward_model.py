@@ -7,8 +7,17 @@ others receive their shards), the batch split over the ranks with its token work
 ``forward_max_token_len_per_gpu``), each one packed forward. No optimizer: it only scores.
 
 Its batch is ``input_ids``, ``attention_mask`` (+ ``position_ids``), (B, S) with one run of ones per
-row: the rollout's rows, or whole conversations re-rendered for the reward model's tokenizer by the
-driver (:mod:`rlpad.rewards.model_scorer`). No sequence parallelism and no shared prompts yet.
+row: the rollout's rows (+ ``responses``, which says where each prompt ends), or whole conversations
+re-rendered for the reward model's tokenizer by the driver (:mod:`rlpad.rewards.model_scorer`).
+
+Sequence parallelism (``reward.reward_model.ulysses_sequence_parallel_size`` sp): as the actor's
+(:mod:`workers.fsdp`): ``world / sp`` data-parallel groups, each rank running 1/sp of every packed row,
+a token budget counting the whole row (``forward_max_token_len_per_gpu x sp``); the rank holding a
+row's last token scores it and the group sums the (B,) scores. Shared prompts
+(``reward.reward_model.share_prompts``, resolved by :func:`rlpad.rewards.settings.reward_model_section`):
+a batch of the policy's own rows (one with ``responses``) packs each prompt group's prompt once, its
+responses after it, with whole groups per rank and per micro-batch where counts allow (as the actor's);
+a re-rendered batch never shares.
 """
 
 from __future__ import annotations
@@ -21,13 +30,17 @@ from torch import nn
 from rlpad.batch import Batch
 from rlpad.batching.micro_batches import micro_batches
 from rlpad.config.rewards import RewardModelScoringConfig
+from rlpad.core.host_plan import HostBatch
 from rlpad.core.reward_model import check_reward_inputs, compute_scores, load_reward_model
+from rlpad.core.shared_prompt import min_saved_for
+from rlpad.parallel import sp_size
 from workers.contract import Contract, DeclaredBatch
-from workers.fsdp import FSDPWorker, reports_seconds
+from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
 
 __all__ = ["RM_INPUTS", "RewardModelWorker", "ScoreModel"]
 
-RM_INPUTS = Contract(required=("input_ids", "attention_mask"), optional=("position_ids",))
+# ``responses``: only its width is read (where each row's response starts), for shared prompts.
+RM_INPUTS = Contract(required=("input_ids", "attention_mask"), optional=("position_ids", "responses"))
 
 
 class ScoreModel(nn.Module):
@@ -39,9 +52,9 @@ class ScoreModel(nn.Module):
         super().__init__()
         self.reward_model = reward_model
 
-    def forward(self, input_ids, attention_mask, position_ids=None, *, use_remove_padding: bool = True):
-        return compute_scores(self.reward_model, input_ids, attention_mask, position_ids,
-                              use_remove_padding=use_remove_padding, check=False)
+    def forward(self, input_ids, attention_mask, position_ids=None, **kwargs: Any):
+        """``kwargs``: :func:`rlpad.core.reward_model.compute_scores`'s (remove-padding, shared prompts, sp, host)."""
+        return compute_scores(self.reward_model, input_ids, attention_mask, position_ids, check=False, **kwargs)
 
 
 def _scoring_method(method):
@@ -55,7 +68,9 @@ def _scoring_method(method):
         def check() -> None:
             batch.require(*RM_INPUTS.required, who=method.__name__)
             check_reward_inputs(self.model, batch["input_ids"], batch["attention_mask"],
-                                batch.tensors.get("position_ids"), use_remove_padding=cfg.use_remove_padding)
+                                batch.tensors.get("position_ids"), use_remove_padding=cfg.use_remove_padding,
+                                response_length=self._response_length(batch), share_prompts=self._shares(batch),
+                                sp=self.sp)
 
         self._agree(check)
         declared = frozenset(RM_INPUTS.keys)
@@ -73,13 +88,24 @@ class RewardModelWorker(FSDPWorker):
     role = "reward_model"
 
     def __init__(self, config: RewardModelScoringConfig, role: str = "reward_model", trust_remote_code: bool = False,
-                 **dist_kwargs: Any):
+                 share_min_saved: float | None = None, **dist_kwargs: Any):
+        """``config.share_prompts`` resolved (a bool: :func:`rlpad.rewards.settings.reward_model_section`);
+        ``share_min_saved``: the actor's ``model.share_prompts_min_saved_fraction`` (None: the device's default)."""
         super().__init__(config, role=role, **dist_kwargs)
         self.trust_remote_code = trust_remote_code
+        self.share_min_saved = min_saved_for(share_min_saved, self.device)
 
     @staticmethod
     def sequence_parallel_size(config: Any, role: str) -> int:
-        return 1  # not yet: the packed row is not split for the reward model
+        return sp_size(config, "reward_model")
+
+    @staticmethod
+    def _response_length(batch: Batch) -> int | None:
+        return int(batch["responses"].shape[1]) if "responses" in batch else None
+
+    def _shares(self, batch: Batch) -> bool:
+        """Shared prompts for this batch: asked for, and the batch is the policy's own rows."""
+        return bool(self.config.share_prompts) and "responses" in batch
 
     def init_model(self) -> None:
         """Join the process group, load the reward model (rank 0) and shard it over the group."""
@@ -90,15 +116,26 @@ class RewardModelWorker(FSDPWorker):
         path = self._local_path(c.model_path)
         # rank 0 reads the weights; the others build on the meta device and are filled from rank 0
         rm = load_reward_model(path, device="cpu", attn_device=self.device, empty=not self.reads_checkpoint, **kwargs)
+        self._check_heads(rm.config)
         rm.requires_grad_(False)
         root = ScoreModel(rm)
         self.root = self._shard_from_rank0(root, getattr(rm, rm.base_model_prefix))
         self.model = rm
 
     def _pieces(self, batch: Batch, micro_rows: int | None, max_tokens: int | None):
-        parts = micro_batches(batch, micro_rows, max_tokens, agree=self._all_max)
-        pieces = ((batch.index(p or [0]).to(self.device), bool(p)) for p in parts)
+        budget = max_tokens * self.sp_size if max_tokens is not None else None  # the row is split over sp ranks
+        parts = micro_batches(batch, micro_rows, budget, share_prompts=self._shares(batch), agree=self._all_max)
+        pieces = ((self._on_device(batch.index(p or [0])), bool(p)) for p in parts)
         return pieces, [p for p in parts if p]
+
+    def _on_device(self, piece: Batch) -> Batch:
+        """``piece`` on this rank's device, its host copy in ``meta[HOST_COPY]`` (no response mask: a
+        reward model skips no token)."""
+        t = piece.tensors
+        host = HostBatch.of(t["input_ids"], t["attention_mask"], t.get("position_ids"))
+        out = piece.to(self.device)
+        out.meta[HOST_COPY] = host
+        return out
 
     @reports_seconds
     @_scoring_method
@@ -106,7 +143,9 @@ class RewardModelWorker(FSDPWorker):
         """``rm_scores`` (B,) float32: each row's score at its last valid token."""
         c = self.config
         micro = (None, c.forward_max_token_len_per_gpu) if c.use_dynamic_bsz else (c.micro_batch_size_per_gpu, None)
+        share, response_length = self._shares(batch), self._response_length(batch)
         (scores,) = self._forward_all(batch, *micro, lambda p: (self.root(
             p["input_ids"], p["attention_mask"], p.tensors.get("position_ids"),
-            use_remove_padding=c.use_remove_padding),))
+            use_remove_padding=c.use_remove_padding, response_length=response_length, share_prompts=share,
+            share_min_saved=self.share_min_saved, sp=self.sp, host=p.meta.get(HOST_COPY)),))
         return Batch({"rm_scores": scores})

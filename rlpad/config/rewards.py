@@ -44,6 +44,11 @@ class RewardModelScoringConfig:
     micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
     forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
+    # each prompt group's prompt once in the packed row, its responses after it (docs/shared_prompts.md); only
+    # where the reward model reads the policy's own tokens (true with a re-rendering reward model is refused);
+    # null: actor_rollout_ref.model.share_prompts where the policy's tokens are kept, else off
+    share_prompts: bool | None = None
+    ulysses_sequence_parallel_size: int = 1  # the reward model's sequence parallelism (as the actor's); 1: off
 
 
 # The judge's default prompt: {prompt} (the prompt's messages), {response} (the decoded response); {ground_truth} may

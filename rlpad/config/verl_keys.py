@@ -44,6 +44,7 @@ LEGACY_KEYS = {
     "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
     "reward_model.use_dynamic_bsz": "reward.reward_model.use_dynamic_bsz",
     "reward_model.forward_max_token_len_per_gpu": "reward.reward_model.forward_max_token_len_per_gpu",
+    "reward_model.ulysses_sequence_parallel_size": "reward.reward_model.ulysses_sequence_parallel_size",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
 }

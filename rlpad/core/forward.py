@@ -43,7 +43,7 @@ from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, r
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
-           "head_log_probs", "scoring_hidden_states"]
+           "groups_to_share", "head_log_probs", "scoring_hidden_states"]
 
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def check_share_min_saved(share_min_saved: float) -> None:
                          f"got {share_min_saved!r}")
 
 
-def _groups_to_share(host: HostBatch, response_length: int, share_min_saved: float) -> list[list[int]] | None:
+def groups_to_share(host: HostBatch, response_length: int, share_min_saved: float) -> list[list[int]] | None:
     """The prompt groups of the batch when sharing removes at least ``share_min_saved`` of its valid
     tokens; else None (the batch runs plain remove-padding), which the first such batch of a run
     logs (once per threshold)."""
@@ -170,7 +170,7 @@ def scoring_hidden_states(
         ).last_hidden_state
         return hidden[rows, prompt_length - 1 + cols], response_idx
     pad_to = sp.size if sp is not None else 1
-    groups = _groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    groups = groups_to_share(host, response_length, share_min_saved) if share_prompts else None
     if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
                                   pad_to=pad_to, groups=groups, response_mask=host.response_mask).to(device)

@@ -12,7 +12,14 @@ Two paths, equal per sequence:
   ``attention_mask``;
 * remove-padding: the valid tokens packed into one (1, nnz) row (positions restarting at 0 per
   sequence, ``cu_seqlens`` marking where each ends, the same varlen attention as the actor's
-  forward), the hidden state at packed slot ``cu_seqlens[i + 1] - 1`` for sequence i.
+  forward), the hidden state at packed slot ``cu_seqlens[i + 1] - 1`` for sequence i;
+* shared prompts (on top of remove-padding, the rollout's own rows only: ``response_length`` known):
+  each prompt group's prompt once, then its responses (:mod:`rlpad.core.shared_prompt`), a response
+  attending to the prompt and causally to itself; the state at each response's last token
+  (:func:`shared_last_slots`);
+* sequence-parallel (``sp``, on top of either packed row): the row split over the group's ranks
+  (:mod:`rlpad.core.sequence_parallel`); a row's last token lies on one rank's slice, that rank
+  scores it, and the (B,) scores are summed over the group (one nonzero term each: exact).
 
 Only B hidden states reach the head. Input: any (B, S) batch whose ``attention_mask`` has one run
 of ones per row (the rollout layout, or whole left-padded conversations after re-tokenisation).
@@ -26,13 +33,16 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from rlpad.core.attention import BOUNDS_KWARG, VARLEN_ATTENTION, PackedBounds, packed_row_mask
 from rlpad.core.attn_choice import require_varlen_attention
-from rlpad.core.host_plan import to_device
-from rlpad.core.layout import position_ids_from_mask
+from rlpad.core.forward import check_sequence_parallel, check_share_min_saved, check_share_prompts, groups_to_share
+from rlpad.core.host_plan import HostBatch, to_device
+from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
 from rlpad.core.models import empty_pretrained, load_pretrained, model_config, model_source, require_folder
 from rlpad.core.padding import validate_attention_mask
+from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats
+from rlpad.core.shared_prompt import SEGMENTS_KWARG, SharedSegments, pack_shared_prompts
 
 __all__ = ["REWARD_HEADS", "check_reward_config", "check_reward_inputs", "compute_scores", "last_token_columns",
-           "load_reward_model", "reward_head_kind"]
+           "load_reward_model", "reward_head_kind", "shared_last_slots"]
 
 # The class-name endings of a reward model and the Auto class that builds each.
 REWARD_HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
@@ -95,14 +105,24 @@ def load_reward_model(
 
 
 def check_reward_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        position_ids: torch.Tensor | None, *, use_remove_padding: bool) -> None:
+                        position_ids: torch.Tensor | None, *, use_remove_padding: bool,
+                        response_length: int | None = None, share_prompts: bool = False,
+                        sp: SequenceParallel | None = None) -> None:
     """Every check of a scoring call, before any compute: a one-output head, (B, S) integer ids in
     the vocabulary, a 0/1 mask with one run of ones per row, matching position ids, and a varlen
-    attention for remove-padding."""
+    attention for remove-padding. ``share_prompts`` needs remove-padding, ``response_length`` and the
+    rollout layout (left-padded prompts, right-padded responses); sequence parallelism ``sp`` needs
+    remove-padding, ``rlpad_varlen`` and query heads that split over its ranks."""
     head = getattr(model, "score", None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise ValueError(f"{type(model).__name__} has no one-output `score` head (a reward model is a "
                          f"*ForSequenceClassification or *ForTokenClassification with num_labels 1)")
+    check_share_prompts(use_remove_padding, share_prompts)
+    sp = active(sp)
+    check_sequence_parallel(use_remove_padding, sp)
+    if share_prompts and response_length is None:
+        raise ValueError("share_prompts=True needs response_length (where each row's response starts): the "
+                         "rollout's own rows, not re-rendered ones")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D (batch, seq) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
@@ -114,17 +134,56 @@ def check_reward_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mas
         raise ValueError(f"shapes disagree: position_ids {tuple(position_ids.shape)} vs input_ids {tuple(input_ids.shape)}")
     validate_attention_mask(attention_mask)
     vocab = model.get_input_embeddings().num_embeddings
+    if share_prompts:  # the rollout layout: the shared prompt is the first S - R columns of each row
+        check_rollout_tensors(vocab, input_ids, attention_mask, position_ids, response_length)
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids must be in [0, {vocab}) (the reward model's vocabulary), found ids in [{lo}, {hi}]")
     if use_remove_padding:
-        require_varlen_attention(model)
+        require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
+    if sp is not None:
+        config = model.config
+        kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                   or config.num_attention_heads, sp.size)  # fmt: skip
 
 
 def last_token_columns(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) int64: the column of each row's last valid token (its last 1)."""
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (columns * attention_mask.long()).argmax(dim=1)
+
+
+def shared_last_slots(segments: SharedSegments, groups: list[list[int]], response_lengths: list[int]) -> torch.Tensor:
+    """(B,) int64: the slot of each row's last valid token in a shared-prompt row
+    (:func:`rlpad.core.shared_prompt.pack_shared_prompts` of ``groups``): its response's last token,
+    or its group's last prompt token when its response is empty."""
+    slots = [0] * len(response_lengths)
+    responses = iter(segments.responses)  # (start, length, group) in group order, rows ascending, non-empty only
+    for g, rows in enumerate(groups):
+        prompt_start, prompt_len = segments.prompts[g]
+        for r in rows:
+            if response_lengths[r]:
+                start, length, _ = next(responses)
+                slots[r] = start + length - 1
+            else:
+                slots[r] = prompt_start + prompt_len - 1
+    return torch.tensor(slots, dtype=torch.long)
+
+
+def _packed_row(host: HostBatch, pad_to: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """``(ids (T',), positions (T',), cu_seqlens (n + 1,) int32, max_seqlen, last slots (B,))`` of the
+    plain packed row on the host; padded to a multiple of ``pad_to`` by a sequence of its own (token 0,
+    positions 0, 1, ...), as :func:`rlpad.core.host_plan.packed_plan` pads it."""
+    indices = host.attention_mask.reshape(-1).nonzero().flatten()
+    ids, positions = host.input_ids.reshape(-1)[indices], host.position_ids.reshape(-1)[indices]
+    seqlens = host.attention_mask.sum(1)
+    last = seqlens.cumsum(0) - 1
+    pad = -indices.numel() % pad_to
+    if pad:
+        ids, positions = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([positions, torch.arange(pad)])
+        seqlens = torch.cat([seqlens, seqlens.new_tensor([pad])])
+    cu = torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)
+    return ids, positions, cu, int(seqlens.max()), last
 
 
 def compute_scores(
@@ -134,37 +193,68 @@ def compute_scores(
     position_ids: torch.Tensor | None = None,
     *,
     use_remove_padding: bool = True,
+    response_length: int | None = None,
+    share_prompts: bool = False,
+    share_min_saved: float = 0.0,
+    sp: SequenceParallel | None = None,
+    host: HostBatch | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Scores ``(B,)`` in fp32: the reward model's ``score`` head on the hidden state of each row's
     last valid token. ``position_ids`` None: the rollout rule (restart at 0 at the first valid token).
     ``use_remove_padding``: one packed (1, nnz) forward (needs a varlen attention); else the padded
-    (B, S) forward. ``check=False`` skips :func:`check_reward_inputs` (the caller ran it)."""
+    (B, S) forward. ``share_prompts`` (the rollout's own rows: ``response_length`` columns of right-padded
+    response after a left-padded prompt): each group's prompt once, its responses after it, a response
+    attending to the prompt and itself only (:mod:`rlpad.core.shared_prompt`), where that removes at
+    least ``share_min_saved`` of the valid tokens. ``sp``: this rank's sequence-parallel group; it runs
+    its slice of the row, scores the rows whose last token it holds, and every rank gets all B scores.
+    ``host``: the batch's host copy where the caller has one. ``check=False`` skips
+    :func:`check_reward_inputs` (the caller ran it)."""
+    sp = active(sp)
     if check:
-        check_reward_inputs(model, input_ids, attention_mask, position_ids, use_remove_padding=use_remove_padding)
-    device = input_ids.device
+        check_reward_inputs(model, input_ids, attention_mask, position_ids, use_remove_padding=use_remove_padding,
+                            response_length=response_length, share_prompts=share_prompts, sp=sp)
+    check_share_min_saved(share_min_saved)
+    device, batch = input_ids.device, input_ids.shape[0]
     backbone = getattr(model, model.base_model_prefix)
-    mask = attention_mask.long().cpu()  # the one read of the batch (none on the CPU)
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
+    if host is None:
+        host = HostBatch.of(input_ids, attention_mask, position_ids)  # the one read of the batch (none on the CPU)
     if not use_remove_padding:
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        rows, cols = to_device([torch.arange(mask.shape[0]), last_token_columns(mask)], device)
-        last = hidden[rows, cols]
+        rows, cols = to_device([torch.arange(batch), last_token_columns(host.attention_mask)], device)
+        return _head(model, hidden[rows, cols])
+    pad_to = sp.size if sp is not None else 1
+    groups = groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    if groups is not None:
+        row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
+                                  pad_to=pad_to, groups=groups)
+        slots = shared_last_slots(row.segments, groups, host.attention_mask[:, -response_length:].sum(1).tolist())
+        row = row.to(device)  # one copy
+        ids, positions, attention = row.input_ids[0], row.position_ids[0], {SEGMENTS_KWARG: row.segments}
     else:
-        indices = mask.reshape(-1).nonzero().flatten()
-        cu_host = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
-        max_seqlen = int(mask.sum(1).max())
-        indices, cu_seqlens, slots = to_device([indices, cu_host, cu_host[1:].long() - 1], device)
-        ids = input_ids.reshape(-1).index_select(0, indices)
-        positions = position_ids.reshape(-1).index_select(0, indices)
-        no_mask = packed_row_mask(device) if backbone.config._attn_implementation == VARLEN_ATTENTION else None
+        ids, positions, cu_host, max_seqlen, slots = _packed_row(host, pad_to)
+        ids, positions, cu_seqlens = to_device([ids, positions, cu_host], device)  # one copy
+        attention = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
+                         max_length_k=max_seqlen, **{BOUNDS_KWARG: PackedBounds(cu_host, ids.shape[0])})
+    no_mask = packed_row_mask(device) if backbone.config._attn_implementation == VARLEN_ATTENTION else None
+    if sp is None:
         hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=no_mask,
-                          use_cache=False, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                          max_length_q=max_seqlen, max_length_k=max_seqlen,
-                          **{BOUNDS_KWARG: PackedBounds(cu_host, ids.shape[0])}).last_hidden_state[0]
-        last = hidden.index_select(0, slots)
+                          use_cache=False, **attention).last_hidden_state[0]
+        return _head(model, hidden.index_select(0, *to_device([slots], device)))
+    shard = sp.shard(ids, positions, attention)
+    hidden = backbone(attention_mask=no_mask, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
+    mine, local = shard.local(slots)  # on the host: the rows whose last token is on this rank's slice
+    rows, local = to_device([mine.nonzero().flatten(), local], device)
+    scores = torch.zeros(batch, dtype=torch.float32, device=device)
+    scores = scores.index_copy(0, rows, _head(model, hidden.index_select(0, local)))
+    return sp.gather_scored(scores)  # one nonzero term per row: the sum is exact
+
+
+def _head(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
+    """(n, H) hidden states of last tokens -> (n,) fp32 scores."""
     dropout = getattr(model, "dropout", None)  # *ForTokenClassification: identity in eval mode
     if isinstance(dropout, nn.Dropout):
         last = dropout(last)

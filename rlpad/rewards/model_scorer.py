@@ -6,7 +6,8 @@ left-padded prompt + right-padded response, remove-padding) when it tokenises as
 same vocabulary, same chat template. Otherwise each response is decoded with the policy's
 tokenizer, appended to its prompt's chat messages (``raw_prompt``) as the assistant turn,
 rendered with the reward model's chat template, tokenised with its tokenizer, left-padded and
-scored the same way.
+scored the same way. Shared prompts (``reward.reward_model.share_prompts``) need the policy's own
+rows: their ``responses`` tell the workers where each prompt ends; a re-rendered batch has none.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class RewardModelInputs:
     """What the reward model reads for a rollout batch. Built in the driver before any worker starts:
     reads the folder's config and tokenizer only (no weights), and raises ValueError for a folder
     that is not a one-output classification model, or a tokenizer that differs from the policy's
-    and has no chat template to re-render with. Called with a rollout batch, returns a Batch of
-    ``input_ids``, ``attention_mask`` (+ ``position_ids`` for the rollout's own rows)."""
+    and has no chat template to re-render with, or ``share_prompts`` true (the key's explicit value)
+    for a tokenizer that re-renders. Called with a rollout batch, returns a Batch of ``input_ids``,
+    ``attention_mask`` (+ ``position_ids`` and ``responses`` for the rollout's own rows)."""
 
-    def __init__(self, path: str, policy_tokenizer: Any, *, trust_remote_code: bool = False):
+    def __init__(self, path: str, policy_tokenizer: Any, *, trust_remote_code: bool = False,
+                 share_prompts: bool | None = None):
         require_folder("reward model", path)
         check_reward_config(model_config(path, trust_remote_code), path, KEY)
         self.tokenizer = load_tokenizer(path)
@@ -62,10 +65,14 @@ class RewardModelInputs:
             raise ValueError(f"{KEY}={path!r}: its tokenizer differs from the policy's "
                              "(actor_rollout_ref.model.tokenizer_path) and has no chat template to re-render the "
                              "responses with; save a chat_template with the reward model's tokenizer")
+        if self.retokenize and share_prompts:
+            raise ValueError(f"reward.reward_model.share_prompts=true needs the policy's own tokens, but "
+                             f"{KEY}={path!r} tokenises differently and re-renders each conversation; set "
+                             "reward.reward_model.share_prompts=false (or null)")
 
     def __call__(self, batch: Batch) -> Batch:
         if not self.retokenize:
-            return batch.select(*[k for k in ("input_ids", "attention_mask", "position_ids") if k in batch])
+            return batch.select(*[k for k in ("input_ids", "attention_mask", "position_ids", "responses") if k in batch])
         rows = render_for_reward_model(batch, self.policy_tokenizer, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_pad(rows, max(len(r) for r in rows), pad)

@@ -3,12 +3,14 @@ parts and :func:`reward_problems`, every check of ``reward.*`` and its verl name
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlpad.config.choices import ATTN_IMPLEMENTATIONS, DTYPES, REWARD_MANAGERS
-from rlpad.config.rewards import RewardConfig
+from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig
 from rlpad.config.schema import Config
 from rlpad.rewards.judge_rules import judge_problems
 
-__all__ = ["JUDGE", "MODEL", "RULE", "part_names", "reward_problems"]
+__all__ = ["JUDGE", "MODEL", "RULE", "part_names", "reward_model_section", "reward_problems"]
 
 RULE = "rule"  # the part scored by the reward function (reward.fn / reward.custom_reward_function)
 MODEL = "reward_model"  # the part scored by reward.reward_model
@@ -20,6 +22,18 @@ def part_names(reward: RewardConfig) -> list[str]:
     then ``reward.extra_fns``."""
     return ([RULE] + ([MODEL] if reward.reward_model.enable else []) + ([JUDGE] if reward.judge.enable else [])
             + list(reward.extra_fns))
+
+
+def reward_model_section(config: Config) -> RewardModelScoringConfig:
+    """``reward.reward_model`` as its workers run it: ``share_prompts`` null resolved to
+    ``actor_rollout_ref.model.share_prompts`` (off when the reward model runs the padded batch). The
+    workers share only a batch of the policy's own rows (rlpad.rewards.model_scorer ships ``responses``
+    then), so a reward model that re-renders never shares."""
+    rm = config.reward.reward_model
+    share = rm.share_prompts
+    if share is None:
+        share = config.actor_rollout_ref.model.share_prompts and rm.use_remove_padding
+    return dataclasses.replace(rm, share_prompts=bool(share))
 
 
 def reward_problems(config: Config) -> list[str]:
@@ -49,6 +63,9 @@ def reward_problems(config: Config) -> list[str]:
     elif rm.attn_implementation == "sdpa" and rm.use_remove_padding:
         problems.append("reward.reward_model.attn_implementation=sdpa runs the padded path only; set "
                         "reward.reward_model.use_remove_padding=false or choose auto / rlpad_varlen / flash_attention_2")
+    if rm.share_prompts and not rm.use_remove_padding:
+        problems.append("reward.reward_model.share_prompts=true needs reward.reward_model.use_remove_padding=true "
+                        "(the shared prompt lives in the packed row)")
     for key in ("micro_batch_size_per_gpu", "forward_max_token_len_per_gpu"):
         if getattr(rm, key) < 1:
             problems.append(f"reward.reward_model.{key}={getattr(rm, key)} must be >= 1")
