@@ -30,6 +30,18 @@ def test_verls_keys_load():
     load_config(RECIPE, ON + [f"{LOSS}.loss_mode=low_var_kl", f"{LOSS}.use_policy_gradient=false"])
 
 
+def test_one_sample_per_prompt_needs_no_group_without_task_rewards():
+    """The teacher's loss alone reads no task advantage, so GRPO's n >= 2 does not bind; mixed with the
+    task's GRPO loss (use_task_rewards) it does."""
+    one = ["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo", f"{LOSS}.loss_mode=forward_kl_topk",
+           f"{LOSS}.topk=4", f"{LOSS}.use_policy_gradient=false"]
+    assert load_config(RECIPE, ON + one + [f"{LOSS}.use_task_rewards=false"]).actor_rollout_ref.rollout.n == 1
+    with pytest.raises(ValueError, match=r"rollout.n=1: GRPO compares responses within a group and needs n >= 2"):
+        load_config(RECIPE, ON + one + [f"{LOSS}.use_task_rewards=true"])
+    with pytest.raises(ValueError, match=r"rollout.n=1: GRPO compares responses within a group and needs n >= 2"):
+        load_config(RECIPE, one)  # no distillation: the task's loss
+
+
 @pytest.mark.parametrize("overrides,wanted", [
     ([f"{LOSS}.loss_mode=reverse_kl_topk"], f"{LOSS}.loss_mode='reverse_kl_topk' is not a verl distillation loss mode"),
     ([f"{LOSS}.loss_mode=k3+"], "is not a verl distillation loss mode"),

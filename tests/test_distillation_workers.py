@@ -153,3 +153,51 @@ def test_k1_policy_gradient_update_reads_the_teacher(batch):
     none = update(agreeing, scored)
     assert max(float(g.abs().max()) for g in none["grads"].values()) == 0
     assert max(float(g.abs().max()) for g in first["grads"].values()) > 1e-4
+
+
+def test_teacher_in_its_own_pool_scores_as_colocated_and_alone(ray_session, batch):
+    """The launcher's two teacher placements (workers.teacher.teacher_group_kwargs) next to a 2-rank actor
+    in its colocated pool (a share of each bundle, as RayWorkers reserves it): the teacher in that pool,
+    and in a pool of its own (``distillation.n_gpus_per_node=2``). The own pool's ranks run outside the
+    actor's placement group; both teachers' log-probs equal the teacher scoring each sequence alone
+    (fp32, float64 log-softmax) to the fp32 bound. Negative control: the next column's log-probs (a
+    teacher scoring a shifted token) differ by far more."""
+    from rlpad.config.schema import Config
+    from rlpad.embedded.exactness import oracle
+    from workers.placement import plan_nodes, release, reserve
+    from workers.teacher import teacher_group_kwargs
+
+    def config(n_gpus_per_node: int) -> Config:
+        c = Config()
+        c.trainer.n_gpus_per_node = 2
+        c.distillation = DistillationConfig(enabled=True, distillation_loss=K1, n_gpus_per_node=n_gpus_per_node)
+        return c
+
+    share = 1 / 3  # actor, teacher, rollout engine: a third of each bundle, as the launcher's colocated layout
+    nodes = plan_nodes(1, {"CPU": 2.0}, what="colocated pool")
+    pool = reserve(nodes, 2, {"CPU": 1.0}, what="colocated pool", timeout_s=120.0)
+    actor_kwargs = dict(nnodes=1, ranks_per_node=2, nodes=nodes, seed=1, num_cpus_per_worker=share,
+                        num_gpus_per_worker=0, placement_groups=pool)
+    groups = []
+    try:
+        groups.append(WorkerGroup(ActorWorker, section(K1), role="actor", **actor_kwargs))
+        scores, where = {}, {}
+        for name, n_gpus in (("colocated", 0), ("own_pool", 2)):
+            kwargs = teacher_group_kwargs(config(n_gpus), actor_kwargs, gpus=0)
+            groups.append(WorkerGroup(ActorWorker, section(K1, teacher=True), role="teacher", **kwargs))
+            scores[name] = groups[-1].call_batch("compute_teacher", batch)["teacher_log_probs"]
+            where[name] = {p["placement_group_id"] for p in groups[-1].call("placement")}
+        where["actor"] = {p["placement_group_id"] for p in groups[0].call("placement")}
+    finally:
+        for g in groups:
+            g.shutdown()
+        release(pool)
+    assert where["actor"] == where["colocated"] == {pool[0].id.hex()}
+    assert len(where["own_pool"]) == 1 and None not in where["own_pool"] and not where["own_pool"] & where["actor"]
+    mask = batch["response_mask"].bool()
+    alone = oracle(load_causal_lm(TEACHER), dict(batch.tensors), R, backward=False).lp
+    for name, lp in scores.items():
+        assert (lp.double() - alone)[mask].abs().max() <= FP32_LOGPROB_TOL, name
+    assert (scores["own_pool"] - scores["colocated"])[mask].abs().max() <= FP32_LOGPROB_TOL
+    both = mask[:, :-1] & mask[:, 1:]  # negative control: column t scored as column t + 1's token
+    assert (scores["own_pool"][:, :-1].double() - alone[:, 1:])[both].abs().max() > 100 * FP32_LOGPROB_TOL

@@ -44,7 +44,7 @@ from rlpad.run_log import RunLog
 from rlpad.topology import colocated, resolve_device, rollout_replicas
 from workers.actor import ActorWorker
 from rlpad.algorithms.distillation_rules import teacher_path
-from workers.teacher import own_pool, student_section, teacher_section, tokenizer_ids
+from workers.teacher import own_pool, student_section, teacher_group_kwargs, teacher_section, tokenizer_ids
 from workers.critic import CriticWorker
 from workers.reward_model import RewardModelWorker
 from workers.group import WorkerGroup
@@ -142,10 +142,8 @@ class RayWorkers:
             if config.builds_ref:
                 self.ref = WorkerGroup(ActorWorker, arr, role="ref", **group)
             if config.distillation.enabled:
-                teacher = group if teacher_pool is None else dict(
-                    nnodes=teacher_pool[0], ranks_per_node=teacher_pool[1], resolve_path=paths, seed=t.seed,
-                    num_gpus_per_worker=gpus)  # fmt: skip
-                self.teacher = WorkerGroup(ActorWorker, teacher_section(config, vocab), role="teacher", **teacher)
+                self.teacher = WorkerGroup(ActorWorker, teacher_section(config, vocab), role="teacher",
+                                           **teacher_group_kwargs(config, group, gpus=gpus))
             if critic:
                 self.critic = WorkerGroup(CriticWorker, config.critic, role="critic", rollout_n=arr.rollout.n, **group)
             if rm:

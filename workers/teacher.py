@@ -20,8 +20,8 @@ from rlpad.config.choices import TOPK_MODES
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.schema import ActorRolloutRefConfig, Config
 
-__all__ = ["TEACHER_KEYS", "DistilledSection", "own_pool", "student_section", "teacher_keys", "teacher_section",
-           "tokenizer_ids"]
+__all__ = ["TEACHER_KEYS", "DistilledSection", "own_pool", "student_section", "teacher_group_kwargs", "teacher_keys",
+           "teacher_section", "tokenizer_ids"]
 
 
 @dataclass
@@ -63,6 +63,17 @@ def own_pool(config: Config) -> tuple[int, int] | None:
     if not d.enabled or d.n_gpus_per_node == 0:
         return None
     return d.nnodes or config.trainer.nnodes, d.n_gpus_per_node
+
+
+def teacher_group_kwargs(config: Config, actor_group: dict[str, Any], *, gpus: int) -> dict[str, Any]:
+    """The teacher's :class:`workers.group.WorkerGroup` placement: ``actor_group`` (the actor's kwargs: its
+    nodes and, colocated, its placement groups and bundle shares) or, with :func:`own_pool`, a pool of its
+    own (``nnodes x n_gpus_per_node`` ranks, ``gpus`` each, placement groups the group reserves)."""
+    pool = own_pool(config)
+    if pool is None:
+        return actor_group
+    shared = {k: actor_group[k] for k in ("resolve_path", "seed") if k in actor_group}
+    return dict(nnodes=pool[0], ranks_per_node=pool[1], num_gpus_per_worker=gpus, **shared)
 
 
 def student_section(config: Config, vocab_size: int) -> ActorRolloutRefConfig:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rlpad.config.choices import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
 
-__all__ = ["distillation_problems", "teacher_problems", "teacher_path", "uses_teacher_topk"]
+__all__ = ["distillation_problems", "task_advantages_used", "teacher_problems", "teacher_path", "uses_teacher_topk"]
 
 KEY = "distillation.distillation_loss"
 PATH_KEY = "distillation.teacher_models.teacher_model.model_path"
@@ -24,6 +24,13 @@ K1_NEEDS_PG = ("its gradient is that of the student's log-prob alone (the teache
 def uses_teacher_topk(config: Any) -> bool:
     """The distillation loss reads the teacher's top-k (``forward_kl_topk``)."""
     return config.distillation.enabled and config.distillation.distillation_loss.loss_mode in TOPK_MODES
+
+
+def task_advantages_used(config: Any) -> bool:
+    """The update reads the task's advantages: not when distillation runs without task rewards (its loss
+    alone), so the estimator's group size (GRPO's n >= 2) does not bind then."""
+    d = config.distillation
+    return not (d.enabled and not d.distillation_loss.use_task_rewards)
 
 
 def teacher_path(config: Any) -> str | None:

@@ -21,7 +21,7 @@ from rlpad.lora.rules import lora_value_problems, syncs_adapter
 from rlpad.training.metrics import LOGGERS
 from rlpad.parallel import role_world, sequence_parallel_problems, sp_size
 from rlpad.algorithms.policy_loss import policy_loss_problems
-from rlpad.algorithms.distillation_rules import distillation_problems
+from rlpad.algorithms.distillation_rules import distillation_problems, task_advantages_used
 from rlpad.rollout import BACKENDS as ROLLOUT_BACKENDS, backend_class
 from rlpad.rewards.settings import reward_problems
 from rlpad.rollout.tools import multi_turn_problems
@@ -169,7 +169,7 @@ def validate_config(config: Config) -> Config:
     # sizes
     if rollout.n < 1:
         problems.append(f"actor_rollout_ref.rollout.n={rollout.n} must be >= 1")
-    elif estimator is not None and rollout.n < estimator.min_group_size:
+    elif estimator is not None and rollout.n < estimator.min_group_size and task_advantages_used(config):
         others = [name for name, e in ESTIMATORS.items() if e.min_group_size <= rollout.n]
         problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: {estimator.needs} and needs "
                         f"n >= {estimator.min_group_size} (or use algorithm.adv_estimator={' | '.join(others)})")
