@@ -123,9 +123,9 @@ def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
     return scale * float(solution_str == ground_truth)
 
 
-def test_reward_model_inputs_and_retokenisation(tmp_path):
-    """What the reward model reads: the rollout's own rows when the tokenizers agree; with another chat
-    template the conversation re-rendered, and the model's score on it is its score on that text alone."""
+def reward_model_folders(tmp_path):
+    """``(same, other, rm)``: one tiny reward model saved twice, with the policy's tokenizer (``same``) and
+    with it under another chat template (``other``: the reward model re-renders)."""
     same, other = tmp_path / "same", tmp_path / "other"
     rm = tiny_reward_model("qwen2", seed=3)
     for folder in (same, other):
@@ -133,6 +133,13 @@ def test_reward_model_inputs_and_retokenisation(tmp_path):
         tok = build_tokenizer(folder)
     tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     tok.save_pretrained(other)
+    return same, other, rm
+
+
+def test_reward_model_inputs_and_retokenisation(tmp_path):
+    """What the reward model reads: the rollout's own rows when the tokenizers agree; with another chat
+    template the conversation re-rendered, and the model's score on it is its score on that text alone."""
+    same, other, rm = reward_model_folders(tmp_path)
     batch = batch_a()
     direct, rerendered = RewardModelInputs(str(same), TOK), RewardModelInputs(str(other), TOK)
     assert not direct.retokenize and rerendered.retokenize
@@ -167,13 +174,7 @@ def test_shared_prompts_need_the_policys_own_rows(tmp_path):
     """The policy's own rows go out with ``responses`` (where each prompt ends, what sharing reads); a
     re-rendered batch has none, and an explicit reward.reward_model.share_prompts=true with a reward model
     that re-renders is refused in one line before anything is scored; null (the actor's) just does not share."""
-    same, other = tmp_path / "same", tmp_path / "other"
-    rm = tiny_reward_model("qwen2", seed=3)
-    for folder in (same, other):
-        rm.save_pretrained(folder)
-        tok = build_tokenizer(folder)
-    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-    tok.save_pretrained(other)
+    same, other, rm = reward_model_folders(tmp_path)
     batch = batch_a()
     assert torch.equal(RewardModelInputs(str(same), TOK, share_prompts=True)(batch)["responses"], batch["responses"])
     assert "responses" not in RewardModelInputs(str(other), TOK, share_prompts=None)(batch)
