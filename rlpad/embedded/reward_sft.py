@@ -53,7 +53,7 @@ RM_VERSION = "rlpad-toy-rm-2"  # bump when the recipe changes in a way the key c
 # answer outscores the right one (a pairwise loss alone left numbers that outscore it on most problems)
 # backbone: "teacher" starts from the embedded teacher (the warm start's recipe run sft.teacher_steps), "policy" from
 # the warm start itself; samples: the policy's answers sampled (once) per distinct training problem
-RM_SETTINGS: dict[str, Any] = dict(steps=400, batch_size=64, lr=1e-3, weight_decay=0.0, seed=0, sampled=0.75,
+RM_SETTINGS: dict[str, Any] = dict(steps=800, batch_size=64, lr=2e-3, weight_decay=0.0, seed=0, sampled=0.75,
                                    listwise=16, backbone="teacher", samples=16, anneal=True)
 INFO_FILE = "rlpad_rm.json"
 TASK = "toy"
