@@ -232,7 +232,7 @@ def _train(policy: str, backbone: str, cfg: SFTConfig, settings: dict[str, Any],
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rlpad.embedded.reward_sft``: train (or find cached) the toy reward model; print its path
-    and pairwise validation accuracy."""
+    and its held-out pairwise and top-1 accuracies."""
     p = argparse.ArgumentParser(prog="python -m rlpad.embedded.reward_sft", description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/rlpad or ~/.cache/rlpad")
     p.add_argument("--steps", type=int, default=RM_SETTINGS["steps"])
@@ -242,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.path.join(path, INFO_FILE)) as f:
         info = json.load(f)
     print(path)
-    print(f"val_pairwise_accuracy {info['val_pairwise_accuracy']:.3f}  seconds {info['seconds']}")
+    print(f"val_pairwise_accuracy {info['val_pairwise_accuracy']:.3f}  val_top1 {info.get('val_top1', float('nan')):.2f}  "
+          f"seconds {info['seconds']}")
     return 0
 
 
