@@ -12,7 +12,6 @@ tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import signal
@@ -88,12 +87,10 @@ def resolve_embedded(config: Config) -> Config:
             config.critic.model.path = model.path
     teacher = config.distillation.teacher_models.teacher_model
     if config.distillation.enabled and (teacher.model_path or "").startswith(EMBEDDED_TEACHER_PREFIX):
-        from rlpad.embedded.sft import warm_start
+        from rlpad.embedded.sft import embedded_teacher
 
         name = EMBEDDED_PREFIX + teacher.model_path[len(EMBEDDED_TEACHER_PREFIX):]
-        teacher_task = _embedded_task(name, TEACHER_PATH_KEY)
-        longer = dataclasses.replace(config.sft, steps=config.sft.teacher_steps, target_accuracy=None)
-        teacher.model_path = warm_start(longer, seed=0, task=teacher_task, verbose=False)
+        teacher.model_path = embedded_teacher(config.sft, task=_embedded_task(name, TEACHER_PATH_KEY))
     if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
         raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
                          "the same embedded model")

@@ -187,7 +187,8 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, sliding
         return _sdpa(query, key, value, scale=scaling, dropout=dropout, window=window).transpose(1, 2), None
     # One split of the row into per-sequence views (its backward is one cat, not a row-sized zero
     # buffer per sequence as slicing would give); sequences of equal length run as one batch (one
-    # sdpa call per distinct length); the outputs go back in row order with one cat.
+    # sdpa call per distinct length); the outputs go back in row order with one cat, token-major, so the
+    # caller's (1, total, heads * dim) reshape is a view, not one more copy of the row.
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     qs, ks, vs = (t[0].split(lengths, dim=1) for t in (query, key, value))  # (heads, length, dim) views
     by_length: dict[int, list[int]] = {}
@@ -200,7 +201,7 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, sliding
         out = _sdpa(q, k, v, scale=scaling, dropout=dropout, window=window)
         for i, piece in zip(idx, out.unbind(0)):
             outs[i] = piece
-    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0), None  # (1, total, heads, dim)
+    return torch.cat([o.transpose(0, 1) for o in outs]).unsqueeze(0), None  # (1, total, heads, dim), contiguous
 
 
 def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

@@ -42,7 +42,8 @@ from rlpad.embedded.shapes import WARM_START_DIMS
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
 
 __all__ = [
-    "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "encode", "greedy_answers", "main",
+    "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "embedded_teacher", "encode",
+    "greedy_answers", "main",
     "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
 ]
 
@@ -278,6 +279,14 @@ def warm_start(
         return info
 
     return build_cached(cache_root(cfg), f"sft-{key}", INFO_FILE, seed, build)
+
+
+def embedded_teacher(cfg: SFTConfig | None = None, *, task: str = "toy", verbose: bool = False) -> str:
+    """Path of the embedded teacher of ``task``: the warm start's supervised recipe run ``cfg.teacher_steps``
+    steps with no early stop (a stronger model than the policy; built once, cached beside it)."""
+    cfg = cfg or SFTConfig()
+    longer = replace(cfg, steps=cfg.teacher_steps, target_accuracy=None)
+    return warm_start(longer, seed=0, task=task, verbose=verbose)
 
 
 def read_info(path: str) -> dict[str, Any]:
