@@ -112,3 +112,27 @@ def test_actor_worker_option_scores_and_updates_as_without(monkeypatch):
         assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
     for (name, p), q in zip(plain.root.named_parameters(), compiled.root.parameters()):
         assert (p.full_tensor() - q.full_tensor()).abs().max() <= 1e-5, name
+
+
+def test_critic_worker_option_compiles_its_backbone(monkeypatch):
+    """``critic.model.compile_decoder_layers=true``: the critic holds the backbone without the LM head;
+    its layers are compiled and its values equal the plain critic's within the fp32 bound."""
+    monkeypatch.setattr("rlpad.core.fused_modules.COMPILE_BACKEND", "aot_eager")
+    from rlpad.config.schema import CriticConfig
+    from rlpad.embedded.synthetic import ppo_batch
+    from workers.critic import CriticWorker
+
+    def critic(compiled: bool) -> CriticWorker:
+        cfg = CriticConfig()
+        cfg.ppo_micro_batch_size_per_gpu = 4
+        cfg.model.compile_decoder_layers = compiled
+        w = CriticWorker(cfg, device="cpu")
+        w.init_model()
+        return w
+
+    plain, compiled = critic(False), critic(True)
+    assert all("forward" in vars(layer) for layer in compiled.model.layers)
+    assert not any("forward" in vars(layer) for layer in plain.model.layers)
+    batch = ppo_batch(8, PROMPT, RESPONSE, vocab_size=compiled.model.config.vocab_size, seed=1)
+    a, b = plain.compute_values(batch)["values"], compiled.compute_values(batch)["values"]
+    assert (a - b).abs().max() <= FP32_LOGPROB_TOL

@@ -55,7 +55,7 @@ class CriticWorker(FSDPWorker):
         del lm  # the LM head is not part of the critic
         self.root = self._shard_from_rank0(value_model, value_model.backbone)
         if mcfg.compile_decoder_layers:  # after sharding: FSDP's hooks stay outside the compiled forwards
-            apply_fused_modules(lm, "compile", key="critic.model.compile_decoder_layers",
+            apply_fused_modules(value_model.backbone, "compile", key="critic.model.compile_decoder_layers",
                                 device_type=torch.device(self.device).type)
         self.model = value_model.backbone
         self._build_optimizer(self.config.optim)

@@ -115,16 +115,20 @@ def _counting(backend: str) -> Callable:
 
 
 def compile_decoder_layers(model: nn.Module, backend: str | None = None) -> list[str]:
-    """Each decoder layer of ``model`` under ``torch.compile(dynamic=True)`` (per instance), with
-    ``backend`` (default :data:`COMPILE_BACKEND`; the CPU tests may name ``aot_eager``)."""
+    """Each decoder layer of ``model`` (a causal LM or its backbone, as the critic holds it) under
+    ``torch.compile(dynamic=True)`` (per instance), with ``backend`` (default :data:`COMPILE_BACKEND`;
+    the CPU tests may name ``aot_eager``)."""
     prefix = model.base_model_prefix
-    layers = getattr(getattr(model, prefix, None), "layers", None)
+    owner = getattr(model, prefix, None)
+    if getattr(owner, "layers", None) is None:  # the backbone itself
+        owner, prefix = model, ""
+    layers = getattr(owner, "layers", None)
     if layers is None:
         return []
     compiler = _counting(backend or COMPILE_BACKEND)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, backend=compiler)
-    return [f"{prefix}.layers.{i}" for i in range(len(layers))]
+    return [f"{prefix}.layers.{i}".lstrip(".") for i in range(len(layers))]
 
 
 register_fused_modules("compile")(compile_decoder_layers)
