@@ -306,8 +306,9 @@ def test_ray_node_script_starts_head_and_workers(tmp_path):
 def test_gpu_image_gives_run_time_compilers_a_cuda_home():
     """FlashInfer's JIT finds nvcc through CUDA_HOME: the GPU image sets it to /usr/local/cuda and,
     before that, makes /usr/local/cuda exist on either base (the devel base's toolkit, else a link to
-    the cuda-toolkit wheels' nvidia/cu13, checked to hold the headers), with its bin on PATH; the
-    link is made after torch (which brings those wheels) is installed."""
+    the cuda-toolkit wheels' nvidia/cu13, checked to hold the headers, completed with lib64, libcudart.so
+    and a libcuda.so linker stub), with its bin on PATH; the link is made after torch (which brings
+    those wheels, nvcc 13.0 among them) is installed."""
     steps = instructions(GPU)
     env = [i for i, (k, a) in enumerate(steps) if k == "ENV" and "CUDA_HOME=/usr/local/cuda" in a]
     assert len(env) == 1, "the GPU Dockerfile must set CUDA_HOME=/usr/local/cuda once"
@@ -316,3 +317,9 @@ def test_gpu_image_gives_run_time_compilers_a_cuda_home():
     torch_step = next(i for i, (k, a) in enumerate(steps) if k == "RUN" and PIP_INSTALL.search(a) and " torch " in f"{a} ")
     assert link and torch_step < link[0] < env[0], (torch_step, link, env)
     assert "nvidia" in steps[link[0]][1] and "cu13" in steps[link[0]][1] and "test -e /usr/local/cuda/include" in steps[link[0]][1]
+    # FlashInfer links with -L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs -lcudart -lcuda, which the
+    # wheels alone lack; and nvcc is torch's CUDA release (13.0), not the newest one vllm would pull
+    # in, which CCCL refuses beside the 13.0 runtime headers.
+    for need in ("lib64", "libcudart.so", "stubs/libcuda.so", "soname,libcuda.so.1"):
+        assert need in steps[link[0]][1], need
+    assert '"cuda-toolkit[nvcc,cccl]"' in steps[torch_step][1]
