@@ -109,8 +109,9 @@ class RayWorkers:
             need = {k: per_node[k] * t.nnodes + v * num_replicas for k, v in engines.items()}
             for k, v in judge_engine_resources(config, gpus).items():
                 need[k] = need.get(k, 0.0) + v
-            judges = f" and {judge.rollout.num_replicas} judge engine(s)" if judge.enable else ""
-            check_cluster_room(need, what=f"{'+'.join(roles)} groups, {num_replicas} rollout engine(s){judges}")
+            parts = [f"{'+'.join(roles)} groups", f"{num_replicas} rollout engine(s)"]
+            parts += [f"{judge.rollout.num_replicas} judge engine(s)"] if judge.enable else []
+            check_cluster_room(need, what=", ".join(parts[:-1]) + " and " + parts[-1])
         paths = NodePaths({p: ship_dir(p) for p in driver_built_paths(config)})
         engine = dict(tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
                       resolve_path=paths, device="cuda" if gpus else "cpu", **engine_lora_kwargs(config))
