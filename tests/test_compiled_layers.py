@@ -23,6 +23,14 @@ PROMPT, RESPONSE, VOCAB = 8, 10, 64
 KEY = "actor_rollout_ref.model.compile_decoder_layers"
 
 
+@pytest.fixture(autouse=True)
+def own_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's on-disk caches in this test's own folder: `make test` runs these tests again with
+    ATen / MKL / oneDNN held to AVX2, and a kernel cached by the first pass, reused there, gave NaN
+    log-probs (seen 2026-11-27; a fresh cache under the same settings is exact)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 def _pair(backend: str):
     plain = tiny_model("qwen2", vocab_size=VOCAB, seed=1, attn_implementation="rlpad_varlen")
     compiled = copy.deepcopy(plain)
