@@ -97,13 +97,18 @@ def _unavailable(column: str, device: torch.device) -> str | None:
     return "liger-kernel's kernels need CUDA" if device.type != "cuda" else liger_missing()
 
 
+def _compile_backend(device: torch.device) -> str:
+    """packed_compiled's torch.compile backend: inductor on a GPU, aot_eager in the CPU dry run."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
 def _compiled_copy(model, packed_impl: str, device: torch.device):
     """A copy of ``model`` (same weights, ``packed_impl`` attention) with its decoder layers compiled."""
     from rlpad.core.fused_modules import compile_decoder_layers
 
     compiled = copy.deepcopy(model)
     compiled.set_attn_implementation(packed_impl)
-    compile_decoder_layers(compiled, "inductor" if device.type == "cuda" else "aot_eager")
+    compile_decoder_layers(compiled, _compile_backend(device))
     return compiled
 
 
@@ -192,7 +197,7 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
 
         try:
             compiled = _warm_up(fns["packed_compiled"], pieces, device)
-            compiled["graphs_total"] = compile_counts()["graphs"]
+            graphs_before_timing = compile_counts()["graphs"]
         except Exception as e:  # noqa: BLE001 - a compile failure: the column not run, said why
             absent["packed_compiled"] = f"did not compile: {type(e).__name__}: {str(e)[:160]}"
             columns.remove("packed_compiled")
@@ -254,9 +259,8 @@ def measure_shape(device: torch.device, model_name: str, *, rows: int, prompt: i
     if compiled is not None:
         from rlpad.core.fused_modules import compile_counts
 
-        result["compile"] = {"seconds": compiled["seconds"], "graphs": compiled["graphs"],
-                             "graphs_after_warmup": compile_counts()["graphs"] - compiled.pop("graphs_total"),
-                             "backend": "inductor" if device.type == "cuda" else "aot_eager"}
+        result["compile"] = {**compiled, "graphs_after_warmup": compile_counts()["graphs"] - graphs_before_timing,
+                             "backend": _compile_backend(device)}
     for mode, factor in (("fwd", 1), ("fwdbwd", 3)):
         result[mode] = {}
         for c in columns:

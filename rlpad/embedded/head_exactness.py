@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FP32_SLACK", "HEAD_LP_BOUND", "fp32_logits_errors", "fp64_head", "head_errors", "head_inputs"]
+__all__ = ["FP32_SLACK", "HEAD_LP_BOUND", "fp32_logits_errors", "fp64_head", "head_bounds", "head_errors", "head_inputs"]
 
 # Max |log-prob - fp64| and |entropy - fp64| of a head that keeps its logits in fp32 (issue #26's
 # target); bf16-rounded logits are ~7e-3 at vocab 152064, fp16-rounded ~1e-3 at the tests' sizes.
@@ -41,6 +41,14 @@ def fp32_logits_errors(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     lp = z.gather(-1, labels[:, None])[:, 0]
     ent = -(z.exp() * z).sum(-1)
     return (lp.double() - ref_lp).abs().max().item(), (ent.double() - ref_ent).abs().max().item()
+
+
+def head_bounds(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ref_lp: torch.Tensor,
+                ref_ent: torch.Tensor) -> tuple[float, float]:
+    """``(log-prob bound, entropy bound)`` of a head on these rows: HEAD_LP_BOUND, or FP32_SLACK x what
+    fp32 logits from torch's GEMM reach on them (:func:`fp32_logits_errors`), whichever is larger."""
+    fp32_lp, fp32_ent = fp32_logits_errors(hidden, weight, labels, ref_lp, ref_ent)
+    return max(HEAD_LP_BOUND, FP32_SLACK * fp32_lp), max(HEAD_LP_BOUND, FP32_SLACK * fp32_ent)
 
 
 def head_inputs(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype, device: str | torch.device = "cpu",

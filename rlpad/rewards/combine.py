@@ -31,7 +31,7 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards.rules import RewardFn, load_reward_fn, place_scores, score_batch
-from rlpad.rewards.settings import JUDGE, MODEL, RULE
+from rlpad.rewards.settings import JUDGE, MODEL, RULE, part_names
 
 __all__ = ["FLAG_PREFIX", "PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "part_metrics", "parts_of",
            "score_rewards"]
@@ -104,8 +104,7 @@ class CombinedReward:
 
     @property
     def parts(self) -> list[str]:
-        judge = [JUDGE] if self.judge is not None else []
-        return [RULE] + ([MODEL] if self.uses_model else []) + judge + list(self.extra_fns)
+        return part_names(self.config)
 
     def weight(self, part: str, data_source: str) -> float:
         per_source = self.config.source_weights.get(str(data_source), {})
@@ -173,13 +172,11 @@ def part_metrics(batches: Batch | Sequence[Batch], prefix: str = "reward/") -> d
     """``{prefix}<part>/mean`` of every ``reward_parts/<part>`` in ``batches`` (all rows together), and
     ``{prefix}<part>/<flag>`` of every ``reward_flags/<part>/<flag>`` (the fraction of rows flagged)."""
     batches = [batches] if isinstance(batches, Batch) else list(batches)
-    names = {PART_PREFIX: "/mean", FLAG_PREFIX: ""}
-    keys = sorted({k for b in batches for k in b.tensors if k.startswith(tuple(names))})
+    keys = sorted({k for b in batches for k in b.tensors if k.startswith((PART_PREFIX, FLAG_PREFIX))})
     out = {}
     for k in keys:
-        head = PART_PREFIX if k.startswith(PART_PREFIX) else FLAG_PREFIX
-        values = torch.cat([b[k] for b in batches if k in b]).float()
-        out[f"{prefix}{k[len(head):]}{names[head]}"] = float(values.mean())
+        name = f"{k.removeprefix(PART_PREFIX)}/mean" if k.startswith(PART_PREFIX) else k.removeprefix(FLAG_PREFIX)
+        out[f"{prefix}{name}"] = float(torch.cat([b[k] for b in batches if k in b]).float().mean())
     return out
 
 
@@ -192,9 +189,8 @@ def build_reward(reward: RewardConfig, model_inputs: Callable[[Batch], Batch] | 
     if reward.reward_kwargs:
         rule_fn = functools.partial(rule_fn, **reward.reward_kwargs)
     extra = {name: load_function(spec, f"reward.extra_fns.{name}") for name, spec in reward.extra_fns.items()}
-    combined = reward.reward_model.enable or reward.judge.enable or extra or reward.weights or reward.source_weights \
-        or reward.normalize \
-        or reward.clip is not None
+    combined = (reward.reward_model.enable or reward.judge.enable or extra or reward.weights or reward.source_weights
+                or reward.normalize or reward.clip is not None)
     if not combined:
         return rule_fn
     return CombinedReward(reward, rule_fn, extra, model_inputs=model_inputs, judge=judge)
