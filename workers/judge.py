@@ -11,6 +11,7 @@ from typing import Any
 
 from rlpad.config.schema import Config
 from rlpad.rewards.judge_rules import engine_settings
+from workers.placement import engine_resources
 from workers.rollout import RolloutReplicas
 
 __all__ = ["judge_engine_resources", "judge_replicas"]
@@ -19,10 +20,8 @@ __all__ = ["judge_engine_resources", "judge_replicas"]
 def judge_engine_resources(config: Config, gpus: int) -> dict[str, float]:
     """The Ray resources all judge engines take together (empty without a judge); ``gpus``: 1 on CUDA, else 0."""
     judge = config.reward.judge
-    if not judge.enable:
-        return {}
-    n = judge.rollout.num_replicas
-    return {"CPU": float(n)} | ({"GPU": float(n * judge.rollout.tensor_model_parallel_size)} if gpus else {})
+    return engine_resources(judge.rollout.num_replicas, judge.rollout.tensor_model_parallel_size, gpus) \
+        if judge.enable else {}
 
 
 def judge_replicas(config: Config, resolve_path: Any, gpus: int) -> RolloutReplicas:

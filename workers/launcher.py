@@ -49,7 +49,7 @@ from workers.critic import CriticWorker
 from workers.reward_model import RewardModelWorker
 from workers.group import WorkerGroup
 from workers.judge import judge_engine_resources, judge_replicas
-from workers.placement import check_cluster_room, plan_nodes, release, reserve
+from workers.placement import check_cluster_room, engine_resources, plan_nodes, release, reserve
 from workers.ray_logs import quiet_ray_logger, route_worker_output
 from workers.rollout import PendingRollout, RolloutReplicas
 from workers.staging import NodePaths, ship_dir
@@ -105,10 +105,11 @@ class RayWorkers:
         num_replicas = rollout_replicas(config, cuda)
         judge = config.reward.judge
         if not self.colocated:  # the engines go anywhere, after the groups: check the whole cluster first
-            engines = {"CPU": 1.0} | ({"GPU": float(arr.rollout.tensor_model_parallel_size)} if gpus else {})
-            need = {k: per_node[k] * t.nnodes + v * num_replicas for k, v in engines.items()}
-            for k, v in judge_engine_resources(config, gpus).items():
-                need[k] = need.get(k, 0.0) + v
+            need = {k: per_node[k] * t.nnodes for k in per_node}
+            for engines in (engine_resources(num_replicas, arr.rollout.tensor_model_parallel_size, gpus),
+                            judge_engine_resources(config, gpus)):
+                for k, v in engines.items():
+                    need[k] = need.get(k, 0.0) + v
             parts = [f"{'+'.join(roles)} groups", f"{num_replicas} rollout engine(s)"]
             parts += [f"{judge.rollout.num_replicas} judge engine(s)"] if judge.enable else []
             check_cluster_room(need, what=", ".join(parts[:-1]) + " and " + parts[-1])

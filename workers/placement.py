@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-__all__ = ["Node", "alive_nodes", "my_placement", "node_bundle", "plan_nodes", "release", "reserve"]
+__all__ = ["Node", "alive_nodes", "engine_resources", "my_placement", "node_bundle", "plan_nodes", "release", "reserve"]
 
 NODE_PIN = 0.001  # share of a node's ``node:<ip>`` resource each bundle asks for (the node has 1.0)
 
@@ -86,6 +86,12 @@ def plan_nodes(nnodes: int, per_node: dict[str, float], *, what: str, first: str
             f"alive node(s) fit ({', '.join(n.ip for n in fit) or 'none'}). {lines}"
         )
     return fit[:nnodes]
+
+
+def engine_resources(replicas: int, tensor_parallel: int, gpus: int) -> dict[str, float]:
+    """The Ray resources of ``replicas`` vLLM engines together: one CPU each, and ``tensor_parallel`` GPUs
+    each where ``gpus`` (1 on CUDA, else 0)."""
+    return {"CPU": float(replicas)} | ({"GPU": float(replicas * tensor_parallel)} if gpus else {})
 
 
 def check_cluster_room(needs: dict[str, float], *, what: str) -> None:
