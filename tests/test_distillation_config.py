@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rlpad.algorithms.distillation_rules import teacher_problems
+from rlpad.algorithms.distillation_rules import pair_problem, teacher_problems
 from rlpad.core.models import load_tokenizer
 from rlpad.embedded.tiny import build_tokenizer, tiny_config
 from rlpad.recipe.load import load_config
@@ -30,6 +30,15 @@ def test_verls_keys_load():
     load_config(RECIPE, ON + [f"{LOSS}.loss_mode=low_var_kl", f"{LOSS}.use_policy_gradient=false"])
 
 
+def test_the_default_pair_is_verls_shipped_yaml_and_trains_toward_the_teacher():
+    """verl 0.9.1's distillation.yaml: loss_mode k3, use_policy_gradient false (its dataclass's true is overridden);
+    the old default here (k3 under the policy gradient) led away from the teacher (tests/test_distillation_gradients.py)."""
+    loss = load_config(RECIPE, ON).distillation.distillation_loss
+    assert (loss.loss_mode, loss.use_policy_gradient) == ("k3", False)
+    assert pair_problem(loss.loss_mode, loss.use_policy_gradient) is None
+    assert pair_problem("k3", True) is not None  # negative control: the old default
+
+
 def test_one_sample_per_prompt_needs_no_group_without_task_rewards():
     """The teacher's loss alone reads no task advantage, so GRPO's n >= 2 does not bind; mixed with the
     task's GRPO loss (use_task_rewards) it does."""
@@ -49,8 +58,16 @@ def test_one_sample_per_prompt_needs_no_group_without_task_rewards():
     ([f"{LOSS}.loss_mode=forward_kl_topk"], f"{LOSS}.topk is missing"),
     ([f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.topk=0"], f"{LOSS}.topk=0 must be an int >= 1"),
     ([f"{LOSS}.loss_mode=k1", f"{LOSS}.use_policy_gradient=false"],
-     "loss_mode=k1 needs use_policy_gradient=true: its gradient is that of the student's log-prob alone"),
+     "loss_mode=k1 with use_policy_gradient=false: back-propagated, k1's gradient is that of the student's log-prob"),
     ([f"{LOSS}.loss_mode=kl", f"{LOSS}.use_policy_gradient=false"], "verl refuses this too"),
+    ([f"{LOSS}.use_policy_gradient=true"], f"{LOSS}.loss_mode=k3 with use_policy_gradient=true: under the policy "
+     "gradient the advantage -k3 is detached, which drops the estimator's own dependence on the student: the expected "
+     "gradient is grad KL(s||t) - grad KL(t||s)"),
+    ([f"{LOSS}.loss_mode=low_var_kl", f"{LOSS}.use_policy_gradient=true"], "verl accepts this pair"),
+    ([f"{LOSS}.loss_mode=mse", f"{LOSS}.use_policy_gradient=true"], "grad E_s[d^2/2] - grad KL(s||t)"),
+    ([f"{LOSS}.loss_mode=abs", f"{LOSS}.use_policy_gradient=true"], "grad E_s|d| - E_s[sign(d) grad log s]"),
+    ([f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.topk=4", f"{LOSS}.use_policy_gradient=true"],
+     "does not depend on the token sampled there, so its expected gradient is zero"),
     ([f"{LOSS}.policy_loss_mode=gspo"], "only vanilla is supported"),
     ([f"{LOSS}.loss_max_clamp=0"], f"{LOSS}.loss_max_clamp=0.0 must be > 0"),
     ([f"{LOSS}.log_prob_min_clamp=1"], f"{LOSS}.log_prob_min_clamp=1.0 must be < 0"),

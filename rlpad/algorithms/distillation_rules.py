@@ -9,16 +9,47 @@ from typing import Any
 
 from rlpad.config.choices import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
 
-__all__ = ["distillation_problems", "task_advantages_used", "teacher_problems", "teacher_path", "uses_teacher_topk"]
+__all__ = ["distillation_problems", "pair_problem", "task_advantages_used", "teacher_problems", "teacher_path",
+           "uses_teacher_topk"]
 
 KEY = "distillation.distillation_loss"
 PATH_KEY = "distillation.teacher_models.teacher_model.model_path"
-# Why k1 cannot be back-propagated (verl refuses it too): d(log q - log p)/d theta = d log q / d theta,
-# the teacher's log p is a constant, so the loss lowers the sampled tokens' log-probs whatever the teacher says.
-K1_NEEDS_PG = ("its gradient is that of the student's log-prob alone (the teacher's log-prob is a constant), so "
-               "back-propagating it pushes every sampled token down whatever the teacher says; use it as the "
-               "advantage with use_policy_gradient=true (verl refuses this too), or a supervised mode (k3, "
-               "forward_kl_topk)")
+# Which (loss_mode, use_policy_gradient) pairs train the student toward the teacher: the policy gradient
+# needs k1, and k1 needs the policy gradient (docs/distillation.md#which-pairs-train-toward-the-teacher; each
+# pair's exact expected gradient: tests/test_distillation_gradients.py). Per sampled token y ~ s,
+# d = log s(y) - log t(y). Policy gradient: the advantage -k(d) is detached, so the expected gradient is
+# E_s[k grad log s] = grad E_s[k] - E_s[grad k]: the estimator's own dependence on the student is dropped.
+# Only k1 loses nothing (E_s[grad d] = E_s[grad log s] = 0): grad KL(s||t). Back-propagated, k1's expected
+# gradient is that zero; k2's is grad KL(s||t), k3's grad KL(t||s), abs's E_s[sign(d) grad log s] (no KL's, the
+# teacher its only fixed point), forward_kl_topk's the coarsened forward KL's.
+CANONICAL_MODES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's aliases -> one name
+K1_NEEDS_PG = ("back-propagated, k1's gradient is that of the student's log-prob alone (the teacher's is a "
+               "constant): zero in expectation, so it trains on noise and pushes every sampled token down "
+               "whatever the teacher says; use it as the advantage with use_policy_gradient=true (verl refuses "
+               "this too), or a supervised mode (k3, k2, forward_kl_topk)")
+_BIASED = ("under the policy gradient the advantage -{mode} is detached, which drops the estimator's own "
+           "dependence on the student: the expected gradient is {grad}, not grad KL(s||t), and it leads away from "
+           "the teacher (from near t = [0.5, 0.3, 0.2] to a vertex); set use_policy_gradient=false (back-propagate "
+           "{mode}: {supervised}) or use loss_mode=k1 (the unbiased reverse-KL reward); verl accepts this pair")
+PG_BIAS = {  # canonical mode -> why the policy-gradient form does not lead to the teacher
+    "k2": _BIASED.format(mode="k2", grad="grad E_s[d^2/2] - grad KL(s||t)", supervised="grad KL(s||t)"),
+    "k3": _BIASED.format(mode="k3", grad="grad KL(s||t) - grad KL(t||s)", supervised="grad KL(t||s)"),
+    "abs": _BIASED.format(mode="abs", grad="grad E_s|d| - E_s[sign(d) grad log s]",
+                          supervised="E_s[sign(d) grad log s], whose only fixed point is the teacher"),
+    "forward_kl_topk": ("under the policy gradient the advantage at a position, -KL(t||s) over the top-k, does not "
+                        "depend on the token sampled there, so its expected gradient is zero: the teacher's "
+                        "distribution goes unused and the term adds noise (verl only warns); set "
+                        "use_policy_gradient=false (back-propagated: the forward KL's gradient)"),
+}
+
+
+def pair_problem(mode: str, use_policy_gradient: bool) -> str | None:
+    """Why ``loss_mode`` with ``use_policy_gradient`` does not train toward the teacher, or None (the pair is
+    one of k1 + policy gradient, k2 / k3 / abs / forward_kl_topk back-propagated)."""
+    mode = CANONICAL_MODES.get(mode, mode)
+    if mode == "k1":
+        return None if use_policy_gradient else K1_NEEDS_PG
+    return PG_BIAS.get(mode) if use_policy_gradient else None
 
 
 def uses_teacher_topk(config: Any) -> bool:
@@ -55,8 +86,9 @@ def distillation_problems(config: Any) -> list[str]:
                         "remove topk or use forward_kl_topk")
     if loss.topk is not None and (isinstance(loss.topk, bool) or not isinstance(loss.topk, int) or loss.topk < 1):
         problems.append(f"{KEY}.topk={loss.topk!r} must be an int >= 1")
-    if mode in ("kl", "k1") and not loss.use_policy_gradient:
-        problems.append(f"{KEY}.loss_mode={mode} needs use_policy_gradient=true: {K1_NEEDS_PG}")
+    pair = pair_problem(mode, loss.use_policy_gradient) if mode in DISTILLATION_LOSS_MODES else None
+    if pair is not None:
+        problems.append(f"{KEY}.loss_mode={mode} with use_policy_gradient={str(loss.use_policy_gradient).lower()}: {pair}")
     if loss.policy_loss_mode != "vanilla":
         problems.append(f"{KEY}.policy_loss_mode={loss.policy_loss_mode!r}: only vanilla is supported (as in verl)")
     if loss.distillation_loss_coef < 0:

@@ -15,8 +15,9 @@ __all__ = [
 class DistillationLossConfig:
     """The distillation loss (verl's ``distillation.distillation_loss``; docs/distillation.md)."""
 
-    # kl|k1, abs, mse|k2, low_var_kl|k3: an estimate of KL(student || teacher) at each sampled token;
-    # forward_kl_topk: KL(teacher || student) over the teacher's top-k ids plus one tail bucket (the rest)
+    # kl|k1, abs, mse|k2, low_var_kl|k3: an estimate of KL(student || teacher) at each sampled token (k3 back-propagated,
+    # the default pair: grad KL(teacher || student) in expectation); forward_kl_topk: KL(teacher || student) over the
+    # teacher's top-k ids plus one tail bucket (the rest). Which pairs with use_policy_gradient: docs/distillation.md
     loss_mode: str = "k3"
     topk: int | None = None  # forward_kl_topk: ids per position (required there, refused with the other modes)
     use_task_rewards: bool = True  # keep the task's policy loss and add distillation_loss_coef x the distillation loss
@@ -27,9 +28,10 @@ class DistillationLossConfig:
     # forward_kl_topk: the top-k log-probs clamped from below at this value (verl's -10); null (rlpad's default):
     # none, the tail bucket keeps the truncated KL a true KL (>= 0, finite) without it
     log_prob_min_clamp: float | None = None
-    # true: the negative per-token loss is the advantage of a policy-gradient term (Thinking Machines; use k1);
-    # false: the loss itself is back-propagated (supervised; use k3 or forward_kl_topk). k1 needs true.
-    use_policy_gradient: bool = True
+    # true: the negative per-token loss is the advantage of a policy-gradient term (Thinking Machines): k1 only (any
+    # other mode's expected gradient leads away from the teacher); false (verl's shipped YAML): the loss itself is
+    # back-propagated (supervised): k3, k2, abs or forward_kl_topk. k1 needs true. docs/distillation.md
+    use_policy_gradient: bool = False
     policy_loss_mode: str = "vanilla"  # the policy-gradient term's loss (verl supports vanilla only, so does rlpad)
     clip_ratio: float = 0.2  # the policy-gradient term's PPO clip on both sides of 1, unless set below
     clip_ratio_low: float | None = None  # the clip below 1; null: clip_ratio
