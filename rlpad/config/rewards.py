@@ -35,7 +35,9 @@ class RewardModelScoringConfig:
     or ``*ForTokenClassification`` with one output, scored at each response's last valid token
     (rlpad/core/reward_model.py, docs/rewards.md)."""
 
-    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
+    # score responses with the reward model; with no reward function named its score alone is the reward, as in verl
+    # 0.9 (reward.weights.rule defaults to 0); with one, both are summed (docs/rewards.md)
+    enable: bool = False
     model_path: str | None = None  # a local folder holding the reward model and its tokenizer
     use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
@@ -79,8 +81,9 @@ class JudgeConfig:
     model_path: str | None = None  # a local folder: a causal LM and its tokenizer
     prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # must hold {response}; may hold {prompt}, {ground_truth}
     apply_chat_template: bool = True  # send the rendered template as a user turn of the judge's chat template
-    # a Python regex; the verdict is its first group in the LAST match of the judge's text (the whole match without one)
-    score_pattern: str = r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    # a Python regex; the verdict is its first group in the LAST match of the judge's text (the whole match without one).
+    # The default reads Score: 8, score=8, SCORE: 8, **Score:** 8, Score: **8**, Score: 7.5, Score: 1e1 (10)
+    score_pattern: str = r"(?i)score\s*[*_]*\s*[:=]\s*[*_]*\s*(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
     # verdict word -> score (case-insensitive, e.g. {yes: 1.0, no: 0.0}); empty: the verdict is a number
     verdicts: dict[str, float] = field(default_factory=dict)
     score_min: float = 0.0  # a numeric verdict's range: v in [score_min, score_max] scores
