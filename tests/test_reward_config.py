@@ -1,13 +1,16 @@
 """reward.* keys: verl 0.9's names, verl's legacy names mapped as its migration does, refusals in one line."""
 
+from pathlib import Path
+
 import pytest
 
 from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig as RewardScoring
-from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED
+from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED, NO_EFFECT_KEYS
 from rlpad.parallel import sp_size
 from rlpad.recipe.load import config_from_dict, load_config
 from rlpad.rewards.settings import part_weight, reward_model_section, reward_notices
 from rlpad.rewards.sources import data_source_problems
+from paths import ROOT
 
 
 def test_verl_09_names_load():
@@ -172,3 +175,18 @@ def test_the_reward_against_the_datas_sources():
     assert data_source_problems(RewardConfig(weights={"rule": 1.0}, source_weights={"Anthropic/hh-rlhf": {"rule": 0}}),
                                 ["Anthropic/hh-rlhf"]) == []
     assert data_source_problems(RewardConfig(fn="my.module:fn"), ["Anthropic/hh-rlhf"]) == []  # its own sources
+
+
+def test_the_docs_name_the_default_function_and_what_verls_serving_keys_do():
+    """Issue 51 item 18: docs/rewards.md names the default reward function the code has (it named
+    rules:compute_score) and says, as the tables do, which of verl's reward-model keys load with the no-effect
+    notice (it called reward_model.num_workers and reward_model.rollout.* refused) and which are refused."""
+    text = " ".join((Path(ROOT) / "docs" / "rewards.md").read_text().split())
+    assert f"The default, `{RewardConfig.fn}`" in text
+    no_effect = text[text.index("Accepted with no effect"):text.index("Refused at load, in one line")]
+    refused = text[text.index("Refused at load, in one line"):]
+    refused = refused[:refused.index("verl's DAPO")]
+    for key in (k for k in NO_EFFECT_KEYS if k.startswith("reward_model.")):
+        assert f"`{key}`" in no_effect and f"`{key}`" not in refused, key
+    for key in LEGACY_REFUSED:
+        assert f"`{key}`" in refused, key

@@ -122,7 +122,7 @@ def check_reward_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mas
     check_sequence_parallel(use_remove_padding, sp)
     if share_prompts and response_length is None:
         raise ValueError("share_prompts=True needs response_length (where each row's response starts): the "
-                         "rollout's own rows, not re-rendered ones")
+                         "rows in the rollout layout, not whole left-padded ones")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D (batch, seq) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
