@@ -132,7 +132,9 @@ def reward_problems(config: Config) -> list[str]:
 
 
 def reward_notices(reward: RewardConfig) -> list[str]:
-    """The lines a run starts with where rlpad's reward means something other than verl 0.9's for the same keys."""
+    """The line a run with a reward model starts with (rlpad.train.prepare): what its reward is, as verl 0.9 would
+    have it (the reward model alone), or how it differs (a function named: both summed); none when
+    ``reward.weights`` sets the rule's weight with no function named (the user chose)."""
     if not reward.reward_model.enable:
         return []
     if not function_named(reward):
