@@ -33,10 +33,12 @@ from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
+from rlpad.parallel import sp_size
 from rlpad.training.metrics import cpu_kernels
 from rlpad.rewards.math_verifier import drain_fallbacks
-from rlpad.rewards.rules import reward_source_problems
 from rlpad.rewards.combine import CombinedReward, build_reward
+from rlpad.rewards.settings import reward_notices
+from rlpad.rewards.sources import data_source_problems
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -199,9 +201,9 @@ def prepare(config: Config) -> Prepared:
     naming it, before Ray or vLLM start. verl keys set that change nothing here are named in one
     warning line on stderr (:func:`rlpad.recipe.checks.no_effect_notice`).
     """
-    notice = no_effect_notice(config)
-    if notice:
-        print(notice, file=sys.stderr, flush=True)
+    for notice in [no_effect_notice(config)] + reward_notices(config.reward):
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
     check_inputs(config)
     config = resolve_embedded(config)
     check_lora(config)  # the target modules and a saved adapter against the model (built on the meta device)
@@ -215,7 +217,7 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
-    if problems := reward_source_problems(config.reward.function_spec, sources):
+    if problems := data_source_problems(config.reward, sources):  # the rule and source_weights against the data
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
@@ -231,8 +233,9 @@ def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:
         return None
     from rlpad.rewards.model_scorer import RewardModelInputs  # transformers' tokenizer loading
 
+    budget = rm.forward_max_token_len_per_gpu * sp_size(rm, "reward_model") if rm.use_dynamic_bsz else None
     return RewardModelInputs(rm.model_path, tokenizer, trust_remote_code=config.actor_rollout_ref.model.trust_remote_code,
-                             share_prompts=rm.share_prompts)
+                             max_tokens=budget)
 
 
 def _judge(config: Config, tokenizer: Any) -> Any:

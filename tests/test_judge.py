@@ -54,6 +54,18 @@ def test_parse_rule_on_numbers(text, score, parsed):
     assert verdict.score == pytest.approx(score, abs=1e-12)
 
 
+@pytest.mark.parametrize("text, score", [
+    ("Score: 8", 0.8), ("score=8", 0.8), ("SCORE: 8", 0.8), ("**Score:** 8", 0.8), ("Score: **8**", 0.8),
+    ("**Score**: 8", 0.8), ("*Score*: 8", 0.8), ("Final score = 7.5.", 0.75), ("Score: 8/10", 0.8),
+    ("Score: 1e1", 1.0), ("Score: 2.5E0", 0.25), ("Reasoning... Score: 3\n**Score:** 9", 0.9),
+])
+def test_the_default_pattern_reads_the_common_forms(text, score):
+    """Issue 51 item 16: the default ``score_pattern`` reads the forms judges write (markdown bold, upper case,
+    an exponent read as a number: ``1e1`` is 10, not 1); the earlier pattern read 5 of these 12 right."""
+    verdict = parse_verdict(text, replace(JUDGE, score_pattern=JudgeConfig().score_pattern))
+    assert verdict.parsed and verdict.score == pytest.approx(score, abs=1e-12), (text, verdict)
+
+
 def test_parse_rule_on_verdict_words_and_patterns_without_a_group():
     words = replace(JUDGE, score_pattern=r"Verdict:\s*(\w+)", verdicts={"yes": 1.0, "No": 0.0, "partly": 0.5})
     assert parse_verdict("Verdict: YES", words).score == 1.0

@@ -74,7 +74,7 @@ def rollout_rows(tok, n=6, seed=0):
         row = tok(t, add_special_tokens=False)["input_ids"]
         ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
     raw = [[{"role": "user", "content": f"what is {int(torch.randint(0, 99, (1,), generator=gen))}"}] for _ in range(n)]
-    return Batch({"responses": ids, "response_mask": mask},
+    return Batch({"responses": ids, "response_mask": mask, "attention_mask": mask},  # (the response columns)
                  {"raw_prompt": raw, "ground_truth": [str(i) for i in range(n)], "data_source": ["toy"] * n}), texts
 
 

@@ -1,6 +1,7 @@
 """rlpad.rewards.combine: rule + reward model + extra rules, weighted per data source, normalised, clipped,
 every part kept and logged; checked row by row against a plain fp64 recomputation."""
 
+import json
 import math
 
 import pytest
@@ -10,9 +11,8 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig
 from rlpad.core.layout import left_pad
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
-from rlpad.rewards.combine import CombinedReward, RunningStats, build_reward, part_metrics, score_rewards
-from rlpad.core.reward_model import compute_scores, load_reward_model
-from rlpad.rewards.model_scorer import RewardModelInputs
+from rlpad.rewards.combine import (CombinedReward, RunningStats, build_reward, part_metrics, score_rewards,
+                                   validation_scores)
 from rlpad.rewards.rules import compute_score, load_reward_fn, score_batch
 
 TOK = build_tokenizer()
@@ -85,12 +85,13 @@ def test_weighted_per_source_normalised_clipped_sum_row_by_row():
             rm = max(-1.5, min(1.5, (float(rm_scores(batch)[i]) - mean) / std))
             expect = w_rule * rule + 0.5 * rm + w_len * max(-1.5, min(1.5, -0.1 * len(text)))
             assert abs(float(combined[i]) - expect) < 1e-5, (i, float(combined[i]), expect)
-            assert float(acc[i]) == rule
-        # every part kept in the batch, the weight-0 rule of "other" included
-        assert batch["reward_parts/rule"].tolist() == [1.0, 0.0, 1.0, 0.0]
+            assert float(acc[i]) == rule or (src == "other" and math.isnan(acc[i]))
+        # every part kept in the batch; the rule of "other" weighs 0 there: not computed in training (NaN)
+        assert batch["reward_parts/rule"][[0, 1, 3]].tolist() == [1.0, 0.0, 0.0]
+        assert batch["reward_parts/rule"][2].isnan()
         metrics = part_metrics(batch)
         assert set(metrics) == {"reward/rule/mean", "reward/reward_model/mean", "reward/length/mean"}
-        assert metrics["reward/rule/mean"] == 0.5
+        assert metrics["reward/rule/mean"] == pytest.approx(1 / 3)  # over the rows it scored
     # negative control: the same sum without the rule part misses by far
     no_rule = RewardConfig(reward_model=cfg.reward_model, extra_fns=cfg.extra_fns, weights={"rule": 0.0, "reward_model": 0.5},
                            source_weights=cfg.source_weights, normalize=["reward_model"], clip=1.5)
@@ -105,6 +106,7 @@ def test_validation_never_moves_the_statistics():
     reward.score(batch_a(), TOK)
     before = (reward.stats["reward_model"].count, reward.stats["reward_model"].mean)
     score_rewards(batch_a(), TOK, reward, update_stats=False)
+    validation_scores(batch_a(), TOK, reward)
     assert (reward.stats["reward_model"].count, reward.stats["reward_model"].mean) == before
 
 
@@ -123,62 +125,96 @@ def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
     return scale * float(solution_str == ground_truth)
 
 
-def reward_model_folders(tmp_path):
-    """``(same, other, rm)``: one tiny reward model saved twice, with the policy's tokenizer (``same``) and
-    with it under another chat template (``other``: the reward model re-renders)."""
-    same, other = tmp_path / "same", tmp_path / "other"
-    rm = tiny_reward_model("qwen2", seed=3)
-    for folder in (same, other):
-        rm.save_pretrained(folder)
-        tok = build_tokenizer(folder)
-    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-    tok.save_pretrained(other)
-    return same, other, rm
+def right(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
 
 
-def test_reward_model_inputs_and_retokenisation(tmp_path):
-    """What the reward model reads: the rollout's own rows when the tokenizers agree; with another chat
-    template the conversation re-rendered, and the model's score on it is its score on that text alone."""
-    same, other, rm = reward_model_folders(tmp_path)
-    batch = batch_a()
-    direct, rerendered = RewardModelInputs(str(same), TOK), RewardModelInputs(str(other), TOK)
-    assert not direct.retokenize and rerendered.retokenize
-    assert torch.equal(direct(batch)["input_ids"], batch["input_ids"])
-    loaded = load_reward_model(str(other))
-    with torch.no_grad():
-        for inputs, render in ((direct, "{p}{a}"), (rerendered, "[{p}][{a}]")):
-            fed = inputs(batch)
-            got = compute_scores(loaded, fed["input_ids"], fed["attention_mask"], fed.tensors.get("position_ids"))
-            for i, (p, a) in enumerate(zip(["3+4=", "1+1=", "10+2=", "5+5="], ["7", "3", "12", "100"])):
-                ids = torch.tensor([inputs.tokenizer(render.format(p=p, a=a), add_special_tokens=False)["input_ids"]])
-                if inputs is direct:  # the rollout row itself: prompt + answer + EOS
-                    ids = torch.cat([ids, torch.tensor([[TOK.eos_token_id]])], 1)
-                alone = rm.score(rm.model(input_ids=ids).last_hidden_state[0, -1]).item()
-                assert abs(float(got[i]) - alone) < 2e-5
-    no_template = tmp_path / "bare"
-    rm.save_pretrained(no_template)
-    bare = build_tokenizer()
-    bare.chat_template = None
-    bare.add_tokens(["<x>"])
-    bare.save_pretrained(no_template)
-    with pytest.raises(ValueError, match="no chat template"):
-        RewardModelInputs(str(no_template), TOK)
-    tiny_model_dir = tmp_path / "lm"
-    from rlpad.embedded.tiny import tiny_model
-    tiny_model("qwen2").save_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
-        RewardModelInputs(str(tiny_model_dir), TOK)
+def sums(answers, sources=None):
+    """A batch of ``1+1=`` answered ``answers`` (ground truth 2)."""
+    n = len(answers)
+    return rollout(["1+1="] * n, answers, sources or ["s"] * n, ["2"] * n)
 
 
-def test_shared_prompts_need_the_policys_own_rows(tmp_path):
-    """The policy's own rows go out with ``responses`` (where each prompt ends, what sharing reads); a
-    re-rendered batch has none, and an explicit reward.reward_model.share_prompts=true with a reward model
-    that re-renders is refused in one line before anything is scored; null (the actor's) just does not share."""
-    same, other, rm = reward_model_folders(tmp_path)
-    batch = batch_a()
-    assert torch.equal(RewardModelInputs(str(same), TOK, share_prompts=True)(batch)["responses"], batch["responses"])
-    assert "responses" not in RewardModelInputs(str(other), TOK, share_prompts=None)(batch)
-    with pytest.raises(ValueError) as e:
-        RewardModelInputs(str(other), TOK, share_prompts=True)
-    assert "\n" not in str(e.value) and str(e.value).startswith("reward.reward_model.share_prompts=true needs the "
-                                                                "policy's own tokens")
+def test_normalised_statistics_resume_bitwise():
+    """Issue 51 item 9: reward.normalize's running statistics go through a checkpoint (JSON, as the trainer
+    state is written) and come back exactly: step 2's scores after a resume equal the uninterrupted run's
+    bit for bit ([1, 1, -1, 1]; without the statistics, [0.58, 0.58, -1.73, 0.58])."""
+    cfg = RewardConfig(normalize=["rule"])
+    full = CombinedReward(cfg, right)
+    full.score(sums(["3", "3", "3", "2"]), TOK)
+    saved = json.loads(json.dumps(full.state_dict()))
+    uninterrupted = full.score(sums(["2", "2", "3", "2"]), TOK)[1]
+    resumed = CombinedReward(cfg, right)
+    assert resumed.load_state_dict(saved) == []
+    after = resumed.score(sums(["2", "2", "3", "2"]), TOK)[1]
+    assert torch.equal(after, uninterrupted) and uninterrupted.tolist() == [1.0, 1.0, -1.0, 1.0]
+    assert resumed.state_dict() == full.state_dict()
+    fresh = CombinedReward(cfg, right).score(sums(["2", "2", "3", "2"]), TOK)[1]  # negative control: no statistics
+    assert (fresh - uninterrupted).abs().max() > 0.4
+    warned = CombinedReward(cfg, right).load_state_dict({})  # a checkpoint written before they were kept
+    assert len(warned) == 1 and "'rule'" in warned[0]
+
+
+def test_validation_in_the_tasks_units_and_no_degenerate_std():
+    """Issue 51 item 10: validation reports each row's reward in the task's own units (the parts raw, weighted),
+    the same before and after training steps move the statistics; the trained (normalised) reward beside it.
+    A part constant so far (std 0) is centred, not divided by 1e-6 (which gave [1e6, 0])."""
+    cfg = RewardConfig(normalize=["rule"], weights={"rule": 2.0})
+    reward = CombinedReward(cfg, right)
+    val = sums(["2", "3"])
+    before_training = validation_scores(val, TOK, reward)
+    reward.score(sums(["2", "2"]), TOK)  # a constant part: std 0
+    task, trained = validation_scores(sums(["2", "3"]), TOK, reward)
+    assert task.tolist() == before_training[0].tolist() == [2.0, 0.0]  # 2 x the rule's raw score
+    assert trained.tolist() == [0.0, -2.0]  # (x - 1) / 1: centred, scale 1
+    stats = reward.stats["rule"]
+    assert (stats.count, stats.std, stats.scale) == (2, 0.0, 1.0)
+    reward.score(sums(["3", "3"]), TOK)  # now spread: mean 0.5, std 0.5
+    assert validation_scores(sums(["2", "3"]), TOK, reward)[1].tolist() == [2.0, -2.0]
+    plain, none = validation_scores(sums(["2", "3"]), TOK, right)
+    assert plain.tolist() == [1.0, 0.0] and none is None
+
+
+def test_a_reward_model_alone_by_default_as_in_verl():
+    """Issue 51 item 11: reward.reward_model.enable=true with no reward function named: the reward model's score
+    alone (verl 0.9); the rule is not computed in training (it was summed: rule + reward model)."""
+    rm_on = RewardModelScoringConfig(enable=True, model_path="x")
+    reward = CombinedReward(RewardConfig(reward_model=rm_on), right, model_scorer=rm_scores)
+    batch = sums(["2", "3", "2", "5"])
+    _, total, acc = reward.score(batch, TOK)
+    assert total.tolist() == rm_scores(batch).tolist()
+    assert batch["reward_parts/rule"].isnan().all() and acc.isnan().all()
+    named = CombinedReward(RewardConfig(reward_model=rm_on, fn="tests.test_reward_combine:right"), right,
+                           model_scorer=rm_scores)  # a function named: both, summed
+    assert named.score(sums(["2", "3", "2", "5"]), TOK)[1].tolist() == [1.5, -2.0, 4.0, 1.0]
+
+
+def unknown_source(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError(f"no default reward for data_source {data_source!r}")
+
+
+def infinite(data_source, solution_str, ground_truth, extra_info=None):
+    return math.inf if solution_str == "3" else 0.0
+
+
+def test_weight_zero_parts_are_not_computed_in_training():
+    """Issue 51 items 12 and 17: a part of weight 0 for a row's source is not computed for it in training (the
+    rule on an RM-only source it does not know; an extra part scoring inf), so it cannot stop the run nor NaN
+    the batch (0 x inf); validation computes every part it can and checks them finite, naming the part."""
+    cfg = RewardConfig(reward_model=RewardModelScoringConfig(enable=True, model_path="x"),
+                       extra_fns={"odd": "tests.test_reward_combine:infinite"},
+                       source_weights={"hh": {"rule": 0.0, "odd": 0.0}}, normalize=["odd"])
+    reward = CombinedReward(cfg, unknown_source, {"odd": infinite}, rm_scores, rule_sources=lambda s: s != "hh")
+    batch = sums(["2", "3", "2", "5"], ["hh"] * 4)
+    _, total, _ = reward.score(batch, TOK)
+    assert total.tolist() == rm_scores(batch).tolist()  # finite: the weight-0 parts were never called
+    assert reward.stats["odd"].count == 0
+    with pytest.raises(ValueError, match=r"reward part 'odd': reward for row 1 \(data_source 'hh'\) is inf"):
+        validation_scores(sums(["2", "3", "2", "5"], ["hh"] * 4), TOK, reward)
+    weighed = CombinedReward(RewardConfig(extra_fns={"odd": "x:y"}), right, {"odd": infinite})
+    with pytest.raises(ValueError, match=r"reward part 'odd': reward for row 1 .* must be finite"):
+        weighed.score(sums(["2", "3"]), TOK)
+    nan_rm = CombinedReward(RewardConfig(reward_model=cfg.reward_model), right,
+                            model_scorer=lambda b: torch.tensor([0.5, math.nan])[: len(b)])
+    with pytest.raises(ValueError, match=r"reward part 'reward_model' scored 1 row\(s\) non-finite \(row 1"):
+        nan_rm.score(sums(["2", "3"]), TOK)

@@ -1,11 +1,16 @@
 """reward.* keys: verl 0.9's names, verl's legacy names mapped as its migration does, refusals in one line."""
 
+from pathlib import Path
+
 import pytest
 
-from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED
+from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig as RewardScoring
+from rlpad.config.verl_keys import LEGACY_KEYS, LEGACY_REFUSED, NO_EFFECT_KEYS
 from rlpad.parallel import sp_size
 from rlpad.recipe.load import config_from_dict, load_config
-from rlpad.rewards.settings import reward_model_section
+from rlpad.rewards.settings import part_weight, reward_model_section, reward_notices
+from rlpad.rewards.sources import data_source_problems
+from paths import ROOT
 
 
 def test_verl_09_names_load():
@@ -121,3 +126,67 @@ def test_reward_model_share_prompts_follows_the_actor_unless_set(actor, own, rmp
                       + ([] if own is None else [f"reward.reward_model.share_prompts={str(own).lower()}"]))
     assert reward_model_section(cfg).share_prompts is shares
     assert cfg.reward.reward_model.share_prompts is own  # the loaded config keeps what the user wrote
+
+
+def test_a_legacy_reward_model_recipe_means_what_verl_means():
+    """Issue 51 item 11: verl 0.9 scores with the reward model alone when no custom function is set; rlpad
+    follows (the rule weighs 0 unless weighted or a function is named) and says so at start; with a function
+    named, both are summed, and the start line says how verl would differ."""
+    legacy = load_config(None, ["reward_model.enable=true", "reward_model.model.path=/rm"]).reward
+    assert part_weight(legacy, "rule", "openai/gsm8k") == 0.0 and part_weight(legacy, "reward_model", "x") == 1.0
+    (line,) = reward_notices(legacy)
+    assert "the reward model's score alone" in line and "verl 0.9" in line
+    named = load_config(None, ["reward_model.enable=true", "reward_model.model.path=/rm",
+                               "custom_reward_function.path=my_reward.py"]).reward
+    assert part_weight(named, "rule", "openai/gsm8k") == 1.0
+    (line,) = reward_notices(named)
+    assert "my_reward.py:compute_score" in line and "verl 0.9 would use the function alone" in line
+    weighted = load_config(None, ["reward.reward_model.enable=true", "reward.reward_model.model_path=/rm",
+                                  "reward.weights={rule: 0.5}"]).reward
+    assert part_weight(weighted, "rule", "x") == 0.5 and reward_notices(weighted) == []
+    assert reward_notices(load_config(None, []).reward) == [] and part_weight(load_config(None, []).reward, "rule", "x") == 1
+
+
+FILTER = ["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=4"]
+
+
+@pytest.mark.parametrize("overrides", [RM_ON, ["reward.weights={rule: 0.0}"],
+                                       ["reward.source_weights={gsm8k: {rule: 0.0}}"]])
+def test_the_filter_never_reads_an_untrained_rule(overrides):
+    """Issue 51 item 14: algorithm.filter_groups.metric=acc reads the rule's acc; where the rule weighs 0 it is
+    not trained on (nor computed): refused at load, in one line; metric=score (the trained reward) is taken."""
+    with pytest.raises(ValueError, match="algorithm.filter_groups.metric=acc reads the rule part's acc, but the rule "
+                                         "is not trained on"):
+        load_config(None, FILTER + overrides)
+    load_config(None, FILTER + overrides + ["algorithm.filter_groups.metric=score"])
+
+
+def test_the_reward_against_the_datas_sources():
+    """Issue 51 items 12 and 14: set-up checks of the reward against the data's sources: a source_weights key
+    no row has (a typo, ignored before), a source the default rule has no reward for where it weighs."""
+    typo = RewardConfig(source_weights={"openai/gsm8k_": {"rule": 2.0}})
+    (problem,) = data_source_problems(typo, ["openai/gsm8k"])
+    assert problem.startswith("reward.source_weights.openai/gsm8k_: no row of the training or validation data")
+    rm = RewardScoring(enable=True, model_path="/rm")
+    assert data_source_problems(RewardConfig(reward_model=rm), ["Anthropic/hh-rlhf"]) == []  # the RM alone
+    (problem,) = data_source_problems(RewardConfig(reward_model=rm, weights={"rule": 1.0}), ["Anthropic/hh-rlhf",
+                                                                                              "openai/gsm8k"])
+    assert "has no reward for data_source 'Anthropic/hh-rlhf'" in problem and "gsm8k" not in problem
+    assert data_source_problems(RewardConfig(weights={"rule": 1.0}, source_weights={"Anthropic/hh-rlhf": {"rule": 0}}),
+                                ["Anthropic/hh-rlhf"]) == []
+    assert data_source_problems(RewardConfig(fn="my.module:fn"), ["Anthropic/hh-rlhf"]) == []  # its own sources
+
+
+def test_the_docs_name_the_default_function_and_what_verls_serving_keys_do():
+    """Issue 51 item 18: docs/rewards.md names the default reward function the code has (it named
+    rules:compute_score) and says, as the tables do, which of verl's reward-model keys load with the no-effect
+    notice (it called reward_model.num_workers and reward_model.rollout.* refused) and which are refused."""
+    text = " ".join((Path(ROOT) / "docs" / "rewards.md").read_text().split())
+    assert f"The default, `{RewardConfig.fn}`" in text
+    no_effect = text[text.index("Accepted with no effect"):text.index("Refused at load, in one line")]
+    refused = text[text.index("Refused at load, in one line"):]
+    refused = refused[:refused.index("verl's DAPO")]
+    for key in (k for k in NO_EFFECT_KEYS if k.startswith("reward_model.")):
+        assert f"`{key}`" in no_effect and f"`{key}`" not in refused, key
+    for key in LEGACY_REFUSED:
+        assert f"`{key}`" in refused, key

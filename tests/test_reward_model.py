@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-from rlpad.core.reward_model import compute_scores, last_token_columns, load_reward_model
+from rlpad.core.reward_model import compute_scores, last_token_columns, load_reward_model, score_head
 from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.embedded.synthetic import rollout_batch
 from rlpad.embedded.tiny import build_tokenizer, tiny_model, tiny_reward_model
@@ -125,3 +125,35 @@ def test_bad_inputs_refused_before_compute(batch):
     sdpa = tiny_reward_model("qwen2", vocab_size=VOCAB, attn_implementation="sdpa")
     with pytest.raises(ValueError):
         compute_scores(sdpa, batch["input_ids"], batch["attention_mask"], use_remove_padding=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_reward_models_head_runs_in_fp32(dtype, batch):
+    """Issue 51 item 17: a bf16 / fp16 reward model's one-output head runs in fp32: scores 3.170 and 3.178 stay
+    apart (a bf16 head rounds both to 3.171875), and each score is the fp64 product of the model's own (half)
+    hidden state and head weights to fp32's rounding; the half-precision head (the negative control) misses."""
+    head = torch.nn.Linear(2, 1).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 1.0]]))
+        head.bias.zero_()
+    model = torch.nn.Module()
+    model.score = head
+    last = torch.tensor([[3.0, 0.170], [3.0, 0.178]], dtype=dtype)
+    scores = score_head(model, last)
+    assert scores.dtype == torch.float32 and scores[0] != scores[1]
+    expected = last.double().sum(1)  # the half hidden states' exact sum
+    assert (scores.double() - expected).abs().max() < 1e-6
+    if dtype == torch.bfloat16:
+        assert head(last).float().squeeze(-1).tolist() == [3.171875, 3.171875]  # what the bf16 head gave
+    rm = tiny_reward_model("qwen2", seed=1, vocab_size=VOCAB).to(dtype)
+    args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    with torch.no_grad():
+        got = compute_scores(rm, *args)
+        states = torch.stack([hidden_alone(rm, s)[-1] for s in sequences(batch)])
+        exact = states.double() @ rm.score.weight.double().T
+        half = rm.score(states).double()
+    # the fp32 sum of H products of half numbers (exact in fp32): |error| <= gamma_H * sum |w x|, gamma_H ~ H * 2^-24
+    bound = states.shape[-1] * 2.0 ** -24 * float((states.double().abs() @ rm.score.weight.detach().double().abs().T).max())
+    assert (score_head(rm, states).double() - exact.squeeze(-1)).abs().max() < bound
+    assert (half.squeeze(-1) - exact.squeeze(-1)).abs().max() > bound  # the half head rounds past it
+    assert got.dtype == torch.float32 and bool((got != got.to(dtype).float()).any())  # not rounded to half on the way

@@ -35,9 +35,12 @@ def config(recipe: str, out_dir: str, *overrides: str):
 
 
 def test_resume_after_step_k_equals_uninterrupted_run(tmp_path):
+    """A normalised reward too (issue 51 item 9): its running statistics come back with the checkpoint, so
+    step 3's rewards equal the uninterrupted run's bit for bit (fresh statistics normalise otherwise)."""
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     common = ("trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1",
-              "actor_rollout_ref.actor.use_kl_loss=true")  # the ref group takes part too
+              "actor_rollout_ref.actor.use_kl_loss=true",  # the ref group takes part too
+              "reward.normalize=[rule]")
     run(config(GRPO, full, *common, "trainer.save_freq=2"))
     checkpoint = os.path.join(full, "checkpoints", "global_step_2")
     assert os.path.isfile(os.path.join(checkpoint, "trainer_state.json"))
@@ -45,6 +48,7 @@ def test_resume_after_step_k_equals_uninterrupted_run(tmp_path):
     a, b = records(full)[3], records(resumed)
     assert sorted(b) == [3]  # only step 3 ran after the resume
     b = b[3]
+    assert (b["reward/mean"], b["reward/std"]) == (a["reward/mean"], a["reward/std"])  # bitwise
     for key in ("reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
                 "actor/ppo_kl", "actor/grad_norm", "val/reward"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key

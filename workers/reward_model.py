@@ -7,17 +7,18 @@ others receive their shards), the batch split over the ranks with its token work
 ``forward_max_token_len_per_gpu``), each one packed forward. No optimizer: it only scores.
 
 Its batch is ``input_ids``, ``attention_mask`` (+ ``position_ids``), (B, S) with one run of ones per
-row: the rollout's rows (+ ``responses``, which says where each prompt ends), or whole conversations
-re-rendered for the reward model's tokenizer by the driver (:mod:`rlpad.rewards.model_scorer`).
+row: the conversations as the reward model's template renders them (the driver's
+:mod:`rlpad.rewards.model_scorer`), in the rollout layout (+ ``responses``, which says where each prompt
+ends) when every row splits at its prompt's end, else whole rows left-padded.
 
 Sequence parallelism (``reward.reward_model.ulysses_sequence_parallel_size`` sp): as the actor's
 (:mod:`workers.fsdp`): ``world / sp`` data-parallel groups, each rank running 1/sp of every packed row,
 a token budget counting the whole row (``forward_max_token_len_per_gpu x sp``); the rank holding a
 row's last token scores it and the group sums the (B,) scores. Shared prompts
 (``reward.reward_model.share_prompts``, resolved by :func:`rlpad.rewards.settings.reward_model_section`):
-a batch of the policy's own rows (one with ``responses``) packs each prompt group's prompt once, its
+a batch in the rollout layout (one with ``responses``) packs each prompt group's prompt once, its
 responses after it, with whole groups per rank and per micro-batch where counts allow (as the actor's);
-a re-rendered batch never shares.
+a batch of whole rows never shares.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ class RewardModelScoringConfig:
     or ``*ForTokenClassification`` with one output, scored at each response's last valid token
     (rlpad/core/reward_model.py, docs/rewards.md)."""
 
-    enable: bool = False  # score responses with the reward model (as well as the rule function: see docs/rewards.md)
+    # score responses with the reward model; with no reward function named its score alone is the reward, as in verl
+    # 0.9 (reward.weights.rule defaults to 0); with one, both are summed (docs/rewards.md)
+    enable: bool = False
     model_path: str | None = None  # a local folder holding the reward model and its tokenizer
     use_remove_padding: bool = True  # score the valid tokens packed in one (1, nnz) row (false: the padded batch)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
@@ -43,10 +45,11 @@ class RewardModelScoringConfig:
     attn_implementation: str = "auto"
     micro_batch_size_per_gpu: int = 64  # rows per forward on each rank (when use_dynamic_bsz is false)
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of row count
-    forward_max_token_len_per_gpu: int = 16384  # the token budget of one forward on each rank (use_dynamic_bsz)
-    # each prompt group's prompt once in the packed row, its responses after it (docs/shared_prompts.md); only
-    # where the reward model reads the policy's own tokens (true with a re-rendering reward model is refused);
-    # null: actor_rollout_ref.model.share_prompts where the policy's tokens are kept, else off
+    # the token budget of one forward on each rank (use_dynamic_bsz); a longer conversation loses its first tokens
+    forward_max_token_len_per_gpu: int = 16384
+    # each prompt group's prompt once in the packed row, its responses after it (docs/shared_prompts.md), where
+    # every conversation's rendering splits at its prompt's end (docs/rewards.md); null: actor_rollout_ref.model.share_prompts
+    # when use_remove_padding, else off
     share_prompts: bool | None = None
     ulysses_sequence_parallel_size: int = 1  # the reward model's sequence parallelism (as the actor's); 1: off
 
@@ -79,8 +82,9 @@ class JudgeConfig:
     model_path: str | None = None  # a local folder: a causal LM and its tokenizer
     prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # must hold {response}; may hold {prompt}, {ground_truth}
     apply_chat_template: bool = True  # send the rendered template as a user turn of the judge's chat template
-    # a Python regex; the verdict is its first group in the LAST match of the judge's text (the whole match without one)
-    score_pattern: str = r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+    # a Python regex; the verdict is its first group in the LAST match of the judge's text (the whole match without one).
+    # The default reads Score: 8, score=8, SCORE: 8, **Score:** 8, Score: **8**, Score: 7.5, Score: 1e1 (10)
+    score_pattern: str = r"(?i)score\s*[*_]*\s*[:=]\s*[*_]*\s*(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
     # verdict word -> score (case-insensitive, e.g. {yes: 1.0, no: 0.0}); empty: the verdict is a number
     verdicts: dict[str, float] = field(default_factory=dict)
     score_min: float = 0.0  # a numeric verdict's range: v in [score_min, score_max] scores
@@ -104,15 +108,19 @@ class RewardConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # a generative judge (an LLM on vLLM), the "judge" part
-    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts, never one
-    # part alone: "rule" (the reward function), "reward_model" and "judge" (when enabled) and each name of extra_fns.
+    # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts: "rule" (the
+    # reward function), "reward_model" and "judge" (when enabled) and each name of extra_fns; in training a part is
+    # computed only for the rows it weighs (weight != 0), validation reports every part.
 
     # more named rule functions "pkg.module:function", each a part of its own (same signature as reward.fn)
     extra_fns: dict[str, str] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)  # part name -> its weight; a part not listed weighs 1
-    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights)
+    # part name -> its weight; a part not listed weighs 1, but the rule 0 when reward_model.enable and no function is named
+    weights: dict[str, float] = field(default_factory=dict)
+    # data_source -> {part name: weight}: the weights of that source's responses (parts not listed: reward.weights);
+    # each key must be a data_source of the data (checked in set-up)
     source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    # parts standardised by the running mean / std of all their training scores so far, before weighting
+    # parts standardised by the running mean / std of all their training scores so far, before weighting (kept in
+    # checkpoints; a std below 1e-6 x max(1, |mean|) is not divided by)
     normalize: list[str] = field(default_factory=list)
     clip: float | None = None  # each part's score (after normalisation) clipped to [-clip, clip]; null: not clipped
 

@@ -55,8 +55,8 @@ LEGACY_REFUSED = {
                                        "function with reward.fn or reward.custom_reward_function; delete the key",
     "reward_model.reward_loop_module_path": "verl's reward-loop class loading: use reward.fn=path/to/file.py:function",
     "reward_model.reward_loop_class_name": "verl's reward-loop class loading: use reward.fn=path/to/file.py:fn",
-    "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad compares the reward model's tokenizer "
-                                          "with the policy's itself (actor_rollout_ref.model.tokenizer_path); delete it",
+    "reward_model.model.input_tokenizer": "verl's input_tokenizer: rlpad renders every conversation with the reward "
+                                          "model's own chat template and tokenizer (docs/rewards.md); delete it",
     "reward_model.model.external_lib": "verl's external model code: set actor_rollout_ref.model.trust_remote_code",
     "reward_model.model.override_config": "verl's config overrides: save the reward model with the config you want",
     "reward_model.model.trust_remote_code": "use actor_rollout_ref.model.trust_remote_code (one switch for every model)",

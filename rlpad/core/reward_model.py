@@ -42,7 +42,7 @@ from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, SharedSegments, pack_shared_prompts
 
 __all__ = ["REWARD_HEADS", "check_reward_config", "check_reward_inputs", "compute_scores", "last_token_columns",
-           "load_reward_model", "reward_head_kind", "shared_last_slots"]
+           "load_reward_model", "reward_head_kind", "score_head", "shared_last_slots"]
 
 # The class-name endings of a reward model and the Auto class that builds each.
 REWARD_HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
@@ -122,7 +122,7 @@ def check_reward_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mas
     check_sequence_parallel(use_remove_padding, sp)
     if share_prompts and response_length is None:
         raise ValueError("share_prompts=True needs response_length (where each row's response starts): the "
-                         "rollout's own rows, not re-rendered ones")
+                         "rows in the rollout layout, not whole left-padded ones")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D (batch, seq) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
@@ -225,7 +225,7 @@ def compute_scores(
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         rows, cols = to_device([torch.arange(batch), last_token_columns(host.attention_mask)], device)
-        return _head(model, hidden[rows, cols])
+        return score_head(model, hidden[rows, cols])
     pad_to = sp.size if sp is not None else 1
     groups = groups_to_share(host, response_length, share_min_saved) if share_prompts else None
     if groups is not None:
@@ -243,19 +243,22 @@ def compute_scores(
     if sp is None:
         hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=no_mask,
                           use_cache=False, **attention).last_hidden_state[0]
-        return _head(model, hidden.index_select(0, *to_device([slots], device)))
+        return score_head(model, hidden.index_select(0, *to_device([slots], device)))
     shard = sp.shard(ids, positions, attention)
     hidden = backbone(attention_mask=no_mask, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
     mine, local = shard.local(slots)  # on the host: the rows whose last token is on this rank's slice
     rows, local = to_device([mine.nonzero().flatten(), local], device)
     scores = torch.zeros(batch, dtype=torch.float32, device=device)
-    scores = scores.index_copy(0, rows, _head(model, hidden.index_select(0, local)))
+    scores = scores.index_copy(0, rows, score_head(model, hidden.index_select(0, local)))
     return sp.gather_scored(scores)  # one nonzero term per row: the sum is exact
 
 
-def _head(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
-    """(n, H) hidden states of last tokens -> (n,) fp32 scores."""
+def score_head(model: nn.Module, last: torch.Tensor) -> torch.Tensor:
+    """(n, H) hidden states of last tokens -> (n,) fp32 scores: the one-output ``score`` head run in fp32
+    whatever the model's dtype (a bf16 head would round every score to 8 bits: 3.170 and 3.178 both 3.171875)."""
     dropout = getattr(model, "dropout", None)  # *ForTokenClassification: identity in eval mode
     if isinstance(dropout, nn.Dropout):
         last = dropout(last)
-    return model.score(last).float().squeeze(-1)
+    head = model.score
+    bias = None if head.bias is None else head.bias.float()
+    return nn.functional.linear(last.float(), head.weight.float(), bias).squeeze(-1)

@@ -27,12 +27,14 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import JudgeConfig
 from rlpad.core.layout import left_pad
 from rlpad.core.models import load_tokenizer, model_config, require_folder
+from rlpad.rewards.conversation import response_texts
 from rlpad.rewards.judge_rules import judge_problems, parse_verdict, render_template
 from rlpad.rewards.rules import decode_responses
+from rlpad.rewards.settings import JUDGE, PART_FLAGS
 
 __all__ = ["FLAGS", "JudgeOutcome", "JudgeScorer", "check_judge_model", "prompt_text"]
 
-FLAGS = ("unparsable", "timeout", "overlong")  # per-row flags, each logged as reward/judge/<flag> (a fraction)
+FLAGS = PART_FLAGS[JUDGE]  # per-row flags, each logged as reward/judge/<flag> (a fraction)
 KEY = "reward.judge.model_path"
 
 JudgeGenerate = Callable[[Batch], Batch]  # left-padded judge prompts -> the rollout layout (workers.judge_generate)
@@ -88,10 +90,10 @@ class JudgeScorer:
         self.generate = generate
 
     def render(self, batch: Batch) -> list[str]:
-        """Each row's judge prompt: the template with ``{prompt}`` (``raw_prompt``), ``{response}`` (decoded
-        with the policy's tokenizer), ``{ground_truth}`` filled."""
-        batch.require("raw_prompt", "responses", "response_mask", who="reward.judge")
-        responses = decode_responses(self.policy_tokenizer, batch["responses"], batch["response_mask"])
+        """Each row's judge prompt: the template with ``{prompt}`` (``raw_prompt``), ``{response}`` (the response's
+        text: rlpad.rewards.conversation.response_texts, tool output included), ``{ground_truth}`` filled."""
+        batch.require("raw_prompt", who="reward.judge")
+        responses = response_texts(self.policy_tokenizer, batch)
         truths = batch["ground_truth"] if "ground_truth" in batch else [""] * len(responses)
         return [render_template(self.config.prompt_template, prompt=prompt_text(p), response=r, ground_truth=str(t))
                 for p, r, t in zip(batch["raw_prompt"], responses, truths)]

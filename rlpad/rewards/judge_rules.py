@@ -31,7 +31,8 @@ RESPONSE = "response"  # the placeholder every judge template must hold
 # placeholder -> what it is filled with (rlpad.rewards.judge.JudgeScorer.render)
 PLACEHOLDERS = {
     "prompt": "the prompt's chat messages' contents, joined by a blank line",
-    RESPONSE: "the response, decoded with the policy's tokenizer (special tokens skipped)",
+    RESPONSE: "the response's text: its valid tokens (tool output included), decoded with the policy's tokenizer, "
+              "special tokens skipped (rlpad.rewards.conversation)",
     "ground_truth": "the row's reward_model.ground_truth, as text",
 }
 KEY = "reward.judge.prompt_template"

@@ -29,7 +29,7 @@ from typing import Any
 from rlpad.rewards.toys import TOY_SCORERS
 
 __all__ = ["VERL_UNSUPPORTED", "compute_score", "dapo_score", "gsm8k_strict_score", "math_equiv_score",
-           "minerva_normalize", "strip_math_answer"]
+           "minerva_normalize", "scores_source", "strip_math_answer"]
 
 GSM8K = ("openai/gsm8k",)
 MATH = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -243,6 +243,12 @@ def dapo_score(solution_str: str, ground_truth: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- dispatch
+
+
+def scores_source(data_source: str) -> bool:
+    """:func:`compute_score` has a reward for ``data_source`` (else it raises, naming it)."""
+    return (data_source in GSM8K or data_source in MATH or data_source in DAPO or str(data_source).startswith("aime")
+            or data_source in TOY_SCORERS)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:

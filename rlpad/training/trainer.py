@@ -42,7 +42,7 @@ from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
-from rlpad.rewards.combine import part_metrics, parts_of, score_rewards
+from rlpad.rewards.combine import load_reward_state, part_metrics, parts_of, reward_state, score_rewards, validation_scores
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction
 
@@ -358,15 +358,17 @@ class Trainer:
     # ---- validation --------------------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
-        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
-        and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
-        scores, parts, batches, scored = [], [], [], []
+        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise; its units:
+        rlpad.rewards.combine.validation_scores), and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
+        scores, trained, parts, batches, scored = [], [], [], [], []
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
-            scores.append(score_rewards(batch, self.tokenizer, self.reward_fn, update_stats=False)[1])
+            task, normalized = validation_scores(batch, self.tokenizer, self.reward_fn)
+            scores.append(task)
+            trained.append(normalized)
             scored.append(parts_of(batch))
             if "tool_calls" in batch:
                 batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
@@ -375,6 +377,8 @@ class Trainer:
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
         out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        if trained[0] is not None:  # reward.normalize: the trained reward beside the task's units
+            out["val/reward/normalized"] = float(torch.cat(trained).mean())
         out.update(part_metrics(scored, "val/reward/"))
         if batches:
             out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))
@@ -387,7 +391,8 @@ class Trainer:
     def save_checkpoint(self) -> str:
         staging = self.checkpoints.staging(self.step)
         self.workers.save_checkpoint(staging)
-        state = {"step": self.step, "loader": self.train_loader.state_dict(), "history": self.history}
+        state = {"step": self.step, "loader": self.train_loader.state_dict(), "history": self.history,
+                 "reward": reward_state(self.reward_fn)}  # reward.normalize's running statistics
         if self.ahead is not None:  # the batches generated for later steps are part of the state
             self.ahead.save(staging)
             state["max_off_policy_steps"] = self.ahead.k
@@ -410,6 +415,7 @@ class Trainer:
         self.workers.load_checkpoint(path)
         self.train_loader.load_state_dict(state["loader"])
         self.step, self.history = int(state["step"]), list(state["history"])
+        self.warnings += load_reward_state(self.reward_fn, state.get("reward"))
         if self.ahead is None:
             self.workers.sync_weights()  # the rollout engine starts from the initial weights
         else:  # the engines load the checkpoint's weights first, then the saved batches come back
