@@ -123,7 +123,7 @@ class CombinedReward:
             for flag, values in flags.items():
                 batch[f"{FLAG_PREFIX}{JUDGE}/{flag}"] = values
         for name, fn in self.extra_fns.items():
-            parts[name] = score_batch(batch, tokenizer, fn)[1]
+            parts[name] = score_batch(batch, tokenizer, fn, keep_extra_info=False)[1]  # the rule's infos stay
         return parts, acc
 
     def combine(self, parts: Mapping[str, torch.Tensor], data_sources: Sequence[str], *,
