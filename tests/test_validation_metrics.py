@@ -26,7 +26,8 @@ import torch
 from rlpad.batch import Batch
 from rlpad.rewards.rules import REWARD_EXTRA_INFO, score_batch
 from rlpad.training.validation_metrics import (ALL_SOURCES, ValidationRows, _draws, majority_values, metric_keys,
-                                               per_source_metrics, prompt_metrics, subset_sizes, validation_report)
+                                               per_source_metrics, prompt_metrics, subset_sizes, validation_report,
+                                               vote_picks)
 from test_verl_parity import _verl_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def test_negative_controls_a_changed_seed_or_tie_rule_fails_the_comparison():
     ties = next(c for c in recorded()["cases"] if c["name"] == "ties")
     values, answers = ties["variables"]["reward"][:4], ties["variables"]["pred"][:4]  # A A B B, A right
     draws = _draws(4, 2, 42, 1000)
-    ours = prompt_metrics(values, answers)["maj@2/mean"]
+    ours = prompt_metrics(values, vote_picks(answers))["maj@2/mean"]
     assert ours == float(np.mean(reference_majority(values, answers, draws)))
     # a vote over np.unique's sorted answers gives a tie to the smaller one ("A", the right one): far off
     smaller_wins = [values[draw[0]] if answers[draw[0]] == answers[draw[1]] else values[answers.index("A")]

@@ -43,6 +43,8 @@ from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
 from rlpad.rewards.combine import part_metrics, parts_of, score_rewards
+from rlpad.rewards.rules import REWARD_EXTRA_INFO
+from rlpad.training.validation_metrics import ValidationRows
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction
 
@@ -358,9 +360,11 @@ class Trainer:
     # ---- validation --------------------------------------------------------------------------------
 
     def validate(self) -> dict[str, float]:
-        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise),
-        and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
+        """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise), the
+        per-source metrics (``val-core/*``, ``val-aux/*``: rlpad.training.validation_metrics) and the
+        rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         scores, parts, batches, scored = [], [], [], []
+        rows = ValidationRows()  # per source: mean@N, best@k, maj@k (rlpad.training.validation_metrics)
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
@@ -368,13 +372,14 @@ class Trainer:
                 self.ahead.check_latest(batch, "validation")
             scores.append(score_rewards(batch, self.tokenizer, self.reward_fn, update_stats=False)[1])
             scored.append(parts_of(batch))
+            rows.add(batch["data_source"], batch["uid"], scores[-1], batch.non_tensors.get(REWARD_EXTRA_INFO))
             if "tool_calls" in batch:
                 batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
             if "rollout_log_probs" in batch:
                 batch.update(self.workers.compute_log_prob(batch, for_update=False))
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
-        out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel()), **rows.metrics()}
         out.update(part_metrics(scored, "val/reward/"))
         if batches:
             out.update(self._multi_turn_metrics(Batch.concat(batches), "val/multi_turn/", f"validation at step {self.step}"))

@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALL_SOURCES", "CORE", "N_BOOTSTRAP", "SEED", "ValidationRows", "majority_values", "metric_keys",
-           "per_source_metrics", "prompt_metrics", "subset_sizes", "validation_report"]
+__all__ = ["ALL_SOURCES", "CORE", "N_BOOTSTRAP", "SEED", "ValidationRows", "core_summary", "majority_values",
+           "metric_keys", "parse_key", "per_source_metrics", "prompt_metrics", "subset_sizes", "summary_lines",
+           "validation_report", "vote_picks"]
 
 SEED = 42  # verl's process_validation_metrics default: the bootstrap's seed
 N_BOOTSTRAP = 1000  # draws per (prompt, k), verl's
@@ -64,44 +65,54 @@ def _draws(n: int, k: int, seed: int, n_bootstrap: int) -> np.ndarray:
 
 
 def majority_values(values: np.ndarray, answers: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """(D,) the majority-vote value of each draw: ``values`` (n,) and ``answers`` (n,) int codes of the
-    responses' extracted answers, ``draws`` (D, k) indices. Per draw the most frequent code wins, a tie
-    to the code drawn first; the value is that of the winner's first drawn response."""
-    codes = answers[draws]  # (D, k)
-    kinds = int(answers.max()) + 1
+    """(D,) the majority-vote value of each draw: ``values`` (n,), ``answers`` (n,) int codes of the
+    responses' extracted answers, ``draws`` (D, k) indices (see :func:`_vote_picks`)."""
+    return values[_vote_picks(answers, draws)]
+
+
+def _vote_picks(codes: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """(D,) the response each draw's majority vote picks: ``codes`` (n,) int answer codes, ``draws`` (D, k).
+    The most frequent code of the draw wins, a tie to the code drawn first; the pick is the winner's
+    first drawn response."""
+    drawn = codes[draws]  # (D, k)
+    kinds = int(codes.max()) + 1
     rows = np.arange(draws.shape[0])[:, None]
-    counts = np.bincount((rows * kinds + codes).ravel(), minlength=draws.shape[0] * kinds).reshape(-1, kinds)
-    at = np.take_along_axis(counts, codes, axis=1)  # (D, k): how often each drawn answer occurs in its draw
+    counts = np.bincount((rows * kinds + drawn).ravel(), minlength=draws.shape[0] * kinds).reshape(-1, kinds)
+    at = np.take_along_axis(counts, drawn, axis=1)  # (D, k): how often each drawn answer occurs in its draw
     # the first position holding a most frequent answer is the first occurrence of the one drawn first
     first = np.argmax(at == at.max(axis=1, keepdims=True), axis=1)
-    return values[np.take_along_axis(draws, first[:, None], axis=1)[:, 0]]
+    return draws[rows[:, 0], first]
+
+
+def vote_picks(answers: Sequence[Hashable], *, seed: int = SEED, n_bootstrap: int = N_BOOTSTRAP) -> dict[int, np.ndarray]:
+    """Per k of :func:`subset_sizes`, (n_bootstrap,) the response each bootstrap draw's majority vote over
+    ``answers`` (one per response) picks."""
+    index: dict[Hashable, int] = {}
+    codes = np.array([index.setdefault(_answer(a), len(index)) for a in answers], dtype=np.int64)
+    n = len(codes)
+    return {k: _vote_picks(codes, _draws(n, k, seed, n_bootstrap)) for k in subset_sizes(n)}
 
 
 def _mean_std(x: np.ndarray) -> tuple[float, float]:
     return float(np.mean(x)), float(np.std(x))
 
 
-def prompt_metrics(values: Sequence[Any], answers: Sequence[Hashable] | None = None, *, seed: int = SEED,
+def prompt_metrics(values: Sequence[Any], votes: Mapping[int, np.ndarray] | None = None, *, seed: int = SEED,
                    n_bootstrap: int = N_BOOTSTRAP) -> dict[str, float]:
     """One prompt's metrics of one variable over its responses' ``values`` (see the module docstring);
-    ``answers``: each response's extracted answer (None: no maj@k)."""
+    ``votes``: :func:`vote_picks` of the responses' extracted answers (None: no maj@k)."""
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
     out = {f"mean@{n}": float(np.mean(x))}
     if n <= 1:
         return out
     out[f"std@{n}"] = float(np.std(x))
-    codes = None
-    if answers is not None:
-        index: dict[Hashable, int] = {}
-        codes = np.array([index.setdefault(a, len(index)) for a in answers], dtype=np.int64)
     for k in subset_sizes(n):
-        draws = _draws(n, k, seed, n_bootstrap)
-        picked = x[draws]
+        picked = x[_draws(n, k, seed, n_bootstrap)]
         out[f"best@{k}/mean"], out[f"best@{k}/std"] = _mean_std(picked.max(axis=1))
         out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = _mean_std(picked.min(axis=1))
-        if codes is not None:
-            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = _mean_std(majority_values(x, codes, draws))
+        if votes is not None:
+            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = _mean_std(x[votes[k]])
     return out
 
 
@@ -114,37 +125,59 @@ def _answer(value: Any) -> Hashable:
     return value
 
 
-def per_source_metrics(data_sources: Sequence[str], uids: Sequence[Hashable], variables: Mapping[str, Sequence[Any]],
-                       *, seed: int = SEED, n_bootstrap: int = N_BOOTSTRAP) -> dict[str, dict[str, dict[str, float]]]:
-    """``{source: {variable: {metric: value}}}``: each prompt's :func:`prompt_metrics` (rows grouped by
-    source, then ``uid``, in the order they come), averaged over the prompts of a source that have the
-    metric. ``variables``: name -> one value per row (None: no value for that row). A variable whose
-    first value is text gets none; ``pred``'s values are the answers voted on."""
+Table = dict[str, dict[str, float]]  # variable -> metric -> value
+
+
+def _prompt_tables(data_sources: Sequence[str], uids: Sequence[Hashable], variables: Mapping[str, Sequence[Any]],
+                   seed: int, n_bootstrap: int) -> dict[tuple[str, Hashable], Table]:
+    """Each prompt's metrics, keyed (source, uid) in the order the rows first name them."""
     rows = len(data_sources)
     if len(uids) != rows or any(len(v) != rows for v in variables.values()):
         raise ValueError(f"{rows} data sources, {len(uids)} uids, variable lengths "
                          f"{ {k: len(v) for k, v in variables.items()} }: one value per row each")
-    groups: dict[str, dict[Hashable, list[int]]] = {}
-    for i, (source, uid) in enumerate(zip(data_sources, uids)):
-        groups.setdefault(source, {}).setdefault(uid, []).append(i)
+    prompts: dict[tuple[str, Hashable], list[int]] = {}
+    for i, key in enumerate(zip(data_sources, uids)):
+        prompts.setdefault(key, []).append(i)
     answers_of = variables.get(PRED)
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for source, prompts in groups.items():
-        per_metric: dict[str, dict[str, list[float]]] = {}
-        for idx in prompts.values():
-            answers = None if answers_of is None else [answers_of[i] for i in idx]
-            for name, column in variables.items():
-                values = [column[i] for i in idx if column[i] is not None]
-                if not values or isinstance(values[0], str):
-                    continue
-                voted = answers is not None and len(answers) == len(values) and all(a is not None for a in answers)
-                metrics = prompt_metrics(values, [_answer(a) for a in answers] if voted else None,
-                                         seed=seed, n_bootstrap=n_bootstrap)
-                for metric, value in metrics.items():
-                    per_metric.setdefault(name, {}).setdefault(metric, []).append(value)
-        out[source] = {name: {metric: float(np.mean(v)) for metric, v in metrics.items()}
-                       for name, metrics in per_metric.items()}
-    return out
+    tables = {}
+    for key, idx in prompts.items():
+        answers = None if answers_of is None else [answers_of[i] for i in idx]
+        votable = answers is not None and all(a is not None for a in answers)
+        votes, table = None, {}
+        for name, column in variables.items():
+            values = [column[i] for i in idx if column[i] is not None]
+            if not values or isinstance(values[0], str):
+                continue
+            voted = votable and len(values) == len(answers)
+            if voted and votes is None:
+                votes = vote_picks(answers, seed=seed, n_bootstrap=n_bootstrap)
+            table[name] = prompt_metrics(values, votes if voted else None, seed=seed, n_bootstrap=n_bootstrap)
+        tables[key] = table
+    return tables
+
+
+def _averaged(tables: Iterable[Table]) -> Table:
+    """Each metric averaged over the prompts that have it."""
+    collected: dict[str, dict[str, list[float]]] = {}
+    for table in tables:
+        for name, metrics in table.items():
+            for metric, value in metrics.items():
+                collected.setdefault(name, {}).setdefault(metric, []).append(value)
+    return {name: {metric: float(np.mean(v)) for metric, v in metrics.items()} for name, metrics in collected.items()}
+
+
+def per_source_metrics(data_sources: Sequence[str], uids: Sequence[Hashable], variables: Mapping[str, Sequence[Any]],
+                       *, seed: int = SEED, n_bootstrap: int = N_BOOTSTRAP) -> dict[str, Table]:
+    """``{source: {variable: {metric: value}}}``: each prompt's :func:`prompt_metrics` (rows grouped by
+    source and ``uid``), averaged over the prompts of a source that have the metric. ``variables``: name ->
+    one value per row (None: no value for that row). A variable whose first value is text gets none;
+    ``pred``'s values are the answers voted on."""
+    return _by_source(_prompt_tables(data_sources, uids, variables, seed, n_bootstrap))
+
+
+def _by_source(tables: Mapping[tuple[str, Hashable], Table]) -> dict[str, Table]:
+    sources = dict.fromkeys(source for source, _ in tables)
+    return {s: _averaged(t for (source, _), t in tables.items() if source == s) for s in sources}
 
 
 def _k(metric: str) -> int:
@@ -214,12 +247,68 @@ def _plain(value: Any) -> Any:
 def validation_report(data_sources: Sequence[str], uids: Sequence[Hashable], variables: Mapping[str, Sequence[Any]],
                       *, seed: int = SEED, overall: bool = True) -> dict[str, float]:
     """:func:`metric_keys` of :func:`per_source_metrics`, and with ``overall`` and two or more sources, the
-    same over every row as the source ``all`` (ValueError if a data source is itself named so)."""
-    out = metric_keys(per_source_metrics(data_sources, uids, variables, seed=seed))
-    names = set(data_sources)
+    same averaged over the prompts of every source as the source ``all`` (ValueError if a data source is
+    itself named so)."""
+    tables = _prompt_tables(data_sources, uids, variables, seed, N_BOOTSTRAP)
+    out = metric_keys(_by_source(tables))
+    names = {source for source, _ in tables}
     if overall and len(names) > 1:
         if ALL_SOURCES in names:
             raise ValueError(f"a data source is named {ALL_SOURCES!r}, the name of the metrics over every source; "
                              "rename it in the data")
-        out.update(metric_keys(per_source_metrics([ALL_SOURCES] * len(data_sources), uids, variables, seed=seed)))
+        out.update(metric_keys({ALL_SOURCES: _averaged(tables.values())}))
     return out
+
+
+# ----------------------------------------------------------------------------- reading the keys back
+
+
+def parse_key(key: str) -> tuple[str, str, str, str] | None:
+    """``(section, source, variable, metric)`` of a :func:`metric_keys` name (the source may hold ``/``:
+    ``val-core/openai/gsm8k/acc/maj@4/mean``); None for any other key."""
+    section, _, rest = key.partition("/")
+    if section not in (CORE, AUX):
+        return None
+    parts = rest.split("/")
+    cut = 3 if len(parts) > 3 and parts[-1] in ("mean", "std") and "@" in parts[-2] else 2
+    metric = "/".join(parts[-cut + 1:])
+    if len(parts) <= cut or "@" not in metric:
+        return None
+    return section, "/".join(parts[:-cut]), parts[-cut], metric
+
+
+def core_summary(metrics: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per source (``all`` last), its core variable at the largest N: ``{"var", "n", "mean", "best",
+    "worst", "maj"}`` (None where not reported: worst is aux, maj needs answers, best and worst N > 1)."""
+    found: dict[str, dict[str, Any]] = {}
+    for key, value in metrics.items():
+        parsed = parse_key(key)
+        if parsed is None or parsed[0] != CORE:
+            continue
+        _, source, var, metric = parsed
+        row = found.setdefault(source, {"var": var, "n": _k(metric), "mean": None, "best": None, "worst": None,
+                                        "maj": None})
+        kind = metric.split("@")[0]
+        if metric.endswith("/std"):
+            continue
+        row[kind] = value
+    for source, row in found.items():
+        worst = metrics.get(f"{AUX}/{source}/{row['var']}/worst@{row['n']}/mean")
+        row["worst"] = worst
+    order = sorted(found, key=lambda s: (s == ALL_SOURCES,))  # the sources as they came, all last
+    return {s: found[s] for s in order}
+
+
+def summary_lines(metrics: Mapping[str, Any], title: str = "validation") -> list[str]:
+    """The core metrics as an aligned text table, one row per source (empty when there are none)."""
+    rows = core_summary(metrics)
+    if not rows:
+        return []
+    n = max(r["n"] for r in rows.values())
+    columns = [c for c in ("mean", "best", "worst", "maj") if any(r[c] is not None for r in rows.values())]
+    header = ["source", "var", *(f"{c}@{n}" for c in columns)]
+    body = [[s, r["var"], *("-" if r[c] is None else f"{r[c]:.3f}" for c in columns)] for s, r in rows.items()]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    note = f"{title} (N = {n} per prompt" + ("; best / worst / maj: bootstrap means" if n > 1 else "") + ")"
+    return [note, fmt(header), *(fmt(row) for row in body)]
