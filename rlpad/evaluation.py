@@ -72,7 +72,7 @@ def evaluate(config: Config, checkpoint: str | None = None) -> tuple[dict[str, f
     weights), validate once; returns (the metrics, the step the weights are from: 0 without a checkpoint)."""
     from rlpad.rewards.combine import CombinedReward
     from rlpad.run_log import RunLog
-    from rlpad.train import _launch, prepare
+    from rlpad.train import launch, prepare
     from rlpad.training.initial_weights import sync_initial_weights
     from rlpad.training.trainer import Trainer
 
@@ -84,7 +84,7 @@ def evaluate(config: Config, checkpoint: str | None = None) -> tuple[dict[str, f
     with RunLog(out_dir, config.trainer.log_level) as run_log:
         print(f"rlpad eval: starting the actor and the {config.actor_rollout_ref.rollout.name} rollout; their "
               f"messages go to {run_log.path}", flush=True)
-        workers = _launch(config, run_log)
+        workers = launch(config, run_log)
         try:
             if isinstance(prep.reward_fn, CombinedReward):
                 prep.reward_fn.attach_workers(workers)

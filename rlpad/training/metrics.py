@@ -21,7 +21,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 def step_line(step: int, total: int, metrics: dict[str, Any], seconds: float | None = None,
               eta_s: float | None = None) -> str:
-    """One step at a glance: ``step 12/60 | reward 0.438 | val 0.510 | 3.1 s | 2.4k tok/s | ETA 2m29s``
+    """One step at a glance: ``step 12/60 | reward 0.438 | val 0.613 | 3.1 s | 2.4k tok/s | ETA 2m29s``
     (each part only when known: ``val`` on validation steps, ``tok/s`` the step's valid tokens per second)."""
     parts = [f"step {step}/{total}"]
     if "reward/mean" in metrics:
@@ -122,8 +122,9 @@ def _plain(value: Any) -> Any:
 
 
 def plot_reward_curve(records: list[dict[str, Any]], path: str) -> str | None:
-    """Training and validation reward against step, and each data source's validation mean (its core
-    variable's mean@N, rlpad.training.validation_metrics), as a PNG; None if matplotlib is missing."""
+    """Training and validation reward against step, and with several data sources each one's validation
+    mean (its core variable's mean@N, rlpad.training.validation_metrics), as a PNG; None if matplotlib is
+    missing."""
     try:
         import matplotlib
 
@@ -139,9 +140,11 @@ def plot_reward_curve(records: list[dict[str, Any]], path: str) -> str | None:
     if val:
         ax.plot(*zip(*val), "o-", label="validation reward", color="tab:orange")
     shown = [y for _, y in train + val]
-    for label, points in _source_means(records).items():
-        ax.plot(*zip(*points), "s--", ms=3, lw=1, label=label)
-        shown += [y for _, y in points]
+    sources = _source_means(records)
+    if len(sources) > 1:  # one source: its mean is the validation reward already drawn
+        for color, (label, points) in enumerate(sources.items(), start=2):
+            ax.plot(*zip(*points), "s--", ms=3, lw=1, color=f"C{color % 10}", label=label)
+            shown += [y for _, y in points]
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     low, high = min([0.0, *shown]), max([1.0, *shown])
