@@ -9,7 +9,8 @@ recipe's own model. From a checkpoint of step k the validation is seeded as the 
 so on the same stack it reproduces what the run logged there.
 
 Only what validation needs is started: the actor (it loads the checkpoint and syncs the engines) and
-the rollout, plus the reward model or judge the reward uses; no reference, critic or teacher.
+the rollout, plus the reward model or judge the reward uses (and a PPO recipe's critic, a distillation
+recipe's teacher); no reference.
 """
 
 from __future__ import annotations
@@ -42,28 +43,22 @@ def find_checkpoint(path: str) -> str:
                      "holding trainer_state.json), nor a run folder with one")
 
 
-def validation_only(config: Config, *, model: str | None = None, n: int | None = None) -> Config:
-    """``config`` changed for validation alone (in place): ``model`` as ``actor_rollout_ref.model.path``,
-    ``n`` responses per prompt, and none of the roles validation does not use (the reference, the critic,
-    the teacher, the asynchronous schedule). ValueError: ``n`` > 1 with greedy validation."""
-    rollout = config.actor_rollout_ref.rollout
-    if n is not None:
-        if n < 1:
-            raise ValueError(f"--n {n}: must be >= 1")
-        if n > 1 and not rollout.val_kwargs.do_sample:
-            raise ValueError(f"--n {n}: the recipe's validation is greedy (actor_rollout_ref.rollout.val_kwargs."
-                             f"do_sample=false), so the {n} responses would be the same; add "
-                             "actor_rollout_ref.rollout.val_kwargs.do_sample=true and its temperature (e.g. 1.0)")
-        rollout.val_kwargs.n = n
-    if model is not None:
-        config.actor_rollout_ref.model.path = model
-    config.actor_rollout_ref.actor.use_kl_loss = False
-    config.algorithm.use_kl_in_reward = False
-    if config.algorithm.adv_estimator == "gae":  # no critic: validation never reads values
-        config.algorithm.adv_estimator = "grpo"
-    config.distillation.enabled = False
-    config.trainer.max_off_policy_steps = 0
-    config.trainer.critic_warmup = 0
+def validation_only(recipe: str, overrides: list[str], *, model: str | None = None, n: int | None = None) -> Config:
+    """The recipe with ``overrides`` for validation alone, checked as any recipe is: ``model`` as
+    ``actor_rollout_ref.model.path``, ``n`` responses per prompt, no reference (no KL), the synchronous
+    schedule (a PPO recipe keeps its critic, a distillation recipe its teacher: the checks tie them to the
+    estimator and the loss). ValueError: ``n`` below 1, or above 1 with greedy validation (the responses
+    would be the same)."""
+    if n is not None and n < 1:
+        raise ValueError(f"--n {n}: must be >= 1")
+    ours = ["actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false", "trainer.max_off_policy_steps=0"]
+    ours += [f"actor_rollout_ref.model.path={model}"] if model is not None else []
+    ours += [f"actor_rollout_ref.rollout.val_kwargs.n={n}"] if n is not None else []
+    config = load_config(recipe, [*overrides, *ours])
+    if n is not None and n > 1 and not config.actor_rollout_ref.rollout.val_kwargs.do_sample:
+        raise ValueError(f"--n {n}: the recipe's validation is greedy (actor_rollout_ref.rollout.val_kwargs.do_sample="
+                         f"false), so the {n} responses would be the same; add actor_rollout_ref.rollout.val_kwargs."
+                         "do_sample=true and its temperature (e.g. 1.0)")
     return config
 
 
@@ -121,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = find_checkpoint(args.checkpoint) if args.checkpoint else None
         if args.model is not None and not os.path.isdir(args.model):
             raise ValueError(f"--model {args.model!r} is not a folder (a Hugging Face model folder)")
-        config = validation_only(load_config(args.config, overrides), model=args.model, n=args.n)
+        config = validation_only(args.config, overrides, model=args.model, n=args.n)
         if not config.data.val_files:
             raise ValueError(f"{args.config}: data.val_files is empty: nothing to validate on")
         start = time.perf_counter()

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlpad.config.schema import SFTConfig
-from rlpad.evaluation import main as eval_main
+from rlpad.evaluation import main as eval_main, validation_only
 from rlpad.recipe.load import load_config
 from rlpad.train import _embedded_dataset, run
 from rlpad.embedded.sft import warm_start
@@ -86,3 +86,12 @@ def test_bad_input_is_one_line_before_anything_starts(args, message, capsys):
     assert eval_main(["--config", RECIPE, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny_lora", "ppo_tiny", "distill_tiny", "grpo_tiny_long"])
+def test_validation_alone_builds_no_reference(name):
+    config = validation_only(recipe(name), ["actor_rollout_ref.actor.use_kl_loss=true"], model="/m", n=2
+                             if name == "grpo_tiny_long" else None)
+    assert not config.uses_ref and config.trainer.max_off_policy_steps == 0
+    assert config.actor_rollout_ref.model.path == "/m"
+    assert config.actor_rollout_ref.rollout.val_kwargs.n == (2 if name == "grpo_tiny_long" else 1)

@@ -268,7 +268,7 @@ def warm_start(
             def log(s: int, l: float) -> None:
                 if (s + 1) % every == 0:
                     print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
-        with Progress(f"warm start of the embedded {task} model (cached after)", cfg.steps) as progress:
+        with Progress(f"warm start of embedded:{task}, {cfg.steps} steps (cached after)", cfg.steps) as progress:
             losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log or progress.on_step)
             val_acc = val_accuracy(model, tokenizer, cfg, task)
             probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)

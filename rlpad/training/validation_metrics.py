@@ -283,20 +283,15 @@ def core_summary(metrics: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for key, value in metrics.items():
         parsed = parse_key(key)
-        if parsed is None or parsed[0] != CORE:
+        if parsed is None or parsed[0] != CORE or parsed[3].endswith("/std"):
             continue
         _, source, var, metric = parsed
         row = found.setdefault(source, {"var": var, "n": _k(metric), "mean": None, "best": None, "worst": None,
                                         "maj": None})
-        kind = metric.split("@")[0]
-        if metric.endswith("/std"):
-            continue
-        row[kind] = value
+        row[metric.split("@")[0]] = value
     for source, row in found.items():
-        worst = metrics.get(f"{AUX}/{source}/{row['var']}/worst@{row['n']}/mean")
-        row["worst"] = worst
-    order = sorted(found, key=lambda s: (s == ALL_SOURCES,))  # the sources as they came, all last
-    return {s: found[s] for s in order}
+        row["worst"] = metrics.get(f"{AUX}/{source}/{row['var']}/worst@{row['n']}/mean")
+    return {s: found[s] for s in sorted(found, key=lambda s: s == ALL_SOURCES)}  # as they came, all last
 
 
 def summary_lines(metrics: Mapping[str, Any], title: str = "validation") -> list[str]:
@@ -309,6 +304,9 @@ def summary_lines(metrics: Mapping[str, Any], title: str = "validation") -> list
     header = ["source", "var", *(f"{c}@{n}" for c in columns)]
     body = [[s, r["var"], *("-" if r[c] is None else f"{r[c]:.3f}" for c in columns)] for s, r in rows.items()]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    fmt = lambda row: "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+
+    def line(row: list[str]) -> str:  # names left, numbers right
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
     note = f"{title} (N = {n} per prompt" + ("; best / worst / maj: bootstrap means" if n > 1 else "") + ")"
-    return [note, fmt(header), *(fmt(row) for row in body)]
+    return [note, line(header), *(line(row) for row in body)]
