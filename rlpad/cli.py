@@ -1,4 +1,4 @@
-"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``toy-data``."""
+"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``eval``, ``toy-data``."""
 
 from __future__ import annotations
 
@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("--dtype", default="float32", help="the merged weights' dtype (float32 | bfloat16 | float16)")
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
+    evaluate = sub.add_parser("eval", help="the recipe's validation alone on a checkpoint or a model folder: per-source "
+                              "mean@N / best@k / maj@k, a table and a JSON file (rlpad eval --help)", add_help=False)
+    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
     toy = sub.add_parser("toy-data", help="write the toy addition dataset (same as python -m rlpad.embedded.toy)", add_help=False)
     toy.add_argument("rest", nargs=argparse.REMAINDER)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -275,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlpad.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        from rlpad.evaluation import main as eval_main
+
+        return eval_main(argv[1:])
     if argv[:1] == ["toy-data"]:
         from rlpad.embedded.toy import main as toy_main
 

@@ -4,7 +4,7 @@ Ray, vLLM, transformers and torch print a few dozen start-up lines (seeds, missi
 tcmalloc hints, NUMA binding, deprecation warnings, loading bars). :class:`RunLog` writes all of
 them to ``<trainer.default_local_dir>/run.log`` and shows on the console only those at or above
 ``trainer.log_level`` (default ``error``; ``--verbose`` is ``info``). rlpad's own output (the
-progress bar, the summary, its warnings) and errors always reach the console.
+step lines, the summary, its warnings) and errors always reach the console.
 
 Three sources pass through it: the lines the Ray workers print (the Ray side hands them to
 :meth:`RunLog.worker_lines`, workers/ray_logs.py), Python logging in the driver (a file handler on

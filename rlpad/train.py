@@ -46,7 +46,7 @@ from rlpad.training.step_metrics import summarize
 from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_steps
 from rlpad.algorithms.distillation_rules import PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems
 
-__all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "main", "prepare", "resolve_embedded", "run"]
+__all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "launch", "main", "prepare", "resolve_embedded", "run"]
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_TEACHER_PREFIX = "embedded-teacher:"  # distillation's built-in teacher: the warm start trained further
@@ -261,7 +261,7 @@ def fit(config: Config | Prepared, wrap_workers: Callable[[Any], Any] | None = N
 
     with RunLog(out_dir, config.trainer.log_level) as run_log:
         print(_starting_line(config, run_log), flush=True)
-        workers = _launch(config, run_log)
+        workers = launch(config, run_log)
         if isinstance(prep.reward_fn, CombinedReward):
             prep.reward_fn.attach_workers(workers)  # the reward model's part: its worker group; the judge's engines
         try:
@@ -307,7 +307,7 @@ def _starting_line(config: Config, run_log: RunLog) -> str:
             f"{run_log.path}{quiet}")
 
 
-def _launch(config: Config, run_log: RunLog | None = None):
+def launch(config: Config, run_log: RunLog | None = None):
     """The worker stack named by ``trainer.backend``: Ray actors, or everything in this process."""
     if config.trainer.backend == "local":
         from workers.local import launch_local_workers  # no Ray

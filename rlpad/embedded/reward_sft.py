@@ -41,6 +41,7 @@ from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.sft import cache_key, embedded_teacher, encode, warm_start
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
+from rlpad.progress import Progress
 
 __all__ = ["RM_SETTINGS", "listwise_candidates", "pairwise_accuracy", "sample_answers", "top1_accuracy", "toy_pairs", "toy_reward_model",
            "wrong_answer"]
@@ -184,7 +185,16 @@ def toy_reward_model(cfg: SFTConfig | None = None, *, verbose: bool = False, **o
 
 def _train(policy: str, backbone: str, cfg: SFTConfig, settings: dict[str, Any], out: str,
            verbose: bool) -> dict[str, Any]:
+    with Progress("the embedded reward model (cached after)", settings["steps"]) as progress:
+        return _train_steps(policy, backbone, cfg, settings, out, None if verbose else progress)
+
+
+def _train_steps(policy: str, backbone: str, cfg: SFTConfig, settings: dict[str, Any], out: str,
+                 progress: Progress | None) -> dict[str, Any]:
+    """:func:`_train`'s work; ``progress`` (None: the loss printed every tenth of the steps instead)."""
     spec = get_task(TASK)
+    if progress is not None:
+        progress.update(0, "sampling the policy's answers")
     tokenizer = build_tokenizer()
     model = AutoModelForSequenceClassification.from_pretrained(backbone, num_labels=1,
                                                                attn_implementation=VARLEN_ATTENTION)
@@ -218,7 +228,9 @@ def _train(policy: str, backbone: str, cfg: SFTConfig, settings: dict[str, Any],
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if verbose and (step + 1) % max(1, steps // 10) == 0:
+        if progress is not None:
+            progress.on_step(step, losses[-1])
+        elif (step + 1) % max(1, steps // 10) == 0:
             print(f"reward model step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
     model.eval()
     model.save_pretrained(out)

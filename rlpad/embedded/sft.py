@@ -40,6 +40,7 @@ from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.shapes import WARM_START_DIMS
 from rlpad.embedded.tiny import build_tokenizer, tiny_config, tiny_model
+from rlpad.progress import Progress
 
 __all__ = [
     "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "embedded_teacher", "encode",
@@ -267,9 +268,10 @@ def warm_start(
             def log(s: int, l: float) -> None:
                 if (s + 1) % every == 0:
                     print(f"sft step {s + 1}/{cfg.steps} loss {l:.4f}", flush=True)
-        losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log)
-        val_acc = val_accuracy(model, tokenizer, cfg, task)
-        probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)
+        with Progress(f"warm start of embedded:{task}, {cfg.steps} steps (cached after)", cfg.steps) as progress:
+            losses = train_sft(model, tokenizer, cfg, task=task, callback=callback or log or progress.on_step)
+            val_acc = val_accuracy(model, tokenizer, cfg, task)
+            probe_acc = accuracy(model, tokenizer, spec.probe_examples(cfg), spec.max_answer_tokens)
         info = {"key": key, "settings": _settings(cfg, seed, dims, task), "task": task, "val_accuracy": val_acc,
                 "val_reward": val_score(model, tokenizer, cfg, task), "probe_accuracy": probe_acc,
                 "steps_run": len(losses), "loss_first": losses[0] if losses else None,

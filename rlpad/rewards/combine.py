@@ -44,7 +44,7 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
-from rlpad.rewards.rules import RewardFn, load_reward_fn, place_scores, score_batch
+from rlpad.rewards.rules import REWARD_EXTRA_INFO, RewardFn, load_reward_fn, place_scores, score_batch
 from rlpad.rewards.settings import JUDGE, MODEL, PART_FLAGS, RULE, part_names, part_weight
 from rlpad.rewards.sources import rule_scores_source
 
@@ -179,7 +179,7 @@ class CombinedReward:
             return scores, flags, None
         fn = self.rule_fn if name == RULE else self.extra_fns[name]
         try:
-            _, scores, acc = score_batch(batch, tokenizer, fn)
+            _, scores, acc = score_batch(batch, tokenizer, fn, keep_extra_info=name == RULE)  # the rule's infos
         except ValueError as e:
             raise ValueError(f"reward part {name!r}: {e}") from e
         return scores, {}, acc if name == RULE else None
@@ -197,8 +197,13 @@ class CombinedReward:
             flags = {flag: torch.full((n,), math.nan) for flag in PART_FLAGS.get(name, ())}
             if rows:
                 index = torch.tensor(rows)
-                scores, part_flags, part_acc = self._score_part(name, batch if len(rows) == n else batch.index(rows),
-                                                                tokenizer)
+                part_batch = batch if len(rows) == n else batch.index(rows)
+                scores, part_flags, part_acc = self._score_part(name, part_batch, tokenizer)
+                if part_batch is not batch and REWARD_EXTRA_INFO in part_batch:  # the rule's infos, on every row
+                    infos = [{} for _ in range(n)]
+                    for i, info in zip(rows, part_batch[REWARD_EXTRA_INFO]):
+                        infos[i] = info
+                    batch[REWARD_EXTRA_INFO] = infos
                 _finite(name, scores, rows, sources)
                 raw[index] = scores.float()
                 for flag, values in part_flags.items():

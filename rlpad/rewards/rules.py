@@ -39,10 +39,12 @@ __all__ = [
     "DEFAULT_REWARD_FN", "TOY_SCORERS", "answers_match", "boxed_score", "compute_score", "decode_responses",
     "extract_boxed_answer", "extract_gsm8k_answer", "final_answer", "gsm8k_score", "load_function", "load_reward_fn",
     "math_verify_score",
-    "normalize_answer", "place_scores", "reward_source_problems", "score_batch", "score_responses",
+    "normalize_answer", "place_scores", "REWARD_EXTRA_INFO", "reward_extra_info", "reward_source_problems", "score_batch",
+    "score_responses",
 ]
 
 RewardFn = Callable[..., Any]
+REWARD_EXTRA_INFO = "reward_extra_info"  # batch key: per row, what the reward function returned beside its score
 
 _NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?$")
 _FRACTION = re.compile(r"^([-+]?\d+)/(\d+)$")
@@ -256,6 +258,13 @@ def _as_score(value: Any, row: int, data_source: Any) -> tuple[float, float]:
     return score, acc
 
 
+def reward_extra_info(value: Any) -> dict[str, Any]:
+    """What a reward function returned beside its score, as verl 0.9.1's reward loop records it: every key
+    of a returned dict (``score``, ``acc``, the extracted answer ``pred``, ...), or ``acc`` = the number
+    it returned (rlpad.training.validation_metrics reads it)."""
+    return dict(value) if isinstance(value, Mapping) else {"acc": value}
+
+
 def score_responses(
     tokenizer: Any,
     responses: torch.Tensor,
@@ -264,31 +273,39 @@ def score_responses(
     ground_truths: Sequence[Any],
     extra_infos: Sequence[Any] | None = None,
     reward_fn: RewardFn | None = None,
+    returned: list[dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode, score each row with ``reward_fn`` (default: verl's, :data:`DEFAULT_REWARD_FN`), place the scores.
 
     Returns ``(token_level_scores (B, R), scores (B,), acc (B,))`` (acc: the function's ``acc`` where it
-    returns a dict holding one, else the score); ValueError naming the row on NaN/inf.
+    returns a dict holding one, else the score); ValueError naming the row on NaN/inf. ``returned``: a
+    list extended with each row's :func:`reward_extra_info`.
     """
     reward_fn = reward_fn or verl_compute_score
     texts = decode_responses(tokenizer, responses, response_mask)
     if not len(data_sources) == len(ground_truths) == len(texts):
         raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")
     extra_infos = [None] * len(texts) if extra_infos is None else extra_infos
-    results = [
-        _as_score(reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei), i, ds)
-        for i, (text, ds, gt, ei) in enumerate(zip(texts, data_sources, ground_truths, extra_infos))
-    ]
+    values = [reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei)
+              for text, ds, gt, ei in zip(texts, data_sources, ground_truths, extra_infos)]
+    results = [_as_score(value, i, ds) for i, (value, ds) in enumerate(zip(values, data_sources))]
+    if returned is not None:
+        returned.extend(reward_extra_info(value) for value in values)
     seq = torch.tensor([r[0] for r in results], dtype=torch.float32).reshape(-1)
     acc = torch.tensor([r[1] for r in results], dtype=torch.float32).reshape(-1)
     return place_scores(seq, response_mask), seq, acc
 
 
-def score_batch(batch: Batch, tokenizer: Any,
-                reward_fn: RewardFn | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score_batch(batch: Batch, tokenizer: Any, reward_fn: RewardFn | None = None, *,
+                keep_extra_info: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`score_responses` on a rollout batch (``responses``, ``response_mask``, ``data_source``,
-    ``ground_truth``, optional ``extra_info``)."""
+    ``ground_truth``, optional ``extra_info``); with ``keep_extra_info``, each row's :func:`reward_extra_info`
+    goes into the batch as ``REWARD_EXTRA_INFO`` (what validation reports; no worker reads it)."""
     batch.require("responses", "response_mask", "data_source", "ground_truth", who="reward")
     extra = batch["extra_info"] if "extra_info" in batch else None
-    return score_responses(tokenizer, batch["responses"], batch["response_mask"], batch["data_source"],
-                           batch["ground_truth"], extra, reward_fn)
+    returned: list[dict[str, Any]] | None = [] if keep_extra_info else None
+    out = score_responses(tokenizer, batch["responses"], batch["response_mask"], batch["data_source"],
+                          batch["ground_truth"], extra, reward_fn, returned)
+    if returned is not None:
+        batch[REWARD_EXTRA_INFO] = returned
+    return out

@@ -29,13 +29,16 @@ def batch_metrics(batch: Batch, seq_scores: torch.Tensor) -> dict[str, float]:
 
 def stage_metrics(batch: Batch, timing: dict[str, float], ppo_epochs: int) -> dict[str, float]:
     """``timing_s/<stage>``, ``tokens_per_s/<stage>`` (generated tokens for ``gen``, valid tokens, times
-    ``ppo_epochs`` for the updates) and ``timing_s/step`` (the stages' sum)."""
+    ``ppo_epochs`` for the updates), ``timing_s/step`` (the stages' sum) and ``tokens_per_s/step`` (the
+    step's valid tokens over it)."""
     valid, response_tokens = float(batch["attention_mask"].sum()), float(batch["response_mask"].float().sum())
     throughput = {"gen": response_tokens, "old_log_prob": valid, "ref": valid, "values": valid,
                   "update_actor": valid * ppo_epochs, "update_critic": valid * ppo_epochs}
     out = {f"timing_s/{k}": v for k, v in timing.items()}
     out.update({f"tokens_per_s/{k}": throughput[k] / t for k, t in timing.items() if k in throughput and t > 0})
     out["timing_s/step"] = sum(timing.values())
+    if out["timing_s/step"] > 0:  # the whole step: its valid tokens (prompts and responses) per second
+        out["tokens_per_s/step"] = valid / out["timing_s/step"]
     return out
 
 

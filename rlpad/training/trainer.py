@@ -43,6 +43,8 @@ from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
 from rlpad.rewards.combine import load_reward_state, part_metrics, parts_of, reward_state, score_rewards, validation_scores
+from rlpad.rewards.rules import REWARD_EXTRA_INFO
+from rlpad.training.validation_metrics import ValidationRows
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
 from rlpad.algorithms.rollout_correction import apply_rollout_correction
 
@@ -359,8 +361,10 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise; its units:
-        rlpad.rewards.combine.validation_scores), and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
+        rlpad.rewards.combine.validation_scores), the per-source metrics (``val-core/*``, ``val-aux/*``:
+        rlpad.training.validation_metrics) and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         scores, trained, parts, batches, scored = [], [], [], [], []
+        rows = ValidationRows()  # per source: mean@N, best@k, maj@k (rlpad.training.validation_metrics)
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
             with self._generation():
                 batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
@@ -370,13 +374,14 @@ class Trainer:
             scores.append(task)
             trained.append(normalized)
             scored.append(parts_of(batch))
+            rows.add(batch["data_source"], batch["uid"], scores[-1], batch.non_tensors.get(REWARD_EXTRA_INFO))
             if "tool_calls" in batch:
                 batches.append(batch.select("tool_error", "response_mask", "attention_mask", *AGENT_COUNTS))
             if "rollout_log_probs" in batch:
                 batch.update(self.workers.compute_log_prob(batch, for_update=False))
                 parts.append(batch.select("old_log_probs", "rollout_log_probs", "response_mask"))
         all_scores = torch.cat(scores)
-        out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel())}
+        out = {"val/reward": float(all_scores.mean()), "val/n": float(all_scores.numel()), **rows.metrics()}
         if trained[0] is not None:  # reward.normalize: the trained reward beside the task's units
             out["val/reward/normalized"] = float(torch.cat(trained).mean())
         out.update(part_metrics(scored, "val/reward/"))
