@@ -103,8 +103,12 @@ def test_the_run_leaves_hf_folders_that_equal_the_export_of_its_checkpoints(run,
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja"} == set(step)
     assert os.path.isfile(os.path.join(run.ckpt(2), "actor", MODEL_FILES_DIR, "config.json"))
+    assert export(run.ckpt(1), tmp_path / "a1") == 0
+    # step 2 in a process where Ray cannot be imported and no GPU is visible
+    no_ray = "import sys; sys.modules['ray'] = None; from rlpad.cli import main; sys.exit(main(sys.argv[1:]))"
+    subprocess.run([sys.executable, "-c", no_ray, "export", run.ckpt(2), str(tmp_path / "a2"), "--quiet"], check=True,
+                   cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     for k in range(1, STEPS + 1):
-        assert export(run.ckpt(k), tmp_path / f"a{k}") == 0
         assert files(tmp_path / f"a{k}") == files(os.path.join(run.out, "hf", f"step_{k}")), k  # byte for byte
     assert export(run.ckpt(2), tmp_path / "c2", "--role", "critic") == 0
     assert files(tmp_path / "c2") == files(os.path.join(run.out, "hf_critic", "step_2"))
