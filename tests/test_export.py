@@ -190,7 +190,7 @@ def test_vllm_serves_the_exported_folder_with_the_actors_log_probs(run, tmp_path
 # ---------------------------------------------------------------- LoRA: the merged model and the adapter beside it
 
 
-def test_lora_checkpoint_exports_the_merged_model_and_the_adapter(tmp_path):
+def test_lora_checkpoint_exports_the_merged_model_and_the_adapter(tmp_path, capsys):
     base = str(tmp_path / "base")  # a real model folder: the export reads its safetensors tensor by tensor
     from rlpad.core.models import load_causal_lm, load_tokenizer
 
@@ -227,7 +227,11 @@ def test_lora_checkpoint_exports_the_merged_model_and_the_adapter(tmp_path):
     assert export(ckpt, tmp_path / "adapter", "--adapter-only") == 0
     assert files(tmp_path / "adapter") == files(ckpt / "actor" / LORA_ADAPTER_DIR)
     os.rename(base, base + ".moved")  # the base model folder is gone: refused, then found with --base-model
+    capsys.readouterr()  # transformers' progress bars so far
     assert export(ckpt, tmp_path / "nobase") == 2 and not os.path.exists(tmp_path / "nobase")
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: the LoRA base model folder {base!r} (the adapter's base_model_name_or_path) does not exist; "
+                   "give the model folder the run trained on with --base-model PATH"), err
     assert export(ckpt, tmp_path / "moved", "--base-model", base + ".moved") == 0
     assert files(tmp_path / "moved") == merged
 
@@ -238,7 +242,7 @@ def test_lora_checkpoint_exports_the_merged_model_and_the_adapter(tmp_path):
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys):
     ckpt = tmp_path / "run" / "checkpoints" / "global_step_1"
     (ckpt / "actor").mkdir(parents=True)
-    (ckpt / "actor" / ".metadata").write_bytes(b"")  # looks like a checkpoint to the locator only
+    (ckpt / "actor" / ".metadata").write_bytes(b"")  # a checkpoint to the locator, unreadable to DCP
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     cases = [
@@ -248,12 +252,13 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, capsys):
         ((ckpt, tmp_path / "full" / "x"), "is a file"),
         ((ckpt, tmp_path / "o3", "--role", "critic"), "holds no critic checkpoint (it has: actor); a GRPO run has no critic"),
         ((ckpt / "actor", tmp_path / "o4", "--role", "critic"), "is the actor's checkpoint folder"),
+        ((ckpt, tmp_path / "o5"), ".metadata cannot be read"),
     ]
     for args, message in cases:
         assert export(*args) == 2, args
         err = capsys.readouterr().err.strip()
         assert message in err and err.startswith("error: ") and "\n" not in err, err
-    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4", "o5"))
     with pytest.raises(ValueError, match="critic.checkpoint.save_contents has 'hf'; its entries are model, optimizer, "
                                          "extra, hf_model"):
         load_config(None, ["critic.checkpoint.save_contents=[model,hf]"])

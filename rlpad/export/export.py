@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -241,9 +242,11 @@ def export_checkpoint(checkpoint: str, out: str, *, role: str = "actor", adapter
     progress_stream = stream if progress else open(os.devnull, "w")
     try:
         if adapter_only:
+            start = time.perf_counter()
             with staged(out) as tmp:
                 shutil.copytree(adapter, tmp, dirs_exist_ok=True)
-            return ExportResult(out, _folder_bytes(out), 2 * len(lora_merges(shards.keys())), 0.0, role, True)
+            return ExportResult(out, _folder_bytes(out), 2 * len(lora_merges(shards.keys())),
+                                time.perf_counter() - start, role, True)
         specs, tensors = _plan(role, shards, config, saved_dtype, out_dtype, adapter, base_path)
         shown = Progress(f"rlpad export {role}", sum(s.nbytes for s in specs), progress_stream)
         with staged(out) as tmp:

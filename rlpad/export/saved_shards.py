@@ -31,7 +31,10 @@ class SavedShards:
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise ValueError(f"{path!r} is not a sharded checkpoint folder (no .metadata)")
         self.path = path
-        metadata = FileSystemReader(path).read_metadata()
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as e:  # a truncated or foreign .metadata: one line, not the unpickler's traceback
+            raise ValueError(f"{path!r}: its .metadata cannot be read ({type(e).__name__}: {e})") from e
         planner = metadata.planner_data or {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for flat, entry in metadata.state_dict_metadata.items():
