@@ -1,4 +1,4 @@
-"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``eval``, ``toy-data``."""
+"""The ``rlpad`` command: ``check``, ``bench``, ``config``, ``train``, ``eval``, ``toy-data``, ``merge-lora``, ``export``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import os
 import shlex
 import sys
+
+from rlpad.export.command import add_export_parser
 
 
 CUDA_BENCHES = ("logprob", "prefix", "sp", "head")  # the benchmarks with a --device cuda variant
@@ -139,6 +141,12 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         result = run_rm_bench((args.models or ["40m"])[0], reps=args.reps)
         report("rm", tables(result))
         write_json(result, args.out or "results/bench_rm.json")
+    elif args.what == "export":
+        from rlpad.bench.export import run_export_bench, tables
+
+        result = run_export_bench((args.models or ["qwen2.5-0.5b"])[0], reps=args.reps)
+        report("export", tables(result))
+        write_json(result, args.out or "results/bench_export.json")
     elif args.what == "sync":
         from rlpad.bench.sync import SYNC_MODELS, run_sync_bench, tables  # Ray through workers/
 
@@ -204,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync",
-                                                                   "e2e", "sp", "head", "lora", "rm"])
+                                                                   "e2e", "sp", "head", "lora", "rm", "export"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
-                            "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b); rm: one size (default 40m)")
+                            "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b); rm: one size (default 40m); "
+                            "export: one size (default qwen2.5-0.5b)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("adapter", help="the adapter folder (adapter_config.json + adapter_model.safetensors)")
     merge.add_argument("out", help="the merged model's folder (written with the tokenizer)")
     merge.add_argument("--dtype", default="float32", help="the merged weights' dtype (float32 | bfloat16 | float16)")
+    add_export_parser(sub)
     train = sub.add_parser("train", help="GRPO/PPO from a recipe (same as python -m rlpad.train)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     evaluate = sub.add_parser("eval", help="the recipe's validation alone on a checkpoint or a model folder: per-source "
@@ -296,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args)
     if args.command == "merge-lora":
         return _merge_lora(args)
+    if args.command == "export":
+        from rlpad.export.command import run_export
+
+        return run_export(args)
     return _bench(args, command)
 
 

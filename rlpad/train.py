@@ -42,6 +42,7 @@ from rlpad.rewards.sources import data_source_problems
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
+from rlpad.training.hf_out import HF_DIRS, hf_roles
 from rlpad.training.step_metrics import summarize
 from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_steps
 from rlpad.algorithms.distillation_rules import PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems
@@ -343,6 +344,8 @@ def _print_summary(summary: dict[str, float], config: Config) -> None:
         print(f"  median step         {summary['step_s']:.1f} s")
     print(f"  wall time           {summary['wall_s']:.0f} s")
     print(f"  metrics: {config.trainer.default_local_dir}/metrics.jsonl, curve: {config.trainer.default_local_dir}/reward_curve.png")
+    for role in hf_roles(config):  # trainer.save_hf / save_contents hf_model (docs/export.md)
+        print(f"  {role}: {os.path.join(config.trainer.default_local_dir, HF_DIRS[role], 'latest')} (Hugging Face folder)")
     print("=" * 60)
 
 

@@ -34,7 +34,7 @@ def train(out_dir: str, backend: str, rollout: str, *overrides: str) -> dict[int
         f"trainer.backend={backend}", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3",
         "trainer.test_freq=-1", "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
         f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.shuffle=true", f"trainer.seed={SEED}", *overrides,
+        "actor_rollout_ref.actor.shuffle=true", f"trainer.seed={SEED}", "trainer.save_hf=true", *overrides,
     ]))
     return records(out_dir)
 
@@ -55,6 +55,12 @@ def test_local_stack_equals_ray_stack(tmp_path, rollout):
     with open(os.path.join(tmp_path, "ray", "workers.json")) as f:  # the Ray ranks' own account
         ranks = json.load(f)
     assert {r["seed"] for group in ("actor", "ref") for r in ranks[group]} == {SEED}
+    # the model out after the last step (trainer.save_hf): the Ray workers' folder is the local stack's, byte for byte
+    hf = [os.path.join(tmp_path, stack, "hf", "latest") for stack in ("local", "ray")]
+    assert os.readlink(hf[1]) == "step_3" and sorted(os.listdir(hf[0])) == sorted(os.listdir(hf[1]))
+    for name in os.listdir(hf[0]):
+        with open(os.path.join(hf[0], name), "rb") as a, open(os.path.join(hf[1], name), "rb") as b:
+            assert a.read() == b.read(), name
 
     # Negative control: another sampling seed changes the run, and the comparison above sees it.
     other = train(str(tmp_path / "other"), "local", rollout, "actor_rollout_ref.rollout.seed=123")

@@ -9,16 +9,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlpad.algorithms.losses import compute_value_loss, masked_sum
 from rlpad.batch import Batch
 from rlpad.config.schema import CriticConfig
 from rlpad.core.fused_modules import apply_fused_modules
-from rlpad.core.models import empty_causal_lm, load_causal_lm
+from rlpad.core.models import empty_causal_lm, load_causal_lm, load_tokenizer, parse_dtype
 from rlpad.core.value import ValueModel
+from rlpad.export.names import critic_name, folder_order
+from rlpad.export.safetensors_stream import TensorSpec
+from rlpad.export.value_model import CRITIC_ROLE, ROLE_KEY, value_layout
 from workers.contract import FORWARD, batch_method, forward_plus
 from workers.fsdp import FSDPWorker, reports_seconds
+from workers.collectives import full_tensor
 from workers.offload import resident, start_resting
+from workers.weight_export import write_hf_weights
 
 __all__ = ["CriticWorker"]
 
@@ -111,3 +117,32 @@ class CriticWorker(FSDPWorker):
     def load_checkpoint(self, path: str) -> None:
         """:meth:`FSDPWorker.load_checkpoint`, the state on the device for it (``model.fsdp_config``)."""
         super().load_checkpoint(path)
+
+    def model_card(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """The critic's folder beside its weights (:func:`rlpad.export.hf_folder.write_model_files`'s arguments): its
+        model's config as a ``*ForTokenClassification`` with one label and ``"rlpad_role": "critic"``
+        (:mod:`rlpad.export.value_model`), the weights' ``dtype`` (default: the parameters'), the tokenizer."""
+        mcfg = self.config.model
+        try:
+            tokenizer = load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path))
+        except (OSError, ValueError):
+            tokenizer = None
+        own = next(iter(self.root.state_dict().values())).dtype
+        return dict(config=self.root.config, dtype=dtype or own, architecture=value_layout(self.root.config)[0],
+                    tokenizer=tokenizer, generates=False, num_labels=1, **{ROLE_KEY: CRITIC_ROLE})
+
+    @resident
+    def save_hf(self, path: str, dtype: str | None = None) -> None:
+        """Write the value model as a Hugging Face folder at ``path`` (``*ForTokenClassification``, one label;
+        load it back with :func:`rlpad.export.value_model.load_value_model`), streamed as the actor's
+        (:meth:`workers.weight_export.WeightExportMixin.save_hf`); a collective."""
+        out = parse_dtype(dtype) if dtype is not None else None
+        state = self.root.state_dict()
+        _, prefix, head = value_layout(self.root.config)
+        sources = sorted(((critic_name(k, prefix, head), k) for k in state), key=lambda p: folder_order(p[0]))
+        specs = [TensorSpec(n, tuple(state[k].shape), out if out is not None and state[k].is_floating_point()
+                            else state[k].dtype) for n, k in sources]
+        tensors = ((n, full_tensor(state[k]).detach()) for n, k in sources)
+        write_hf_weights(path, specs, tensors, self.rank == 0, lambda: self.model_card(out))
+        if self.world_size > 1:
+            dist.barrier()

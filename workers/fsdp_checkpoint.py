@@ -5,7 +5,9 @@ A mixin of :class:`workers.fsdp.FSDPWorker` (it uses ``root``, ``optimizer``, ``
 resumes on M.
 
 With LoRA only the adapters (and their AdamW state) are saved: the frozen base is rebuilt from the model
-folder, as at the start; the adapter also goes out in peft's format (``lora_adapter/``).
+folder, as at the start; the adapter also goes out in peft's format (``lora_adapter/``). Rank 0 also writes
+``huggingface/``: the model's config, generation config and tokenizer (the worker's ``model_card``), so
+``rlpad export`` turns the checkpoint into a model folder with nothing else at hand.
 
 Before the first update the optimizer has no state. torch's ``get_state_dict`` would create it by
 running ``optimizer.step()`` on zero gradients, and AdamW counts that step (every later bias
@@ -24,9 +26,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-__all__ = ["LORA_ADAPTER_DIR", "CheckpointMixin"]
+# a LoRA actor's checkpoint: its adapter as a peft folder in LORA_ADAPTER_DIR; every checkpoint: the model's config,
+# generation config and tokenizer in MODEL_FILES_DIR (what `rlpad export` writes beside the weights)
+from rlpad.export.hf_folder import LORA_ADAPTER_DIR, MODEL_FILES_DIR, write_model_files
 
-LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA actor's checkpoint: its adapter as a peft folder, in this sub-folder
+__all__ = ["LORA_ADAPTER_DIR", "CheckpointMixin"]
 
 
 class CheckpointMixin:
@@ -67,6 +71,9 @@ class CheckpointMixin:
             },
         }  # fmt: skip
         torch.save(extra, os.path.join(path, f"extra_rank{self.rank}.pt"))
+        card = getattr(self, "model_card", None)
+        if card is not None and self.rank == 0:
+            write_model_files(os.path.join(path, MODEL_FILES_DIR), **card())
         if self._frozen_base:  # LoRA: the adapter also in peft's format (docs/lora.md)
             self.save_lora_adapter(os.path.join(path, LORA_ADAPTER_DIR))
         if self.world_size > 1:

@@ -308,6 +308,10 @@ class RayWorkers:
         for name, group in self._groups().items():
             group.call("load_checkpoint", os.path.join(path, name))
 
+    def save_hf(self, path: str, role: str) -> None:
+        """``role``'s Hugging Face folder at ``path``, streamed from its ranks' shards (rank 0 writes)."""
+        self._groups()[role].call("save_hf", path)
+
     def shutdown(self) -> None:
         for group in (getattr(self, "actor", None), self.ref, self.critic, self.reward_model, self.teacher):
             if group is not None:

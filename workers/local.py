@@ -166,6 +166,10 @@ class LocalWorkers:
         for name, worker in self._stateful().items():
             worker.load_checkpoint(os.path.join(path, name))
 
+    def save_hf(self, path: str, role: str) -> None:
+        """``role``'s Hugging Face folder at ``path``."""
+        self._stateful()[role].save_hf(path)
+
     def shutdown(self) -> None:
         """Stop the judge engine (built last), the rollout engine, then destroy the shared process group."""
         for engine in (self.judge, self.rollout):

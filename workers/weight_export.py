@@ -10,56 +10,55 @@ the result (by default rank 0) hold full tensors.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlpad.core.models import load_tokenizer
-from rlpad.lora.rules import lora_key
+from rlpad.core.models import load_tokenizer, parse_dtype
+from rlpad.export.hf_folder import LORA_ADAPTER_DIR, write_model_files
+from rlpad.export.names import LM_HEAD, actor_sources, folder_order, hf_name, lora_merges
+from rlpad.export.safetensors_stream import TensorSpec, write_safetensors
 from rlpad.lora.adapters import merged_weight, save_adapter
 from rlpad.rollout.buckets import plan_buckets
 from workers.collectives import full_tensor
 
-__all__ = ["WeightExportMixin", "hf_name"]
+__all__ = ["WeightExportMixin", "hf_name", "write_hf_weights"]
 
 
-def hf_name(fsdp_name: str) -> str:
-    """The HF state-dict name of a name in the actor's FSDP root (``model.`` prefix of LogProbModel stripped)."""
-    return fsdp_name[len("model."):] if fsdp_name.startswith("model.") else fsdp_name
+def write_hf_weights(path: str, specs: list[TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]], keep: bool,
+                     card: Callable[[], dict[str, Any]]) -> None:
+    """Rank ``keep`` writes the HF folder at ``path`` (the files of ``card()``, then the weights as ``tensors``
+    arrive); every other rank iterates ``tensors`` to its end (each item is a collective)."""
+    if not keep:
+        for _ in tensors:
+            pass
+        return
+    write_model_files(path, **card())
+    write_safetensors(path, specs, tensors)
 
 
 class WeightExportMixin:
     """Full weights by HF name: streamed, in buckets, pushed to rollout replicas, or saved as a folder."""
 
     def _hf_sources(self) -> list[tuple[str, str]]:
-        """``(HF name, state-dict key)`` of every exported tensor; a tied head maps to the embedding. A
-        LoRA-wrapped linear exports its base weight under the plain HF name (the adapter is merged in
-        by :meth:`_full`); its ``lora_A`` / ``lora_B`` are not exported on their own."""
+        """``(HF name, state-dict key)`` of every exported tensor (:func:`rlpad.export.names.actor_sources`): a
+        tied head maps to the embedding; a LoRA linear's base weight under its plain HF name (the adapter is
+        merged in by :meth:`_full`)."""
         self._require_model()
-        pairs = []
-        for k in self.root.state_dict().keys():
-            parsed = lora_key(k)
-            if parsed is None:
-                pairs.append((hf_name(k), k))
-            elif parsed[1] not in ("lora_A", "lora_B"):
-                pairs.append((f"{hf_name(parsed[0])}.{parsed[1]}", k))
-        if "lm_head.weight" not in {n for n, _ in pairs} and getattr(self.model.config, "tie_word_embeddings", False):
-            embed = [k for n, k in pairs if n.endswith("embed_tokens.weight")]
-            if not embed:
-                raise RuntimeError(f"{self.role}: tied embeddings but no embed_tokens.weight in the state dict")
-            pairs.append(("lm_head.weight", embed[0]))
-        return pairs
+        try:
+            return actor_sources(self.root.state_dict().keys(), self._tied)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.role}: {e}") from None
+
+    @property
+    def _tied(self) -> bool:
+        return bool(getattr(self.model.config, "tie_word_embeddings", False))
 
     def _lora_merges(self) -> dict[str, tuple[str, str]]:
         """HF weight name -> ``(lora_A key, lora_B key)`` of each LoRA-wrapped linear (empty without LoRA)."""
-        parts: dict[str, dict[str, str]] = {}
-        for k in self.root.state_dict().keys():
-            parsed = lora_key(k)
-            if parsed is not None and parsed[1] in ("lora_A", "lora_B"):
-                parts.setdefault(f"{hf_name(parsed[0])}.weight", {})[parsed[1]] = k
-        return {name: (p["lora_A"], p["lora_B"]) for name, p in parts.items()}
+        return lora_merges(self.root.state_dict().keys())
 
     def _full(self, state: dict[str, Any], name: str, key: str, merges: dict[str, tuple[str, str]]) -> torch.Tensor:
         """The full tensor of ``name`` (a collective); a LoRA linear's weight with its adapter merged in
@@ -202,16 +201,35 @@ class WeightExportMixin:
         if self.world_size > 1:
             dist.barrier()
 
-    def save_hf(self, path: str) -> None:
-        """Write a ``save_pretrained`` directory (config, safetensors, tokenizer) from rank 0."""
-        state = self.full_state_dict(rank0_only=True)
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
-            mcfg = self.config.model
-            try:
-                load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path)).save_pretrained(path)
-            except (OSError, ValueError):
-                pass  # no tokenizer next to the weights: the weights alone are still loadable
+    def model_card(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """What an HF folder of this model holds beside its weights (:func:`rlpad.export.hf_folder.write_model_files`'s
+        arguments): its config with the weights' ``dtype`` (default: the parameters'), generation config and
+        tokenizer (none when the model path has none)."""
+        mcfg = self.config.model
+        try:
+            tokenizer = load_tokenizer(self._local_path(mcfg.tokenizer_path or mcfg.path))
+        except (OSError, ValueError):
+            tokenizer = None  # no tokenizer next to the weights: the weights alone are still loadable
+        own = next(iter(self.root.state_dict().values())).dtype
+        return dict(config=self.model.config, dtype=dtype or own, architecture=type(self.model).__name__,
+                    tokenizer=tokenizer, generation_config=getattr(self.model, "generation_config", None))
+
+    def save_hf(self, path: str, dtype: str | None = None) -> None:
+        """Write the model as a Hugging Face folder at ``path`` (config, generation config, tokenizer with its chat
+        template, safetensors; with LoRA the merged weights and the adapter in peft's format in
+        ``path/lora_adapter``); a collective. The tensors are gathered one at a time and rank 0 writes each as
+        it arrives (:mod:`rlpad.export.safetensors_stream`): no rank holds more than one full tensor. ``dtype``:
+        the weights' dtype (default: the parameters'). The order and names are ``rlpad export``'s, so a
+        checkpoint of this step exported gives the same files."""
+        out = parse_dtype(dtype) if dtype is not None else None
+        state, merges = self.root.state_dict(), self._lora_merges()
+        sources = sorted(((n, k) for n, k in self._hf_sources() if not (self._tied and n == LM_HEAD)),
+                         key=lambda p: folder_order(p[0]))
+        specs = [TensorSpec(n, tuple(state[k].shape), out if out is not None and state[k].is_floating_point()
+                            else state[k].dtype) for n, k in sources]
+        tensors = ((n, self._full(state, n, k, merges)) for n, k in sources)
+        write_hf_weights(path, specs, tensors, self.rank == 0, lambda: self.model_card(out))
+        if self.lora is not None:
+            self.save_lora_adapter(os.path.join(path, LORA_ADAPTER_DIR))
         if self.world_size > 1:
             dist.barrier()

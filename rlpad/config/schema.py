@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlpad.config.checkpoint import CheckpointConfig
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.rewards import RewardConfig, RewardModelConfig
 
@@ -161,6 +162,7 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def old_log_probs_split_as_update(self: ActorConfig) -> bool:
@@ -274,6 +276,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # how token losses are averaged (as actor.loss_agg_mode)
     grad_clip: float = 1.0  # clip the gradient's global norm to this
     ulysses_sequence_parallel_size: int = 1  # the critic's sequence parallelism (as the actor's)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass
@@ -369,6 +372,9 @@ class TrainerConfig:
     n_gpus_per_node: int = 1  # ranks of each role per node (GPUs on CUDA, processes on CPU)
     nnodes: int = 1  # nodes (see docs/cluster.md, Multi-node)
     save_freq: int = -1  # checkpoint every this many steps and after the last; -1: never
+    # the actor as a Hugging Face folder with every checkpoint and after the last step: <default_local_dir>/hf/step_<k>
+    # and hf/latest (what transformers and vllm serve load; docs/export.md)
+    save_hf: bool = False
     test_freq: int = -1  # validate every this many steps; -1: only before training and after the last step
     val_before_train: bool = True  # validate before the first step
     # metrics.jsonl, config.yaml, run.log, checkpoints and the reward curve go here

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "adapter_option_problems",
+__all__ = ["ALL_LINEAR", "LORA_SYNC_MODES", "VLLM_MAX_LORA_RANKS", "LoraSpec", "adapter_option_problems", "adapter_spec",
            "engine_lora_kwargs", "engine_max_lora_rank", "lora_key", "lora_spec", "lora_value_problems", "matches",
            "select_targets", "syncs_adapter"]
 
@@ -107,8 +107,14 @@ def lora_spec(model: Any) -> LoraSpec | None:
     if model.lora_adapter_path is None:
         return LoraSpec(model.lora_rank, float(model.lora_alpha), tuple(model.target_modules),
                         tuple(model.exclude_modules))
-    cfg = _adapter_config(model.lora_adapter_path)
-    problems = adapter_option_problems(cfg, f"actor_rollout_ref.model.lora_adapter_path={model.lora_adapter_path!r}")
+    return adapter_spec(model.lora_adapter_path, f"actor_rollout_ref.model.lora_adapter_path={model.lora_adapter_path!r}")
+
+
+def adapter_spec(path: str, what: str) -> LoraSpec:
+    """The LoRA of the peft adapter folder ``path``: its r, alpha, target modules, exclusions and ``use_rslora``;
+    ValueError (naming ``what``) for an option rlpad does not honour."""
+    cfg = _adapter_config(path)
+    problems = adapter_option_problems(cfg, what)
     if problems:
         raise ValueError("\n".join(problems))
     targets = cfg.get("target_modules") or ()

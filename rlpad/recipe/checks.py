@@ -15,6 +15,7 @@ from rlpad.config.choices import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES,
     OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, kl_kind,
 )
+from rlpad.config.checkpoint import checkpoint_problems
 from rlpad.config.schema import Config
 from rlpad.config.verl_keys import NO_EFFECT_KEYS
 from rlpad.lora.rules import lora_value_problems, syncs_adapter
@@ -116,6 +117,7 @@ def validate_config(config: Config) -> Config:
     one_of("critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
     problems += policy_loss_problems(actor)
     problems += distillation_problems(config)
+    problems += checkpoint_problems(config)
     for key, kind in (("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type),
                       ("algorithm.kl_penalty", alg.kl_penalty)):
         try:

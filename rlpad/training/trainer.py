@@ -6,7 +6,7 @@ without reward spread dropped and more prompts generated) -> ``shape_rewards`` (
 -> ``compute_old_log_prob`` (actor) -> ``compute_ref_log_prob`` -> ``compute_values`` (a critic)
 -> ``compute_advantage`` (rlpad.algorithms.advantages: GRPO, GAE) -> ``update_critic`` -> ``update_actor``
 -> ``sync_weights``; then ``validate`` every ``test_freq`` steps, the metrics, ``save_checkpoint`` every
-``save_freq`` steps.
+``save_freq`` steps, the HF folders (:mod:`rlpad.training.hf_out`) with each checkpoint and after the last step.
 With ``trainer.max_off_policy_steps = k >= 1`` the batches come from :class:`rlpad.training.async_schedule.RolloutAhead`,
 generated up to k steps ahead while the actor trains (the workers then also implement
 :class:`rlpad.training.async_schedule.AsyncWorkers`); k = 0 is the synchronous loop.
@@ -35,6 +35,7 @@ from rlpad.training.checkpoint import CheckpointDir
 from rlpad.config.schema import Config
 from rlpad.data import PromptDataset, PromptLoader, val_batches
 from rlpad.training.dynamic_sampling import ACC, SEQ_SCORE, collect_batch, shape_rewards
+from rlpad.training.hf_out import HFFolders
 from rlpad.training.initial_weights import sync_initial_weights
 from rlpad.errors import WorkerFailed
 from rlpad.training.metrics import MetricsLogger, plot_reward_curve
@@ -79,6 +80,7 @@ class Workers(Protocol):
     def sync_weights(self) -> float: ...  # the workers' own seconds (or anything; informational)
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
+    def save_hf(self, path: str, role: str) -> None: ...  # trainer.save_hf / hf_model (rlpad.training.hf_out)
 
 
 class GenerationPhases(Protocol):
@@ -106,6 +108,7 @@ class Trainer:
         self.warnings: list[str] = []  # lines for the console, printed after the step's metrics
         self.total_steps = total_training_steps(config, len(train_loader))
         self.checkpoints = CheckpointDir(config.trainer.default_local_dir)
+        self.hf_folders = HFFolders(config)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.last_checkpoint: str | None = None
@@ -184,8 +187,11 @@ class Trainer:
             self.history.append({"step": self.step, **metrics})
             logger.log(self.step, metrics)
             self._flush_warnings(logger)
-            if cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last):
+            checkpointed = cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last)
+            if checkpointed:
                 self.save_checkpoint()
+            if self.hf_folders.roles and (checkpointed or last):
+                self.hf_folders.save(self.workers, self.step)
 
     def train_step(self, prompts: Batch | None) -> dict[str, float]:
         """One GRPO/PPO step on a batch of prompts (None: the batch the asynchronous schedule generated
