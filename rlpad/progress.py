@@ -1,4 +1,5 @@
-"""One line of progress for a long set-up step on the console: ``label: k/K (p%), elapsed, ETA, note``.
+"""One line of progress for a long step on the console: ``label: k/K (p%), elapsed, ETA, note``; in bytes
+(``unit="bytes"``, an export's write): ``label: 1.2 GiB / 2.0 GiB (60%), 3s, 390 MiB/s, ETA 2s``.
 
 On a terminal the line is rewritten in place (at most every ``min_interval_s`` seconds); elsewhere (a
 log file, a CI job) a line is printed at every tenth of the work and at the end, so a log holds ten
@@ -15,7 +16,16 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "format_seconds"]
+__all__ = ["Progress", "format_seconds", "human_bytes"]
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def format_seconds(seconds: float) -> str:
@@ -32,8 +42,11 @@ class Progress:
     """A progress line for ``total`` units of work (see the module docstring); a context manager that
     ends the line (``done in ...``) when the work started."""
 
-    def __init__(self, label: str, total: int, *, stream: TextIO | None = None, min_interval_s: float = 0.5):
-        self.label, self.total = label, max(1, int(total))
+    def __init__(self, label: str, total: int, *, stream: TextIO | None = None, min_interval_s: float = 0.5,
+                 unit: str = "steps"):
+        if unit not in ("steps", "bytes"):
+            raise ValueError(f"Progress unit {unit!r}: steps or bytes")
+        self.label, self.total, self.unit = label, max(1, int(total)), unit
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.min_interval_s = min_interval_s
@@ -46,7 +59,13 @@ class Progress:
     def line(self, note: str = "") -> str:
         """The current line: label, k/K, percentage, elapsed seconds, the ETA at the mean rate so far."""
         elapsed = 0.0 if self.start is None else time.perf_counter() - self.start
-        parts = [f"{self.label}: {self.done}/{self.total} ({100 * self.done / self.total:.0f}%)", format_seconds(elapsed)]
+        share = f"({100 * self.done / self.total:.0f}%)"
+        if self.unit == "bytes":
+            parts = [f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} {share}", format_seconds(elapsed)]
+            if elapsed > 0:
+                parts.append(f"{human_bytes(self.done / elapsed)}/s")
+        else:
+            parts = [f"{self.label}: {self.done}/{self.total} {share}", format_seconds(elapsed)]
         if 0 < self.done < self.total:
             parts.append(f"ETA {format_seconds(elapsed / self.done * (self.total - self.done))}")
         if note:
@@ -68,6 +87,10 @@ class Progress:
             if tenth > self._tenth:
                 self._tenth = tenth
                 self._write(self.line(note) + "\n")
+
+    def advance(self, units: int, note: str = "") -> None:
+        """``units`` more are finished (bytes written, steps done)."""
+        self.update(self.done + int(units), note)
 
     def on_step(self, step: int, loss: float | None = None) -> None:
         """A training loop's ``callback(step, loss)`` (step counted from 0)."""

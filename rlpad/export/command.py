@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from rlpad.config.choices import DTYPES
-from rlpad.export.progress import human_bytes
+from rlpad.progress import human_bytes
 
 __all__ = ["add_export_parser", "run_export"]
 

@@ -29,7 +29,7 @@ import torch
 from rlpad.export.hf_folder import (CONFIG, LORA_ADAPTER_DIR, MODEL_FILES_DIR, copy_model_files, staged,
                                     write_model_files)
 from rlpad.export.names import LM_HEAD, actor_sources, critic_name, folder_order, lora_merges
-from rlpad.export.progress import Progress
+from rlpad.progress import Progress
 from rlpad.export.safetensors_stream import TensorSpec, write_safetensors
 from rlpad.export.saved_shards import SavedShards
 
@@ -248,13 +248,14 @@ def export_checkpoint(checkpoint: str, out: str, *, role: str = "actor", adapter
             return ExportResult(out, _folder_bytes(out), 2 * len(lora_merges(shards.keys())),
                                 time.perf_counter() - start, role, True)
         specs, tensors = _plan(role, shards, config, saved_dtype, out_dtype, adapter, base_path)
-        shown = Progress(f"rlpad export {role}", sum(s.nbytes for s in specs), progress_stream)
-        with staged(out) as tmp:
+        start = time.perf_counter()
+        with Progress(f"rlpad export {role}", sum(s.nbytes for s in specs), stream=progress_stream,
+                      unit="bytes") as shown, staged(out) as tmp:
             _write_card(card, tmp, config, out_dtype or saved_dtype, role)
             write_safetensors(tmp, specs, tensors, on_tensor=lambda s: shown.advance(s.nbytes))
             if adapter is not None:
                 shutil.copytree(adapter, os.path.join(tmp, LORA_ADAPTER_DIR))
-        seconds = shown.finish()
+        seconds = time.perf_counter() - start
     finally:
         if not progress:
             progress_stream.close()
