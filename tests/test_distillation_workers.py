@@ -31,11 +31,15 @@ TEACHER, STUDENT = "tiny:llama", "tiny:qwen2"
 MINI, K = 12, 5
 
 
-def section(loss: DistillationLossConfig, *, teacher: bool = False, micro: int = 2) -> DistilledSection:
+def section(loss: DistillationLossConfig, *, teacher: bool = False, micro: int = 2,
+            offload: bool = False) -> DistilledSection:
+    """``offload``: every offload key on (the teacher rests by ref.fsdp_config.param_offload; the actor's keys are
+    the actor's, read only by its colocated phases)."""
     arr = ActorRolloutRefConfig()
     a = arr.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.optim.lr, a.use_kl_loss = MINI, micro, 1e-2, False
     arr.rollout.n, arr.ref.log_prob_micro_batch_size_per_gpu = 1, micro
+    arr.ref.fsdp_config.param_offload = a.fsdp_config.param_offload = a.fsdp_config.optimizer_offload = offload
     if teacher:
         arr.model.path = TEACHER
     fields = {f.name: getattr(arr, f.name) for f in dataclasses.fields(ActorRolloutRefConfig)}
@@ -61,9 +65,19 @@ def batch() -> Batch:
     return b
 
 
-@pytest.mark.parametrize("loss", [TOPK, K1], ids=["forward_kl_topk", "k1"])
-def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss):
-    out = local(section(loss, teacher=True), "teacher").compute_teacher(batch)
+def resting(params) -> bool:
+    """Every parameter's storage is given back (0 bytes): the state is in host memory (workers/offload.py)."""
+    return all((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() == 0 for p in params)
+
+
+@pytest.mark.parametrize("loss,offload", [(TOPK, True), (K1, False)], ids=["forward_kl_topk-offload", "k1"])
+def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss, offload):
+    """With every offload key on, the teacher rests between calls and comes back for its scoring (it read
+    freed storages before: a segfault at its first compute_teacher)."""
+    worker = local(section(loss, teacher=True, offload=offload), "teacher")
+    assert resting(worker.root.parameters()) == offload
+    out = worker.compute_teacher(batch)
+    assert resting(worker.root.parameters()) == offload  # back in host memory after the call
     model = load_causal_lm(TEACHER)
     args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], R)
     student = load_causal_lm(STUDENT)
@@ -106,8 +120,8 @@ def ray_session():
 def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batch, tmp_path):
     """forward_kl_topk mixed with the task loss: the 2-rank teacher group's top-k equal the world-1
     teacher's; the 2-rank actor (3-row micro-batches) gives the world-1 actor's (2-row) gradient."""
-    teacher_group = WorkerGroup(ActorWorker, section(TOPK, teacher=True, micro=3), role="teacher", world_size=2,
-                                device="cpu")
+    teacher_group = WorkerGroup(ActorWorker, section(TOPK, teacher=True, micro=3, offload=True), role="teacher",
+                                world_size=2, device="cpu")  # every offload key on: the teacher rests between calls
     actor_group = WorkerGroup(ActorWorker, section(TOPK, micro=3), role="actor", world_size=2, device="cpu")
     try:
         scored = teacher_group.call_batch("compute_teacher", batch)

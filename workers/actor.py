@@ -159,6 +159,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     @reports_seconds
     @batch_method(FORWARD, roles=("teacher",))
+    @resident  # ref.fsdp_config.param_offload: the teacher rests in host memory between its calls, as the reference
     def compute_teacher(self, batch: Batch) -> Batch:
         """On-policy distillation: the teacher's ``teacher_log_probs`` (B, R) of the sampled tokens (the
         reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs``
