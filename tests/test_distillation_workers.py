@@ -150,7 +150,8 @@ def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batc
 
 
 def test_k1_policy_gradient_update_reads_the_teacher(batch):
-    """k1 with the policy gradient and no task reward: the gradient moves with the teacher's log-probs."""
+    """k1 with the policy gradient and no task reward: the gradient moves with the teacher's log-probs; under
+    bypass_mode its ratio is against the rollout's log-probs, as the task loss's."""
     teacher = local(section(K1, teacher=True), "teacher")
     scored = Batch(dict(batch.tensors) | dict(teacher.compute_teacher(batch).tensors), dict(batch.non_tensors))
     student = local(section(K1), "actor")
@@ -161,6 +162,15 @@ def test_k1_policy_gradient_update_reads_the_teacher(batch):
     mask = scored["response_mask"].bool()
     want = float((own - scored["teacher_log_probs"])[mask].mean())
     assert abs(first["actor/distill/kl_mean"] - want) < 1e-5
+    # bypass_mode (verl's: the rollout policy is the old one): the distillation term's ratio is against the
+    # rollout's log-probs too (it read old_log_probs, absent from bypass_mode's batch: a KeyError at the update)
+    bypass_section = section(K1)
+    bypass_section.actor.policy_loss.loss_mode = "bypass_mode"
+    noise = torch.randn(own.shape, generator=torch.Generator().manual_seed(7)) * 0.1
+    scored["rollout_log_probs"] = (own + noise) * scored["response_mask"]
+    bypass = update(local(bypass_section, "actor"), scored)
+    assert abs(bypass["actor/distill/pg_ppo_kl"] - float(noise[mask].mean())) < 1e-6  # mean(old - new), old = rollout's
+    assert abs(first["actor/distill/pg_ppo_kl"]) < 1e-7 < abs(float(noise[mask].mean()))  # negative control
     # negative control: a teacher that agrees with the student gives advantage 0 and no gradient
     agreeing = local(section(K1), "actor")
     scored["old_log_probs"] = scored["teacher_log_probs"] = agreeing.compute_log_prob(scored, update_layout=True)["old_log_probs"]

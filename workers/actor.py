@@ -40,17 +40,22 @@ from workers.offload import StateOffloader, resident, start_resting
 from workers.teacher import teacher_keys
 from workers.weight_export import WeightExportMixin, hf_name
 
-__all__ = ["ActorWorker", "update_contract"]
+__all__ = ["ActorWorker", "old_log_probs_key", "update_contract"]
 
 ROLES = ("actor", "ref", "teacher")  # teacher: on-policy distillation's frozen scorer (workers/teacher.py)
+
+
+def old_log_probs_key(actor: Any) -> str:
+    """The batch key of the old policy's log-probs in the update (the task's policy loss and the distillation
+    term's alike): ``rollout_log_probs`` under bypass_mode (verl's: the rollout policy is the old one)."""
+    return "rollout_log_probs" if actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
 
 
 def update_contract(config: ActorRolloutRefConfig) -> Contract:
     """``update_actor``'s batch: FORWARD, the loss inputs (``ref_log_probs`` iff ``use_kl_loss``)
     and the optional rollout-correction weights."""
     kl = ("ref_log_probs",) if config.actor.use_kl_loss else ()
-    # bypass_mode (verl's): the rollout's log-probs are the old policy's
-    old = "rollout_log_probs" if config.actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
+    old = old_log_probs_key(config.actor)
     teacher = teacher_keys(config)  # on-policy distillation: the teacher's numbers (workers/teacher.py)
     return forward_plus(("response_mask", old, "advantages", *kl, *teacher), ("rollout_is_weights",),
                         finite=(old, "advantages", *kl, *teacher, "rollout_is_weights"))
@@ -206,7 +211,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         cfg, mask = self.config.distillation.distillation_loss, piece["response_mask"]
         losses, stats = distill
         d_loss, pg = distillation_loss(cfg, losses, mask, self.config.actor.loss_agg_mode, log_prob=log_prob,
-                                       old_log_prob=piece["old_log_probs"],
+                                       old_log_prob=piece[old_log_probs_key(self.config.actor)],
                                        rollout_is_weights=piece.tensors.get("rollout_is_weights"), **norms)
         shares.update({f"distill/{k}": v for k, v in distillation_metrics(stats, mask, norms.get("global_tokens")).items()})
         shares.update({f"distill/{k}": v for k, v in pg.items()})
@@ -219,7 +224,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         acfg = self.config.actor
         mask = piece["response_mask"]
         log_prob, entropy, distill = self._student(piece, temperature, acfg.entropy_coeff != 0)
-        old = piece["rollout_log_probs" if acfg.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"]
+        old = piece[old_log_probs_key(acfg)]
         pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(
             old, log_prob, piece["advantages"], mask, acfg, **norms,
             rollout_is_weights=piece.tensors.get("rollout_is_weights"), generator=generator,
