@@ -76,15 +76,19 @@ def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss, offloa
     freed storages before: a segfault at its first compute_teacher)."""
     worker = local(section(loss, teacher=True, offload=offload), "teacher")
     assert resting(worker.root.parameters()) == offload
-    out = worker.compute_teacher(batch)
+    hot = Batch(dict(batch.tensors), dict(batch.non_tensors), {"temperature": 0.7})  # the rollout's temperature
+    out = worker.compute_teacher(hot)
     assert resting(worker.root.parameters()) == offload  # back in host memory after the call
+    assert "temperature" not in out.meta  # the batch's (the student's) temperature stays the rollout's
     model = load_causal_lm(TEACHER)
     args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], R)
     student = load_causal_lm(STUDENT)
     with torch.no_grad():
-        if loss is K1:
+        if loss is K1:  # scored at teacher_model.temperature, 1.0 (verl's), not the rollout's 0.7
             want, _ = compute_log_probs(model, *args, use_remove_padding=True)
             assert (out["teacher_log_probs"] - want).abs().max() <= FP32_LOGPROB_TOL
+            rollout_t, _ = compute_log_probs(model, *args, use_remove_padding=True, temperature=0.7)
+            assert (out["teacher_log_probs"] - rollout_t).abs().max() > 100 * FP32_LOGPROB_TOL  # negative control
             other, _ = compute_log_probs(student, *args, use_remove_padding=True)  # negative control: the student
             assert (out["teacher_log_probs"] - other).abs().max() > 100 * FP32_LOGPROB_TOL
             return
@@ -164,6 +168,8 @@ def test_k1_policy_gradient_update_reads_the_teacher(batch):
     scored["old_log_probs"] = own  # on-policy: ratio 1
     first = update(student, scored)
     assert first["actor/distill/pg_clipfrac"] == 0
+    # use_task_rewards=false: the task's loss is not trained, so neither computed nor logged
+    assert not {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss"} & set(first)
     mask = scored["response_mask"].bool()
     want = float((own - scored["teacher_log_probs"])[mask].mean())
     assert abs(first["actor/distill/kl_mean"] - want) < 1e-5

@@ -178,10 +178,12 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
     @resident  # ref.fsdp_config.param_offload: the teacher rests in host memory between its calls, as the reference
     def compute_teacher(self, batch: Batch) -> Batch:
         """On-policy distillation: the teacher's ``teacher_log_probs`` (B, R) of the sampled tokens (the
-        reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs``
-        (B, R, k), its top-k computed in vocabulary chunks; micro-batches follow ``ref.log_prob_*``."""
-        rcfg, mcfg, t = self.config.ref, self.config.model, self._temperature(batch)
-        loss = self.config.distillation.distillation_loss
+        reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs`` per
+        row (the jagged layout of rlpad.core.distill_scoring), its top-k computed in vocabulary chunks;
+        micro-batches follow ``ref.log_prob_*``. At ``teacher_model.temperature`` (verl's 1.0), not the
+        rollout's: the result carries no meta temperature (the batch's stays the student's)."""
+        rcfg, mcfg = self.config.ref, self.config.model
+        t, loss = self.config.distillation.teacher_models.teacher_model.temperature, self.config.distillation.distillation_loss
         keys = teacher_keys(self.config)
 
         def score(piece: Batch) -> tuple[torch.Tensor | np.ndarray, ...]:
@@ -196,7 +198,7 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         out = self._forward_all(batch, rcfg.log_prob_micro_batch_size_per_gpu,
                                 rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None, score)
         tensors = {k: v for k, v in zip(keys, out) if isinstance(v, torch.Tensor)}
-        return Batch(tensors, {k: v for k, v in zip(keys, out) if k not in tensors}, meta={"temperature": t})
+        return Batch(tensors, {k: v for k, v in zip(keys, out) if k not in tensors})
 
     # ------------------------------------------------------------------ update
 
@@ -248,6 +250,11 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         mixed with the distillation loss when the run distills (workers/teacher.py)."""
         acfg = self.config.actor
         mask = piece["response_mask"]
+        d = getattr(self.config, "distillation", None)
+        if d is not None and d.enabled and not d.distillation_loss.use_task_rewards:
+            # the distillation loss alone: the task's loss, entropy and KL terms are neither computed nor logged
+            log_prob, _, distill = self._student(piece, temperature, False)
+            return self._with_distillation(None, {}, distill, piece, log_prob, norms)
         log_prob, entropy, distill = self._student(piece, temperature, acfg.entropy_coeff != 0)
         old = piece[old_log_probs_key(acfg)]
         pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(

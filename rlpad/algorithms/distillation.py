@@ -133,8 +133,9 @@ def distillation_metrics(stats: dict[str, torch.Tensor], response_mask: torch.Te
     return out
 
 
-def combine(config: DistillationLossConfig, task_loss: torch.Tensor, distill_loss: torch.Tensor) -> torch.Tensor:
-    """verl's mix: ``task + distillation_loss_coef * distill`` with ``use_task_rewards``, else ``distill``."""
+def combine(config: DistillationLossConfig, task_loss: torch.Tensor | None, distill_loss: torch.Tensor) -> torch.Tensor:
+    """verl's mix: ``task + distillation_loss_coef * distill`` with ``use_task_rewards``, else ``distill`` (the
+    task's loss is then not read: None)."""
     if config.use_task_rewards:
         return task_loss + config.distillation_loss_coef * distill_loss
     return distill_loss
