@@ -105,6 +105,19 @@ def test_one_head_pass_gives_labels_ids_tail_and_entropy_with_gradients(chunk):
     assert (with_tail(full.detach(), own)[:, -1] - at.detach()[:, -1].double()).abs().max() > 100 * TOL
 
 
+def test_the_sampled_tokens_do_not_depend_on_the_ids_on_the_cuda_arithmetic():
+    """On CUDA in bf16 the distilling actor's old log-probs (no ids) and its update (K ids + tail) both run the
+    torch_cuda arithmetic (run here on the CPU): the sampled tokens' log-probs and entropies are bit-identical,
+    so the first mini-batch's ratio is exactly 1 there too."""
+    hidden, weight, bias, _ = head(13, 24, 53, torch.bfloat16, seed=8)
+    ids = torch.stack([torch.randperm(53, generator=torch.Generator().manual_seed(r))[:6] for r in range(13)]).int()
+    labels = torch.randint(0, 53, (13,), generator=torch.Generator().manual_seed(3))
+    kw = dict(labels=labels, bias=bias, chunk_size=4, calculate_entropy=True, head="torch_cuda")
+    _, old_lp, old_ent = chunked_log_probs_at(hidden, weight, ids[:, :0], **kw)
+    at, lp, ent = chunked_log_probs_at(hidden, weight, ids, **kw)
+    assert torch.equal(old_lp, lp) and torch.equal(old_ent, ent) and at.dtype == torch.float32
+
+
 class LogitGemms(TorchDispatchMode):
     """Counts the GEMMs that produce logits: (n, vocab) outputs of aten mm / addmm."""
 

@@ -182,8 +182,8 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         row (the jagged layout of rlpad.core.distill_scoring), its top-k computed in vocabulary chunks;
         micro-batches follow ``ref.log_prob_*``. At ``teacher_model.temperature`` (verl's 1.0), not the
         rollout's: the result carries no meta temperature (the batch's stays the student's)."""
-        rcfg, mcfg = self.config.ref, self.config.model
-        t, loss = self.config.distillation.teacher_models.teacher_model.temperature, self.config.distillation.distillation_loss
+        rcfg, mcfg, d = self.config.ref, self.config.model, self.config.distillation
+        t, loss = d.teacher_models.teacher_model.temperature, d.distillation_loss
         keys = teacher_keys(self.config)
 
         def score(piece: Batch) -> tuple[torch.Tensor | np.ndarray, ...]:

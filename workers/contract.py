@@ -28,8 +28,8 @@ from rlpad.batch import Batch
 from rlpad.core.forward import check_model_inputs
 from rlpad.core.sequence_parallel import SequenceParallel
 
-__all__ = ["FORWARD", "INPUT_KEYS", "JAGGED_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch", "contract_of",
-           "finite_check", "forward_plus"]
+__all__ = ["FORWARD", "INPUT_KEYS", "JAGGED_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch",
+           "contract_of", "finite_check", "forward_plus"]
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")

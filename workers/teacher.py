@@ -3,8 +3,8 @@ sections and the batch keys the teacher adds (its scoring and the actor's distil
 
 The teacher is an :class:`workers.actor.ActorWorker` of role ``teacher``: a frozen model (the teacher's
 path and ``teacher_model.dtype``, the actor's model keys otherwise: attention, remove-padding, shared prompts,
-logits chunks) scoring at ``teacher_model.temperature`` (1.0, as verl),
-scoring the student's batch on the packed row like the reference, micro-batched by ``ref.log_prob_*``,
+logits chunks) scoring the student's batch at ``teacher_model.temperature`` (1.0, as verl) on the packed
+row like the reference, micro-batched by ``ref.log_prob_*``,
 sequence-parallel as the reference. Both the teacher's and the student's worker get a
 :class:`DistilledSection`: the ``actor_rollout_ref`` section plus the run's ``distillation`` section and
 the tokenizer's id count (the KL of ``forward_kl_topk`` is over those ids).

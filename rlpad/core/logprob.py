@@ -212,10 +212,11 @@ def chunked_log_probs_at(
     head: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(at (N, K + 1), label log-probs (N,) | None, entropy (N,) | None)`` through the head ``weight (V, H)``
-    in ONE pass: ``at`` holds the log-probs of ``ids (N, K)`` (e.g. a teacher's top-k, distinct per row;
-    K = 0: ``at`` is (N, 0), the labels alone) then the log of the mass outside them (the tail bucket, a log-sum-exp over the other logits: exact
-    however close the ids' mass is to 1); ``labels (N,)`` (the sampled tokens) and the entropy come
-    from the same logits, equal to :func:`chunked_log_probs_and_entropy`'s on the ``torch`` head.
+    in ONE pass: ``at`` holds the log-probs of ``ids (N, K)`` (e.g. a teacher's top-k, distinct per row)
+    then the log of the mass outside them (the tail bucket, a log-sum-exp over the other logits: exact
+    however close the ids' mass is to 1; K = 0: ``at`` is (N, 0), the labels alone); ``labels (N,)``
+    (the sampled tokens) and the entropy come from the same logits, equal to
+    :func:`chunked_log_probs_and_entropy`'s on the ``torch`` head.
 
     The chunked head of :func:`chunked_log_probs_and_entropy` (``chunk_size`` tokens at a time, each
     recomputed in backward, gradients in closed form), so no (N, V) tensor exists. Differentiable with
@@ -228,8 +229,9 @@ def chunked_log_probs_at(
         raise ValueError(f"ids must be (N, K) with N = hidden's {hidden.shape[0]} rows, got {tuple(ids.shape)}")
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be integer token ids, got {ids.dtype}")
-    first = labels if labels is not None else ids[:, 0].long() if ids.shape[1] else hidden.new_zeros(
-        hidden.shape[0], dtype=torch.int64)
+    if labels is None and not ids.shape[1]:
+        raise ValueError("chunked_log_probs_at needs ids (N, K >= 1) or labels (N,)")
+    first = labels if labels is not None else ids[:, 0].long()
     check_head_inputs(hidden, weight, first, bias, temperature, chunk_size)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
         raise ValueError(f"ids must lie in [0, {weight.shape[0]}) (the head's rows), got [{int(ids.min())}, "
