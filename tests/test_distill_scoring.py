@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlpad.core.distill_scoring import (compute_student_topk, compute_teacher_topk, jagged_positions, join_rows,
-                                        scored_mask, split_rows)
+                                        split_rows)
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.logprob import chunked_log_probs_and_entropy, chunked_log_probs_at
 from rlpad.core.topk import teacher_topk

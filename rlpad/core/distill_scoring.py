@@ -93,6 +93,8 @@ def _in_row_order(sp: SequenceParallel | None, response_idx: torch.Tensor, *valu
         counts = [torch.zeros_like(count) for _ in range(sp.size)]
         dist.all_gather(counts, count, group=sp.group)
         most = max(int(c) for c in counts)
+        if most == 0:  # nothing scored anywhere in the group (an empty exchange is not every backend's)
+            return list(values)
         gathered = []
         for x in (response_idx, *values):
             padded = x.new_zeros(most, *x.shape[1:])
@@ -169,9 +171,11 @@ def compute_student_topk(
         ids = labels.new_zeros(labels.shape[0], 0)
     else:
         scored = scored_mask(attention_mask, response_length, scoring.get("response_mask"))
-        if at_ids.dim() != 2 or at_ids.shape[0] != int(scored.sum()):
-            raise ValueError(f"at_ids must be (n, K) with n = the batch's {int(scored.sum())} scored positions, got "
-                             f"{tuple(at_ids.shape)}")
+        host = scoring.get("host")  # the count from the host copy when there is one: no device read
+        n = int((scored_mask(host.attention_mask, response_length, host.response_mask) if host is not None
+                 else scored).sum())
+        if at_ids.dim() != 2 or at_ids.shape[0] != n:
+            raise ValueError(f"at_ids must be (n, K) with n = the batch's {n} scored positions, got {tuple(at_ids.shape)}")
         ids = at_ids[jagged_positions(scored, response_idx)]
     at, log_probs, entropy = chunked_log_probs_at(
         hidden, weight, ids, labels=labels, bias=bias, temperature=temperature,
