@@ -45,7 +45,8 @@ from rlpad.topology import resolve_device
 from rlpad.training.hf_out import HF_DIRS, hf_roles
 from rlpad.training.step_metrics import summarize
 from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_steps
-from rlpad.algorithms.distillation_rules import PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems
+from rlpad.algorithms.distillation_rules import (PATH_KEY as TEACHER_PATH_KEY, teacher_path, teacher_problems,
+                                                uses_teacher_topk)
 
 __all__ = ["Prepared", "check_inputs", "check_output_dir", "fit", "launch", "main", "prepare", "resolve_embedded", "run"]
 
@@ -211,7 +212,8 @@ def prepare(config: Config) -> Prepared:
     model_cfg = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path)
     if teacher_path(config) is not None:  # a causal LM with the student's tokenizer (docs/distillation.md)
-        problems = teacher_problems(teacher_path(config), tokenizer, model_cfg.tokenizer_path or model_cfg.path)
+        problems = teacher_problems(teacher_path(config), tokenizer, model_cfg.tokenizer_path or model_cfg.path,
+                                    config.distillation.distillation_loss.topk if uses_teacher_topk(config) else None)
         if problems:
             raise ValueError(problems[0])
     mt = config.actor_rollout_ref.rollout.multi_turn

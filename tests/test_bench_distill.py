@@ -32,3 +32,17 @@ def test_table_reports_the_ratios():
     (table,) = [t for t in tables({"speed": [], "distill_memory": mem}) if "distillation" in t.title]
     assert "teacher top-k chunked / full peak memory: 0.125" in table.notes
     assert "student at k ids chunked / full peak memory: 0.125" in table.notes
+
+
+def test_teacher_bytes_jagged_against_padded():
+    """`rlpad bench logprob`'s teacher bytes: the padded grid holds B x R x k x (8 + 4) bytes scored or not;
+    the jagged layout n x (4 k + 4 (k + 1)) for its n scored positions; both pickle to about that."""
+    from rlpad.bench.teacher_bytes import run_teacher_bytes
+
+    out = run_teacher_bytes(rows=6, response=64, topk=8)
+    n, k = out["scored"], 8
+    assert out["padded"]["bytes"] == 6 * 64 * k * 12 and out["jagged"]["bytes"] == n * (4 * k + 4 * (k + 1))
+    for layout in ("padded", "jagged"):
+        assert out[layout]["bytes"] < out[layout]["pickled"] < out[layout]["bytes"] + 6 * 2048  # per-row headers
+    assert abs(out["padded"]["step_gb"] - 1024 * 8192 * 128 * 12 / 1e9) < 1e-9  # 12.9 GB at the driver per step
+    assert out["ratio"] < 1

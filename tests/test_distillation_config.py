@@ -24,7 +24,7 @@ def test_verls_keys_load():
     cfg = load_config(RECIPE, ON + [f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.topk=16",
                                     f"{LOSS}.use_policy_gradient=false", f"{LOSS}.use_task_rewards=false",
                                     f"{LOSS}.distillation_loss_coef=0.5", f"{LOSS}.log_prob_min_clamp=-10",
-                                    f"{LOSS}.loss_max_clamp=10"])
+                                    f"{LOSS}.loss_max_clamp=10", "actor_rollout_ref.actor.use_kl_loss=false"])
     assert cfg.distillation.distillation_loss.topk == 16
     load_config(RECIPE, ON + [f"{LOSS}.loss_mode=k1", f"{LOSS}.use_policy_gradient=true"])
     load_config(RECIPE, ON + [f"{LOSS}.loss_mode=low_var_kl", f"{LOSS}.use_policy_gradient=false"])
@@ -39,12 +39,42 @@ def test_the_default_pair_is_verls_shipped_yaml_and_trains_toward_the_teacher():
     assert pair_problem("k3", True) is not None  # negative control: the old default
 
 
+def test_the_teachers_dtype_and_temperature_keys():
+    """teacher_model.dtype (null: the actor's model.dtype) and temperature (1.0, verl's) reach the teacher's section."""
+    from workers.teacher import teacher_section
+
+    cfg = load_config(RECIPE, ON)
+    teacher = cfg.distillation.teacher_models.teacher_model
+    assert (teacher.dtype, teacher.temperature) == (None, 1.0)
+    assert teacher_section(cfg, 64).model.dtype == cfg.actor_rollout_ref.model.dtype == "float32"
+    cfg = load_config(RECIPE, ON + ["distillation.teacher_models.teacher_model.dtype=bfloat16",
+                                    "distillation.teacher_models.teacher_model.temperature=0.5"])
+    section = teacher_section(cfg, 64)
+    assert section.model.dtype == "bfloat16" and section.distillation.teacher_models.teacher_model.temperature == 0.5
+    assert cfg.actor_rollout_ref.model.dtype == "float32"  # the student's stays
+
+
+def test_a_topk_above_the_tokenizers_ids_is_refused_at_start():
+    """Before any worker starts (rlpad.train.prepare passes topk), not at the teacher's first call."""
+    tok = build_tokenizer()
+    (problem,) = teacher_problems("tiny:qwen2", tok, "tiny:qwen2", topk=len(tok) + 1)
+    assert problem == f"{LOSS}.topk={len(tok) + 1} is more than the tokenizer's {len(tok)} ids (at 'tiny:qwen2')"
+    assert teacher_problems("tiny:qwen2", tok, "tiny:qwen2", topk=len(tok)) == []
+    from rlpad.train import prepare
+
+    cfg = load_config(RECIPE, ON + [f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.topk={len(tok) + 1}",
+                                    "data.train_files=[toy:train]", "data.val_files=[toy:val]"])
+    with pytest.raises(ValueError, match=f"{LOSS}.topk={len(tok) + 1} is more than the tokenizer's"):
+        prepare(cfg)
+
+
 def test_one_sample_per_prompt_needs_no_group_without_task_rewards():
     """The teacher's loss alone reads no task advantage, so GRPO's n >= 2 does not bind; mixed with the
     task's GRPO loss (use_task_rewards) it does."""
     one = ["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo", f"{LOSS}.loss_mode=forward_kl_topk",
            f"{LOSS}.topk=4", f"{LOSS}.use_policy_gradient=false"]
-    assert load_config(RECIPE, ON + one + [f"{LOSS}.use_task_rewards=false"]).actor_rollout_ref.rollout.n == 1
+    alone = [f"{LOSS}.use_task_rewards=false", "actor_rollout_ref.actor.use_kl_loss=false"]
+    assert load_config(RECIPE, ON + one + alone).actor_rollout_ref.rollout.n == 1
     with pytest.raises(ValueError, match=r"rollout.n=1: GRPO compares responses within a group and needs n >= 2"):
         load_config(RECIPE, ON + one + [f"{LOSS}.use_task_rewards=true"])
     with pytest.raises(ValueError, match=r"rollout.n=1: GRPO compares responses within a group and needs n >= 2"):
@@ -69,6 +99,14 @@ def test_one_sample_per_prompt_needs_no_group_without_task_rewards():
     ([f"{LOSS}.loss_mode=forward_kl_topk", f"{LOSS}.topk=4", f"{LOSS}.use_policy_gradient=true"],
      "does not depend on the token sampled there, so its expected gradient is zero"),
     ([f"{LOSS}.policy_loss_mode=gspo"], "only vanilla is supported"),
+    (["distillation.teacher_models.teacher_model.dtype=int8"],
+     "distillation.teacher_models.teacher_model.dtype='int8' is not valid"),
+    (["distillation.teacher_models.teacher_model.temperature=0"],
+     "distillation.teacher_models.teacher_model.temperature=0.0 must be > 0"),
+    ([f"{LOSS}.use_task_rewards=false", "actor_rollout_ref.actor.use_kl_loss=true"],
+     f"actor_rollout_ref.actor.use_kl_loss=True has no effect with {LOSS}.use_task_rewards=false"),
+    ([f"{LOSS}.use_task_rewards=false", "actor_rollout_ref.actor.entropy_coeff=0.01"],
+     f"actor_rollout_ref.actor.entropy_coeff=0.01 has no effect with {LOSS}.use_task_rewards=false"),
     ([f"{LOSS}.loss_max_clamp=0"], f"{LOSS}.loss_max_clamp=0.0 must be > 0"),
     ([f"{LOSS}.log_prob_min_clamp=1"], f"{LOSS}.log_prob_min_clamp=1.0 must be < 0"),
     (["distillation.teacher_key=data_source"], "distillation.teacher_key='data_source': rlpad has one teacher"),

@@ -35,10 +35,11 @@ def expected_gradient(mode: str, pg: bool, theta: torch.Tensor, log_t: torch.Ten
     row = log_s.view(1, vocab)  # one response whose column y is "token y was sampled"
     if mode in SAMPLED_TOKEN_MODES:
         losses, _ = per_token_losses(cfg, student_log_probs=row, teacher_log_probs=log_t.view(1, vocab))
-    else:  # the top-k loss reads the position's distributions, whichever token was sampled there
+    else:  # the top-k loss reads the position's distributions (k ids + the tail), whichever token was sampled
         ids = log_t.topk(k).indices
-        losses, _ = per_token_losses(cfg, student_topk_log_probs=log_s[ids].expand(1, vocab, k),
-                                     teacher_topk_log_probs=log_t[ids].expand(1, vocab, k))
+        rest = torch.ones(vocab, dtype=torch.bool).index_fill_(0, ids, False)
+        coarse = lambda lp: torch.cat([lp[ids], lp[rest].logsumexp(0, keepdim=True)]).expand(1, vocab, k + 1)  # noqa: E731
+        losses, _ = per_token_losses(cfg, student_topk_log_probs=coarse(log_s), teacher_topk_log_probs=coarse(log_t))
     total = 0.0
     for y, weight in enumerate(log_s.detach().exp()):
         mask = torch.nn.functional.one_hot(torch.tensor([y]), vocab).to(torch.float64)

@@ -95,11 +95,17 @@ def vocab_dists(seed, rows=(2, 3), vocab=11):
 def ref_topk_tail_kl(lt_row, ls_row, k):
     """KL(teacher || student) on k + 1 outcomes: the teacher's top-k ids, then everything else."""
     order = sorted(range(len(lt_row)), key=lambda i: -lt_row[i])[:k]
-    p = [math.exp(lt_row[i]) for i in order]
-    q = [math.exp(ls_row[i]) for i in order]
-    p.append(1 - sum(p))
-    q.append(1 - sum(q))
-    return sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q)), order
+    rest = [i for i in range(len(lt_row)) if i not in order]
+    p = [math.exp(lt_row[i]) for i in order] + [sum(math.exp(lt_row[i]) for i in rest)]
+    q = [math.exp(ls_row[i]) for i in order] + [sum(math.exp(ls_row[i]) for i in rest)]
+    return sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q) if pi > 0), order
+
+
+def coarse(log_softmax: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``(..., k + 1)``: the log-probs at ``ids``, then the log of the mass outside them (as the heads give them)."""
+    outside = torch.ones_like(log_softmax, dtype=torch.bool).scatter_(-1, ids, False)
+    return torch.cat([log_softmax.gather(-1, ids),
+                      torch.where(outside, log_softmax, -torch.inf).logsumexp(-1, keepdim=True)], dim=-1)
 
 
 @pytest.mark.parametrize("k", [1, 4, 10])
@@ -109,8 +115,8 @@ def test_forward_kl_topk_with_the_tail_bucket_and_its_gradient(k):
     student = logits.log_softmax(-1)
     ids = lt.topk(k, -1).indices
     cfg = DistillationLossConfig(loss_mode="forward_kl_topk", topk=k, use_policy_gradient=False, loss_max_clamp=None)
-    losses, stats = per_token_losses(cfg, student_topk_log_probs=student.gather(-1, ids),
-                                     teacher_topk_log_probs=lt.gather(-1, ids))
+    losses, stats = per_token_losses(cfg, student_topk_log_probs=coarse(student, ids),
+                                     teacher_topk_log_probs=coarse(lt, ids))
     losses.sum().backward()
     for i in range(2):
         for j in range(3):
@@ -125,6 +131,10 @@ def test_forward_kl_topk_with_the_tail_bucket_and_its_gradient(k):
             torch.testing.assert_close(logits.grad[i, j], grad, atol=EXACT, rtol=0)
     assert (losses >= 0).all()
     assert torch.allclose(stats["teacher_mass"], lt.gather(-1, ids).exp().sum(-1))
+    # the same tokens as (N,) packed rows: the loss is per token, any leading shape
+    flat, _ = per_token_losses(cfg, student_topk_log_probs=coarse(student, ids).detach().reshape(6, k + 1),
+                               teacher_topk_log_probs=coarse(lt, ids).reshape(6, k + 1))
+    torch.testing.assert_close(flat, losses.detach().reshape(6), atol=0, rtol=0)
 
 
 def test_topk_tail_kl_is_the_full_kl_at_k_equal_v_minus_1_and_verls_truncated_sum_is_not():
@@ -132,9 +142,14 @@ def test_topk_tail_kl_is_the_full_kl_at_k_equal_v_minus_1_and_verls_truncated_su
     k = lt.shape[-1] - 1
     ids = lt.topk(k, -1).indices
     cfg = DistillationLossConfig(loss_mode="forward_kl_topk", topk=k, loss_max_clamp=None)
-    losses, _ = per_token_losses(cfg, student_topk_log_probs=ls.gather(-1, ids), teacher_topk_log_probs=lt.gather(-1, ids))
+    losses, _ = per_token_losses(cfg, student_topk_log_probs=coarse(ls, ids), teacher_topk_log_probs=coarse(lt, ids))
     full = (lt.exp() * (lt - ls)).sum(-1)
     torch.testing.assert_close(losses, full, atol=EXACT, rtol=0)
+    # k = V: the tail is empty (-inf on both sides) and adds 0, not NaN
+    all_ids = lt.topk(k + 1, -1).indices
+    empty, _ = per_token_losses(cfg, student_topk_log_probs=coarse(ls, all_ids),
+                                teacher_topk_log_probs=coarse(lt, all_ids))
+    torch.testing.assert_close(empty, full, atol=EXACT, rtol=0)
     # negative control: verl's truncated sum (no tail bucket) misses the last outcome's term
     truncated = (lt.gather(-1, ids).exp() * (lt.gather(-1, ids) - ls.gather(-1, ids))).sum(-1)
     assert (truncated - full).abs().max() > 1e-3
@@ -145,9 +160,9 @@ def test_log_prob_min_clamp_is_verls_and_counted():
     ids = lt.topk(6, -1).indices
     t, s = lt.gather(-1, ids), ls.gather(-1, ids)
     cfg = DistillationLossConfig(loss_mode="forward_kl_topk", topk=6, log_prob_min_clamp=-3.0, loss_max_clamp=None)
-    losses, stats = per_token_losses(cfg, student_topk_log_probs=s, teacher_topk_log_probs=t)
+    losses, stats = per_token_losses(cfg, student_topk_log_probs=coarse(ls, ids), teacher_topk_log_probs=coarse(lt, ids))
     tc, sc = t.clamp_min(-3.0), s.clamp_min(-3.0)
-    tail_t, tail_s = torch.log(1 - t.exp().sum(-1)), torch.log(1 - s.exp().sum(-1))
+    tail_t, tail_s = coarse(lt, ids)[..., -1], coarse(ls, ids)[..., -1]  # the tail stays unclamped
     want = (tc.exp() * (tc - sc)).sum(-1) + tail_t.exp() * (tail_t - tail_s)
     torch.testing.assert_close(losses, want, atol=EXACT, rtol=0)
     frac = ((t < -3) | (s < -3)).double().mean(-1)

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 from rlpad.batch import WORKER_SECONDS, Batch  # noqa: E402
 from rlpad.config.distillation import DistillationConfig, DistillationLossConfig
 from rlpad.config.schema import ActorRolloutRefConfig
-from rlpad.core.distill_scoring import compute_teacher_topk  # noqa: E402
+from rlpad.core.distill_scoring import compute_teacher_topk, join_rows  # noqa: E402
 from rlpad.core.forward import compute_log_probs  # noqa: E402
 from rlpad.core.models import load_causal_lm  # noqa: E402
 from rlpad.embedded.exactness import FP32_GRAD_REL, FP32_LOGPROB_TOL  # noqa: E402
@@ -31,11 +31,15 @@ TEACHER, STUDENT = "tiny:llama", "tiny:qwen2"
 MINI, K = 12, 5
 
 
-def section(loss: DistillationLossConfig, *, teacher: bool = False, micro: int = 2) -> DistilledSection:
+def section(loss: DistillationLossConfig, *, teacher: bool = False, micro: int = 2,
+            offload: bool = False) -> DistilledSection:
+    """``offload``: every offload key on (the teacher rests by ref.fsdp_config.param_offload; the actor's keys are
+    the actor's, read only by its colocated phases)."""
     arr = ActorRolloutRefConfig()
     a = arr.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.optim.lr, a.use_kl_loss = MINI, micro, 1e-2, False
     arr.rollout.n, arr.ref.log_prob_micro_batch_size_per_gpu = 1, micro
+    arr.ref.fsdp_config.param_offload = a.fsdp_config.param_offload = a.fsdp_config.optimizer_offload = offload
     if teacher:
         arr.model.path = TEACHER
     fields = {f.name: getattr(arr, f.name) for f in dataclasses.fields(ActorRolloutRefConfig)}
@@ -61,24 +65,42 @@ def batch() -> Batch:
     return b
 
 
-@pytest.mark.parametrize("loss", [TOPK, K1], ids=["forward_kl_topk", "k1"])
-def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss):
-    out = local(section(loss, teacher=True), "teacher").compute_teacher(batch)
+def resting(params) -> bool:
+    """Every parameter's storage is given back (0 bytes): the state is in host memory (workers/offload.py)."""
+    return all((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() == 0 for p in params)
+
+
+@pytest.mark.parametrize("loss,offload", [(TOPK, True), (K1, False)], ids=["forward_kl_topk-offload", "k1"])
+def test_teacher_worker_equals_the_scoring_core_on_its_model(batch, loss, offload):
+    """With every offload key on, the teacher rests between calls and comes back for its scoring (it read
+    freed storages before: a segfault at its first compute_teacher)."""
+    worker = local(section(loss, teacher=True, offload=offload), "teacher")
+    assert resting(worker.root.parameters()) == offload
+    hot = Batch(dict(batch.tensors), dict(batch.non_tensors), {"temperature": 0.7})  # the rollout's temperature
+    out = worker.compute_teacher(hot)
+    assert resting(worker.root.parameters()) == offload  # back in host memory after the call
+    assert "temperature" not in out.meta  # the batch's (the student's) temperature stays the rollout's
     model = load_causal_lm(TEACHER)
     args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], R)
     student = load_causal_lm(STUDENT)
     with torch.no_grad():
-        if loss is K1:
+        if loss is K1:  # scored at teacher_model.temperature, 1.0 (verl's), not the rollout's 0.7
             want, _ = compute_log_probs(model, *args, use_remove_padding=True)
             assert (out["teacher_log_probs"] - want).abs().max() <= FP32_LOGPROB_TOL
+            rollout_t, _ = compute_log_probs(model, *args, use_remove_padding=True, temperature=0.7)
+            assert (out["teacher_log_probs"] - rollout_t).abs().max() > 100 * FP32_LOGPROB_TOL  # negative control
             other, _ = compute_log_probs(student, *args, use_remove_padding=True)  # negative control: the student
             assert (out["teacher_log_probs"] - other).abs().max() > 100 * FP32_LOGPROB_TOL
             return
         ids, lp = compute_teacher_topk(model, *args, topk=K, vocab_size=TOKENIZER_IDS, use_remove_padding=True)
         s_ids, s_lp = compute_teacher_topk(student, *args, topk=K, vocab_size=TOKENIZER_IDS, use_remove_padding=True)
-    assert out["teacher_topk_ids"].dtype == torch.int64 and out["teacher_topk_ids"].shape == (MINI, R, K)
-    assert torch.equal(out["teacher_topk_ids"], ids)
-    assert (out["teacher_topk_log_probs"] - lp).abs().max() <= FP32_LOGPROB_TOL
+    # per row, its scored positions only (the jagged layout), int32 ids, k log-probs + the tail's
+    scored = batch["response_mask"].sum(-1).tolist()
+    assert [tuple(r.shape) for r in out["teacher_topk_ids"]] == [(n, K) for n in scored]
+    assert all(r.dtype == torch.int32 for r in out["teacher_topk_ids"])
+    assert [tuple(r.shape) for r in out["teacher_topk_log_probs"]] == [(n, K + 1) for n in scored]
+    assert torch.equal(join_rows(out["teacher_topk_ids"]), ids)
+    assert (join_rows(out["teacher_topk_log_probs"]) - lp).abs().max() <= FP32_LOGPROB_TOL
     assert int(ids.max()) < TOKENIZER_IDS
     assert not torch.equal(s_ids, ids) and (s_lp - lp).abs().max() > 100 * FP32_LOGPROB_TOL  # negative control
 
@@ -106,15 +128,16 @@ def ray_session():
 def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batch, tmp_path):
     """forward_kl_topk mixed with the task loss: the 2-rank teacher group's top-k equal the world-1
     teacher's; the 2-rank actor (3-row micro-batches) gives the world-1 actor's (2-row) gradient."""
-    teacher_group = WorkerGroup(ActorWorker, section(TOPK, teacher=True, micro=3), role="teacher", world_size=2,
-                                device="cpu")
+    teacher_group = WorkerGroup(ActorWorker, section(TOPK, teacher=True, micro=3, offload=True), role="teacher",
+                                world_size=2, device="cpu")  # every offload key on: the teacher rests between calls
     actor_group = WorkerGroup(ActorWorker, section(TOPK, micro=3), role="actor", world_size=2, device="cpu")
     try:
         scored = teacher_group.call_batch("compute_teacher", batch)
         alone = local(section(TOPK, teacher=True), "teacher").compute_teacher(batch)
-        assert torch.equal(scored["teacher_topk_ids"], alone["teacher_topk_ids"])
-        assert (scored["teacher_topk_log_probs"] - alone["teacher_topk_log_probs"]).abs().max() <= FP32_LOGPROB_TOL
-        batch = Batch(dict(batch.tensors) | dict(scored.tensors), dict(batch.non_tensors))
+        assert torch.equal(join_rows(scored["teacher_topk_ids"]), join_rows(alone["teacher_topk_ids"]))
+        assert (join_rows(scored["teacher_topk_log_probs"]) - join_rows(alone["teacher_topk_log_probs"])
+                ).abs().max() <= FP32_LOGPROB_TOL
+        batch = Batch(dict(batch.tensors), dict(batch.non_tensors) | dict(scored.non_tensors))
         ckpt = str(tmp_path / "initial")
         actor_group.call("save_checkpoint", ckpt)
         two = update(actor_group, batch)
@@ -128,7 +151,7 @@ def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batc
     for key in ("actor/distill/kl_mean", "actor/distill/teacher_topk_mass", "actor/distill/loss"):
         assert abs(two[key] - one[key]) <= 1e-5 * max(1.0, abs(one[key])), key
     assert one["actor/distill/kl_mean"] > 0 and 0 < one["actor/distill/teacher_topk_mass"] < 1
-    assert one["actor/distill/loss_clamp_frac"] == 0 and one["actor/distill/tail_floor_frac"] == 0
+    assert one["actor/distill/loss_clamp_frac"] == 0
     # negative control: the same update without the teacher's term is far from it
     plain = local(dataclasses.replace(section(TOPK), distillation=DistillationConfig()), "actor")
     plain.load_checkpoint(ckpt)
@@ -136,7 +159,8 @@ def test_two_rank_teacher_and_distilled_update_equal_world_one(ray_session, batc
 
 
 def test_k1_policy_gradient_update_reads_the_teacher(batch):
-    """k1 with the policy gradient and no task reward: the gradient moves with the teacher's log-probs."""
+    """k1 with the policy gradient and no task reward: the gradient moves with the teacher's log-probs; under
+    bypass_mode its ratio is against the rollout's log-probs, as the task loss's."""
     teacher = local(section(K1, teacher=True), "teacher")
     scored = Batch(dict(batch.tensors) | dict(teacher.compute_teacher(batch).tensors), dict(batch.non_tensors))
     student = local(section(K1), "actor")
@@ -144,9 +168,20 @@ def test_k1_policy_gradient_update_reads_the_teacher(batch):
     scored["old_log_probs"] = own  # on-policy: ratio 1
     first = update(student, scored)
     assert first["actor/distill/pg_clipfrac"] == 0
+    # use_task_rewards=false: the task's loss is not trained, so neither computed nor logged
+    assert not {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss"} & set(first)
     mask = scored["response_mask"].bool()
     want = float((own - scored["teacher_log_probs"])[mask].mean())
     assert abs(first["actor/distill/kl_mean"] - want) < 1e-5
+    # bypass_mode (verl's: the rollout policy is the old one): the distillation term's ratio is against the
+    # rollout's log-probs too (it read old_log_probs, absent from bypass_mode's batch: a KeyError at the update)
+    bypass_section = section(K1)
+    bypass_section.actor.policy_loss.loss_mode = "bypass_mode"
+    noise = torch.randn(own.shape, generator=torch.Generator().manual_seed(7)) * 0.1
+    scored["rollout_log_probs"] = (own + noise) * scored["response_mask"]
+    bypass = update(local(bypass_section, "actor"), scored)
+    assert abs(bypass["actor/distill/pg_ppo_kl"] - float(noise[mask].mean())) < 1e-6  # mean(old - new), old = rollout's
+    assert abs(first["actor/distill/pg_ppo_kl"]) < 1e-7 < abs(float(noise[mask].mean()))  # negative control
     # negative control: a teacher that agrees with the student gives advantage 0 and no gradient
     agreeing = local(section(K1), "actor")
     scored["old_log_probs"] = scored["teacher_log_probs"] = agreeing.compute_log_prob(scored, update_layout=True)["old_log_probs"]

@@ -4,7 +4,10 @@ shuffled mini-batches agree), for the actor and the critic.
 
 Two layouts: row micro-batches with the token-mean loss, and token budgets (which count the whole
 row: ``ppo_max_token_len_per_gpu x sp`` per micro-batch) with shuffled mini-batches, the
-seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute).
+seq-mean-token-mean loss and gradient checkpointing (the exchanges run again in the recompute). The
+budgets layout distills too (forward_kl_topk mixed with the task loss): a sequence-parallel teacher's
+top-k (its positions gathered over the group) and the student's one-pass head, whose per-token losses
+are summed over the group as (B, R) grids.
 Log-probs / values, the full gradients of a mini-batch and the metrics of a whole update (two
 mini-batches, the weights moving) must equal sp = 1 (fp32: 2e-5 per token, 1e-5 relative for
 gradients and metrics), and every rank must return the same metrics.
@@ -30,6 +33,7 @@ from rlpad.batch import Batch
 from rlpad.config.schema import ActorRolloutRefConfig, CriticConfig
 from rlpad.embedded.synthetic import ppo_batch
 from spawn_ranks import spawn_ranks
+from rlpad.core.distill_scoring import join_rows
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.net import free_port
@@ -43,6 +47,9 @@ LAYOUTS = {
 }
 METRICS = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
            "critic/vf_loss", "critic/vpred_mean", "critic/grad_norm")
+DISTILL_METRICS = ("actor/distill/kl_mean", "actor/distill/loss", "actor/distill/teacher_topk_mass",
+                   "actor/distill/student_topk_mass")
+DISTILLED = "budgets"  # the layout whose actor distills from a teacher (tiny:llama: 2 key/value heads)
 
 
 def configs(layout: str, sp: int) -> tuple[ActorRolloutRefConfig, CriticConfig]:
@@ -61,6 +68,21 @@ def configs(layout: str, sp: int) -> tuple[ActorRolloutRefConfig, CriticConfig]:
     return actor, critic
 
 
+def distilled(section: ActorRolloutRefConfig, sp: int, teacher: bool = False) -> ActorRolloutRefConfig:
+    """``section`` as a forward_kl_topk student (or its teacher, sequence-parallel by the reference's key)."""
+    from rlpad.config.distillation import DistillationConfig, DistillationLossConfig
+    from workers.teacher import DistilledSection
+
+    loss = DistillationLossConfig(loss_mode="forward_kl_topk", topk=5, use_task_rewards=True,
+                                  distillation_loss_coef=0.5, loss_max_clamp=None)
+    if teacher:
+        section = dataclasses.replace(section, model=dataclasses.replace(section.model, path="tiny:llama"))
+        section.ref.ulysses_sequence_parallel_size = sp
+    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(ActorRolloutRefConfig)}
+    return DistilledSection(**fields, distillation=DistillationConfig(enabled=True, distillation_loss=loss),
+                            vocab_size=100)
+
+
 def make_batch() -> Batch:
     return ppo_batch(ROWS, P, R, vocab_size=VOCAB, seed=4)
 
@@ -75,12 +97,20 @@ def run_layout(rank: int, world: int, port: int, layout: str, sp: int) -> dict:
     rows = group_rows(rank // sp, world // sp)
     shard = make_batch().index(rows)
     common = dict(rank=rank, world_size=world, master_port=port, device="cpu", seed=3)
+    out = {"rows": rows}
+    if layout == DISTILLED:
+        teacher = ActorWorker(distilled(actor_cfg, sp, teacher=True), role="teacher", **common)
+        teacher.init_model()
+        scored = teacher.compute_teacher(shard)
+        shard.update(scored)
+        out["teacher"] = [join_rows(scored[k]) for k in scored.keys()]
+        actor_cfg = distilled(actor_cfg, sp)
     actor = ActorWorker(actor_cfg, role="actor", **common)
     actor.init_model()
     critic = CriticWorker(critic_cfg, rollout_n=1, **common)
     critic.init_model()
-    out = {"rows": rows, "old_log_probs": actor.compute_log_prob(shard)["old_log_probs"],
-           "values": critic.compute_values(shard)["values"]}
+    out |= {"old_log_probs": actor.compute_log_prob(shard)["old_log_probs"],
+            "values": critic.compute_values(shard)["values"]}
     # Gradients at the initial weights (one mini-batch: its first rows), then a whole update on moved
     # weights (two mini-batches, two optimizer steps) for the metrics.
     first = shard.index(torch.arange(MINI // (world // sp)))
@@ -159,8 +189,11 @@ def test_dp2_x_sp2_workers_equal_one_rank(ranks, layout):
             torch.testing.assert_close(got[key], ref[key], atol=TOL, rtol=0)
         same = {k: v for k, v in got["metrics"].items() if not k.startswith("worker_s")}
         assert same == {k: v for k, v in ranks[0][layout]["metrics"].items() if not k.startswith("worker_s")}, rank
-        for key in METRICS:
+        for key in METRICS + (DISTILL_METRICS if layout == DISTILLED else ()):
             assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=RUN_REL, abs=RUN_ABS), key  # tests/run_compare.py
+        if layout == DISTILLED:  # the teacher's top-k ids and log-probs (gathered over the group) equal sp = 1's
+            assert torch.equal(got["teacher"][0], ref["teacher"][0])
+            torch.testing.assert_close(got["teacher"][1], ref["teacher"][1], atol=TOL, rtol=0)
         for which in ("actor_grads", "critic_grads"):
             for name, g in ref[which].items():
                 assert _rel(got[which][name], g) <= REL, f"rank {rank} {which} {name}: {_rel(got[which][name], g):.2e}"

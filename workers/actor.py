@@ -20,6 +20,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlpad.algorithms.distillation import combine, distillation_loss, distillation_metrics, per_token_losses
@@ -27,7 +28,10 @@ from rlpad.algorithms.losses import agg_loss, kl_penalty
 from rlpad.batch import Batch
 from rlpad.config.choices import TOPK_MODES
 from rlpad.config.schema import ActorRolloutRefConfig
-from rlpad.core.distill_scoring import compute_log_probs_and_at, compute_teacher_topk
+from rlpad.core.distill_scoring import (compute_student_topk, compute_teacher_topk, jagged_positions, join_rows,
+                                        scored_mask, split_rows)
+from rlpad.core.padding import pad_input
+from rlpad.core.sequence_parallel import active, response_grid
 from rlpad.core.forward import LogProbModel
 from rlpad.core.fused_modules import apply_fused_modules
 from rlpad.core.models import empty_causal_lm, load_causal_lm
@@ -40,17 +44,22 @@ from workers.offload import StateOffloader, resident, start_resting
 from workers.teacher import teacher_keys
 from workers.weight_export import WeightExportMixin, hf_name
 
-__all__ = ["ActorWorker", "update_contract"]
+__all__ = ["ActorWorker", "old_log_probs_key", "update_contract"]
 
 ROLES = ("actor", "ref", "teacher")  # teacher: on-policy distillation's frozen scorer (workers/teacher.py)
+
+
+def old_log_probs_key(actor: Any) -> str:
+    """The batch key of the old policy's log-probs in the update (the task's policy loss and the distillation
+    term's alike): ``rollout_log_probs`` under bypass_mode (verl's: the rollout policy is the old one)."""
+    return "rollout_log_probs" if actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
 
 
 def update_contract(config: ActorRolloutRefConfig) -> Contract:
     """``update_actor``'s batch: FORWARD, the loss inputs (``ref_log_probs`` iff ``use_kl_loss``)
     and the optional rollout-correction weights."""
     kl = ("ref_log_probs",) if config.actor.use_kl_loss else ()
-    # bypass_mode (verl's): the rollout's log-probs are the old policy's
-    old = "rollout_log_probs" if config.actor.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"
+    old = old_log_probs_key(config.actor)
     teacher = teacher_keys(config)  # on-policy distillation: the teacher's numbers (workers/teacher.py)
     return forward_plus(("response_mask", old, "advantages", *kl, *teacher), ("rollout_is_weights",),
                         finite=(old, "advantages", *kl, *teacher, "rollout_is_weights"))
@@ -106,11 +115,18 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     # ------------------------------------------------------------------ log-probs
 
+    def _distills_topk(self) -> bool:
+        """An actor trained on a teacher's top-k (forward_kl_topk): its head runs compute_student_topk."""
+        d = getattr(self.config, "distillation", None)
+        return self.role == "actor" and d is not None and d.enabled and d.distillation_loss.loss_mode in TOPK_MODES
+
     def _log_probs(self, piece: Batch, temperature: float, calculate_entropy: bool):
         mcfg = self.config.model
         args, kwargs = self._scoring_args(piece, mcfg)
+        # a top-k student's old log-probs come from its update's head (one arithmetic: ratio exactly 1)
+        scorer = dict(scorer=compute_student_topk) if self._distills_topk() else {}
         return self.root(*args, temperature=temperature, calculate_entropy=calculate_entropy,
-                         logits_chunk_size=mcfg.logits_chunk_size, **kwargs)
+                         logits_chunk_size=mcfg.logits_chunk_size, **scorer, **kwargs)[:2]
 
     def _temperature(self, batch: Batch) -> float:
         return float(batch.meta.get("temperature", self.config.rollout.temperature))
@@ -159,26 +175,30 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
 
     @reports_seconds
     @batch_method(FORWARD, roles=("teacher",))
+    @resident  # ref.fsdp_config.param_offload: the teacher rests in host memory between its calls, as the reference
     def compute_teacher(self, batch: Batch) -> Batch:
         """On-policy distillation: the teacher's ``teacher_log_probs`` (B, R) of the sampled tokens (the
-        reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs``
-        (B, R, k), its top-k computed in vocabulary chunks; micro-batches follow ``ref.log_prob_*``."""
-        rcfg, mcfg, t = self.config.ref, self.config.model, self._temperature(batch)
-        loss = self.config.distillation.distillation_loss
+        reference's path) or, for ``forward_kl_topk``, ``teacher_topk_ids`` / ``teacher_topk_log_probs`` per
+        row (the jagged layout of rlpad.core.distill_scoring), its top-k computed in vocabulary chunks;
+        micro-batches follow ``ref.log_prob_*``. At ``teacher_model.temperature`` (verl's 1.0), not the
+        rollout's: the result carries no meta temperature (the batch's stays the student's)."""
+        rcfg, mcfg, d = self.config.ref, self.config.model, self.config.distillation
+        t, loss = d.teacher_models.teacher_model.temperature, d.distillation_loss
         keys = teacher_keys(self.config)
 
-        def score(piece: Batch) -> tuple[torch.Tensor, ...]:
+        def score(piece: Batch) -> tuple[torch.Tensor | np.ndarray, ...]:
             if loss.loss_mode not in TOPK_MODES:
                 return self._log_probs(piece, t, False)[:1]
             args, kwargs = self._scoring_args(piece, mcfg)
-            return tuple(self.root(*args, scorer=compute_teacher_topk, topk=loss.topk, vocab_size=self.config.vocab_size,
-                                   temperature=t, logits_chunk_size=mcfg.logits_chunk_size, **kwargs))
+            flat = self.root(*args, scorer=compute_teacher_topk, topk=loss.topk, vocab_size=self.config.vocab_size,
+                             temperature=t, logits_chunk_size=mcfg.logits_chunk_size, **kwargs)
+            scored = scored_mask(piece["attention_mask"], args[3], piece.tensors.get("response_mask")).cpu()
+            return tuple(split_rows(x.cpu(), scored) for x in flat)  # per row: each rank gets its rows' only
 
         out = self._forward_all(batch, rcfg.log_prob_micro_batch_size_per_gpu,
                                 rcfg.log_prob_max_token_len_per_gpu if rcfg.log_prob_use_dynamic_bsz else None, score)
-        if loss.loss_mode in TOPK_MODES:  # the micro-batch merge returns floats: ids < 2^24 come back exact
-            out[0] = out[0].long()
-        return Batch(dict(zip(keys, out)), meta={"temperature": t})
+        tensors = {k: v for k, v in zip(keys, out) if isinstance(v, torch.Tensor)}
+        return Batch(tensors, {k: v for k, v in zip(keys, out) if k not in tensors})
 
     # ------------------------------------------------------------------ update
 
@@ -189,23 +209,36 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             return *self._log_probs(piece, temperature, calculate_entropy), None
         cfg, mcfg = d.distillation_loss, self.config.model
         if cfg.loss_mode in TOPK_MODES:
-            args, kwargs = self._scoring_args(piece, mcfg)
-            log_prob, entropy, at = self.root(*args, scorer=compute_log_probs_and_at, at_ids=piece["teacher_topk_ids"],
-                                              vocab_size=self.config.vocab_size, temperature=temperature,
-                                              calculate_entropy=calculate_entropy,
-                                              logits_chunk_size=mcfg.logits_chunk_size, **kwargs)  # fmt: skip
-            return log_prob, entropy, per_token_losses(cfg, student_topk_log_probs=at,
-                                                       teacher_topk_log_probs=piece["teacher_topk_log_probs"])
+            return self._student_topk(piece, temperature, calculate_entropy)
         log_prob, entropy = self._log_probs(piece, temperature, calculate_entropy)
         return log_prob, entropy, per_token_losses(cfg, student_log_probs=log_prob,
                                                    teacher_log_probs=piece["teacher_log_probs"])
+
+    def _student_topk(self, piece: Batch, temperature: float, calculate_entropy: bool):
+        """forward_kl_topk: one head pass for the sampled tokens and the teacher's ids (compute_student_topk); the
+        per-token losses on the tokens this rank scored, then (B, R) grids (summed over a sequence-parallel group)."""
+        cfg, mcfg = self.config.distillation.distillation_loss, self.config.model
+        args, kwargs = self._scoring_args(piece, mcfg)
+        ids = join_rows(piece["teacher_topk_ids"]).to(self.device)
+        log_prob, entropy, at, idx = self.root(*args, scorer=compute_student_topk, at_ids=ids, temperature=temperature,
+                                               calculate_entropy=calculate_entropy,
+                                               logits_chunk_size=mcfg.logits_chunk_size, **kwargs)  # fmt: skip
+        scored = scored_mask(piece["attention_mask"], args[3], piece["response_mask"])
+        teacher = join_rows(piece["teacher_topk_log_probs"]).to(self.device)[jagged_positions(scored, idx)]
+        losses, stats = per_token_losses(cfg, student_topk_log_probs=at, teacher_topk_log_probs=teacher)
+        rows, length = scored.shape
+        names = sorted(stats)  # the stats as one (B, R, S) grid: one exchange under sequence parallelism
+        grid = pad_input(torch.stack([stats[k] for k in names], dim=-1), idx, rows, length)
+        grid = grid if active(self.sp) is None else self.sp.gather_scored(grid)
+        stats = {k: grid[..., i] for i, k in enumerate(names)}
+        return log_prob, entropy, (response_grid(losses, idx, rows, length, self.sp), stats)
 
     def _with_distillation(self, loss, shares, distill, piece: Batch, log_prob, norms: dict[str, float]):
         """The task's loss mixed with the distillation loss (rlpad.algorithms.distillation.combine) + its metrics."""
         cfg, mask = self.config.distillation.distillation_loss, piece["response_mask"]
         losses, stats = distill
         d_loss, pg = distillation_loss(cfg, losses, mask, self.config.actor.loss_agg_mode, log_prob=log_prob,
-                                       old_log_prob=piece["old_log_probs"],
+                                       old_log_prob=piece[old_log_probs_key(self.config.actor)],
                                        rollout_is_weights=piece.tensors.get("rollout_is_weights"), **norms)
         shares.update({f"distill/{k}": v for k, v in distillation_metrics(stats, mask, norms.get("global_tokens")).items()})
         shares.update({f"distill/{k}": v for k, v in pg.items()})
@@ -217,8 +250,13 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
         mixed with the distillation loss when the run distills (workers/teacher.py)."""
         acfg = self.config.actor
         mask = piece["response_mask"]
+        d = getattr(self.config, "distillation", None)
+        if d is not None and d.enabled and not d.distillation_loss.use_task_rewards:
+            # the distillation loss alone: the task's loss, entropy and KL terms are neither computed nor logged
+            log_prob, _, distill = self._student(piece, temperature, False)
+            return self._with_distillation(None, {}, distill, piece, log_prob, norms)
         log_prob, entropy, distill = self._student(piece, temperature, acfg.entropy_coeff != 0)
-        old = piece["rollout_log_probs" if acfg.policy_loss.loss_mode == "bypass_mode" else "old_log_probs"]
+        old = piece[old_log_probs_key(acfg)]
         pg_loss, shares = get_policy_loss(acfg.policy_loss.loss_mode)(
             old, log_prob, piece["advantages"], mask, acfg, **norms,
             rollout_is_weights=piece.tensors.get("rollout_is_weights"), generator=generator,

@@ -28,13 +28,14 @@ from rlpad.batch import Batch
 from rlpad.core.forward import check_model_inputs
 from rlpad.core.sequence_parallel import SequenceParallel
 
-__all__ = ["FORWARD", "INPUT_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch", "contract_of",
-           "finite_check", "forward_plus"]
+__all__ = ["FORWARD", "INPUT_KEYS", "JAGGED_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch",
+           "contract_of", "finite_check", "forward_plus"]
 
 # (B, S) model inputs; every other batch tensor a worker reads is (B, R).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
-# (rows, response_length, k): a teacher's top-k per position (on-policy distillation, workers/teacher.py)
-PER_ID_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
+# Per-row fields of the scored positions only (the jagged layout of rlpad.core.distill_scoring): row b holds a
+# (scored positions of b, ...) tensor; a teacher's top-k ids (int32) and log-probs (on-policy distillation)
+JAGGED_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -116,13 +117,36 @@ class DeclaredBatch(Batch):
 
 
 def finite_check(batch: Batch, keys: list[str], who: str) -> None:
-    """ValueError naming the first of ``keys`` holding NaN/inf (rows listed)."""
+    """ValueError naming the first of ``keys`` holding NaN/inf (rows listed); a jagged key's log-probs may
+    be -inf (a probability of 0: an empty tail bucket), never NaN or +inf. Integer tensors are finite."""
     for key in keys:
         x = batch[key]
-        bad = ~torch.isfinite(x.float())
+        if key in JAGGED_KEYS:
+            rows = [i for i, r in enumerate(x) if r.is_floating_point() and bool((r.isnan() | r.isposinf()).any())]
+            if rows:
+                raise ValueError(f"{who}: {key} contains NaN or +inf (rows {rows[:8]})")
+            continue
+        if not x.is_floating_point():
+            continue
+        bad = ~torch.isfinite(x)
         if bool(bad.any()):
             rows = bad.reshape(x.shape[0], -1).any(-1).nonzero().flatten().tolist()
             raise ValueError(f"{who}: {key} contains NaN or inf (rows {rows[:8]})")
+
+
+def _check_jagged(batch: Batch, key: str, response_length: int, who: str, ids_below: int) -> None:
+    """A :data:`JAGGED_KEYS` field: one tensor per row, as many entries as the row's scored positions
+    (``response_mask``, else the valid response tokens); ids in [0, ``ids_below``)."""
+    rows = batch[key]
+    mask = batch.tensors.get("response_mask") if "response_mask" in batch else None
+    scored = (mask if mask is not None else batch["attention_mask"][:, -response_length:]).bool().sum(-1).tolist()
+    for i, (r, n) in enumerate(zip(rows, scored)):
+        if not isinstance(r, torch.Tensor) or r.dim() != 2 or r.shape[0] != n:
+            shape = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ValueError(f"{who}: {key} row {i} is {shape}, expected ({n}, k): one entry per scored position "
+                             "of the row (the jagged layout of rlpad.core.distill_scoring)")
+        if not r.is_floating_point() and r.numel() and (int(r.min()) < 0 or int(r.max()) >= ids_below):
+            raise ValueError(f"{who}: {key} row {i} holds ids outside [0, {ids_below}) (the model's vocabulary)")
 
 
 def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, use_remove_padding: bool,
@@ -140,11 +164,13 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
     response_length = int(batch["responses"].shape[1])
     keys = contract.present(batch)
     for k in keys:
+        if k in JAGGED_KEYS:
+            _check_jagged(batch, k, response_length, who, model.get_input_embeddings().num_embeddings)
+            continue
         x = batch[k]
-        shape = tuple(x.shape[:2]) if k in PER_ID_KEYS and x.dim() == 3 else tuple(x.shape)
-        if k not in INPUT_KEYS and shape != (len(batch), response_length):
-            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length"
-                             f"{', k' if k in PER_ID_KEYS else ''}) = {(len(batch), response_length)}")
+        if k not in INPUT_KEYS and tuple(x.shape) != (len(batch), response_length):
+            raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
+                             f"{(len(batch), response_length)}")
     finite_check(batch, [k for k in contract.finite if k in keys], who)
     try:
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),

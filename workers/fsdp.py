@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -271,9 +272,11 @@ class FSDPWorker(CheckpointMixin, RankCollectives, PPOUpdates):
         return out
 
     def _forward_all(self, batch: Batch, micro_rows: int | None, max_tokens: int | None,
-                     fn: Callable[[Batch], tuple[torch.Tensor, ...]], *,
-                     update_layout: tuple[int, bool] | None = None) -> list[torch.Tensor]:
+                     fn: Callable[[Batch], tuple[torch.Tensor | np.ndarray, ...]], *,
+                     update_layout: tuple[int, bool] | None = None) -> list[torch.Tensor | np.ndarray]:
         """``fn`` on every micro-batch without gradients; outputs concatenated in the batch's row order.
+        An output is a tensor (rows first; floating point comes back as fp32, integers as they are) or an
+        object array of per-row tensors (a jagged field, rlpad.core.distill_scoring.split_rows).
 
         ``update_layout=(mini_rows, shuffle)``: split exactly as the FIRST epoch of :meth:`_ppo_update`
         with the same arguments splits it (mini-batches of ``mini_rows`` global rows in the epoch-0
@@ -298,11 +301,11 @@ class FSDPWorker(CheckpointMixin, RankCollectives, PPOUpdates):
                 for piece, is_real in pieces:
                     out = fn(piece)  # dummy pieces run too: every rank joins every FSDP collective
                     if is_real:
-                        outs.append(tuple(o.float().cpu() for o in out))
-                results.append([restore_order(torch.cat([o[i] for o in outs]), real) for i in range(len(outs[0]))])
+                        outs.append(tuple(map(_to_host, out)))
+                results.append([restore_order(_cat([o[i] for o in outs]), real) for i in range(len(outs[0]))])
         order = torch.cat(chunks)
-        merged = [torch.cat([r[i] for r in results]) for i in range(len(results[0]))]
-        return [torch.empty_like(m).index_copy_(0, order, m) for m in merged]
+        merged = [_cat([r[i] for r in results]) for i in range(len(results[0]))]
+        return [_placed(m, order) for m in merged]
 
     # ------------------------------------------------------------------ teardown
 
@@ -310,3 +313,23 @@ class FSDPWorker(CheckpointMixin, RankCollectives, PPOUpdates):
         """Destroy the process group (the worker is unusable afterwards)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_host(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """A micro-batch's output on the host: floating point as fp32, integers unchanged, per-row arrays as they are."""
+    if isinstance(x, np.ndarray):
+        return x
+    return x.float().cpu() if x.is_floating_point() else x.cpu()
+
+
+def _cat(parts: list) -> torch.Tensor | np.ndarray:
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+
+
+def _placed(rows: torch.Tensor | np.ndarray, order: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """``rows`` (in ``order``) put back at their places: ``out[order] = rows``."""
+    if isinstance(rows, np.ndarray):
+        out = np.empty_like(rows)
+        out[order.numpy()] = rows
+        return out
+    return torch.empty_like(rows).index_copy_(0, order, rows)

@@ -2,8 +2,9 @@
 sections and the batch keys the teacher adds (its scoring and the actor's distillation term: workers/actor.py).
 
 The teacher is an :class:`workers.actor.ActorWorker` of role ``teacher``: a frozen model (the teacher's
-path, the actor's model keys otherwise: dtype, attention, remove-padding, shared prompts, logits chunks)
-scoring the student's batch on the packed row like the reference, micro-batched by ``ref.log_prob_*``,
+path and ``teacher_model.dtype``, the actor's model keys otherwise: attention, remove-padding, shared prompts,
+logits chunks) scoring the student's batch at ``teacher_model.temperature`` (1.0, as verl) on the packed
+row like the reference, micro-batched by ``ref.log_prob_*``,
 sequence-parallel as the reference. Both the teacher's and the student's worker get a
 :class:`DistilledSection`: the ``actor_rollout_ref`` section plus the run's ``distillation`` section and
 the tokenizer's id count (the KL of ``forward_kl_topk`` is over those ids).
@@ -83,8 +84,10 @@ def student_section(config: Config, vocab_size: int) -> ActorRolloutRefConfig:
 
 
 def teacher_section(config: Config, vocab_size: int) -> DistilledSection:
-    """The teacher's worker section: the actor's model keys with the teacher's path, the student's tokenizer."""
+    """The teacher's worker section: the actor's model keys with the teacher's path and dtype (``teacher_model.dtype``,
+    null: the actor's), the student's tokenizer."""
     arr = config.actor_rollout_ref
-    model = dataclasses.replace(arr.model, path=teacher_path(config),
+    teacher = config.distillation.teacher_models.teacher_model
+    model = dataclasses.replace(arr.model, path=teacher_path(config), dtype=teacher.dtype or arr.model.dtype,
                                 tokenizer_path=arr.model.tokenizer_path or arr.model.path)
     return _section(config, dataclasses.replace(arr, model=model), vocab_size)

@@ -1,4 +1,4 @@
-"""On-policy distillation's losses on ``(B, R)`` response tensors (verl's ``distillation.distillation_loss``).
+"""On-policy distillation's losses on per-token tensors (verl's ``distillation.distillation_loss``).
 
 Per token (the student ``s``, the teacher ``t``, both log-probs):
 
@@ -7,13 +7,15 @@ Per token (the student ``s``, the teacher ``t``, both log-probs):
   with ``log_prob = s``, ``ref_log_prob = t``;
 * ``forward_kl_topk``: KL(teacher || student) over the teacher's top-k ids plus ONE TAIL BUCKET, the
   mass outside them as one more outcome: ``sum_k p_k (log p_k - log q_k) + p_tail (log p_tail - log
-  q_tail)`` with ``p_tail = 1 - sum_k p_k`` (likewise q). This is the exact KL between the two
-  distributions coarsened to k + 1 outcomes: >= 0 and finite, so verl's ``clamp_min(0)`` (its
-  truncated sum goes negative) is not needed. The tail's log is floored at the dtype's epsilon only
-  where the top-k mass rounds to 1 (``tail_floor_frac`` counts those tokens).
+  q_tail)``. This is the exact KL between the two distributions coarsened to k + 1 outcomes: >= 0
+  and finite, so verl's ``clamp_min(0)`` (its truncated sum goes negative) is not needed. Both
+  inputs carry the tail as their last column, each a log-sum-exp over that model's own logits outside
+  the ids (rlpad.core.topk, rlpad.core.logprob.chunked_log_probs_at), not ``log(1 - sum_k p_k)``:
+  exact when the top-k mass is within 1e-9 of 1, where the subtraction rounds to 0 in fp32.
 
 ``loss_max_clamp`` clamps each token's loss to ``[-c, c]`` (verl's); ``log_prob_min_clamp`` clamps the
-top-k log-probs of ``forward_kl_topk`` from below (verl's; the tail stays unclamped). Then
+top-k log-probs of ``forward_kl_topk`` from below (verl's; the tail stays unclamped). Per-token
+tensors have any leading shape: ``(B, R)`` grids or the ``(N,)`` scored tokens of a packed row. Then
 :func:`distillation_loss`: with ``use_policy_gradient`` the advantage is ``-loss`` (detached) in a vanilla
 PPO term against the old log-probs (Thinking Machines' reverse-KL reward with k1: ``A = -(s - t)``
 per token); without it the loss is aggregated and back-propagated (supervised). :func:`combine` mixes it
@@ -22,43 +24,37 @@ with the task's policy loss (``use_task_rewards``, ``distillation_loss_coef``), 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlpad.algorithms.losses import Normalizer, agg_loss, check_tensors, compute_policy_loss, kl_penalty, token_stat
 from rlpad.config.choices import SAMPLED_TOKEN_MODES, TOPK_MODES
 from rlpad.config.distillation import DistillationLossConfig
 
-__all__ = ["combine", "distillation_loss", "distillation_metrics", "log1mexp", "per_token_losses", "topk_forward_kl"]
-
-
-def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - exp(x))`` for ``x <= 0``, stable at both ends (Maechler's switch at -log 2)."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+__all__ = ["combine", "distillation_loss", "distillation_metrics", "per_token_losses", "topk_forward_kl"]
 
 
 def topk_forward_kl(
     teacher_topk_log_probs: torch.Tensor, student_topk_log_probs: torch.Tensor, log_prob_min_clamp: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token KL(teacher || student) over the top-k ids + the tail bucket: ``(B, R)``, and per-token
-    stats ``(B, R)``: ``teacher_mass`` / ``student_mass`` (top-k mass), ``tail_floored`` (1 where a tail
-    hit the epsilon floor), ``log_prob_clamped`` (fraction of the k entries ``log_prob_min_clamp`` bound)."""
+    """Per-token KL(teacher || student) over the top-k ids + the tail bucket, from ``(..., k + 1)`` log-probs
+    (the k ids', then the tail's), and per-token stats: ``teacher_mass`` / ``student_mass`` (the top-k
+    mass), ``log_prob_clamped`` (fraction of the k entries ``log_prob_min_clamp`` bound). A teacher
+    entry of -inf (an empty tail: k = every row of its head) adds 0, as ``0 log 0`` does."""
     t, s = teacher_topk_log_probs, student_topk_log_probs
-    if t.shape != s.shape or t.dim() != 3:
-        raise ValueError(f"teacher and student top-k log-probs must both be (B, R, k), got {tuple(t.shape)} and "
-                         f"{tuple(s.shape)}")
-    eps = torch.finfo(s.dtype).eps
-    t_mass, s_mass = t.logsumexp(-1), s.logsumexp(-1)
-    floored = (t_mass > -eps) | (s_mass > -eps)
-    t_tail, s_tail = log1mexp(t_mass.clamp(max=-eps)), log1mexp(s_mass.clamp(max=-eps))
-    clamped = torch.zeros_like(t)
+    if t.shape != s.shape or t.dim() < 2 or t.shape[-1] < 2:
+        raise ValueError(f"teacher and student top-k log-probs must both be (..., k + 1) with k >= 1 (the tail "
+                         f"last), got {tuple(t.shape)} and {tuple(s.shape)}")
+    stats = {"teacher_mass": t[..., :-1].logsumexp(-1).exp().detach(),
+             "student_mass": s[..., :-1].logsumexp(-1).exp().detach()}
+    clamped = torch.zeros_like(t[..., :-1])
     if log_prob_min_clamp is not None:
-        clamped = ((t < log_prob_min_clamp) | (s < log_prob_min_clamp)).to(t.dtype)
-        t, s = t.clamp_min(log_prob_min_clamp), s.clamp_min(log_prob_min_clamp)
-    kl = (t.exp() * (t - s)).sum(-1) + t_tail.exp() * (t_tail - s_tail)
-    stats = {"teacher_mass": t_mass.exp().detach(), "student_mass": s_mass.exp().detach(),
-             "tail_floored": floored.to(t.dtype), "log_prob_clamped": clamped.mean(-1)}
+        c = log_prob_min_clamp
+        clamped = ((t[..., :-1] < c) | (s[..., :-1] < c)).to(t.dtype)
+        t = torch.cat([t[..., :-1].clamp_min(c), t[..., -1:]], dim=-1)
+        s = torch.cat([s[..., :-1].clamp_min(c), s[..., -1:]], dim=-1)
+    terms = t.exp() * (t - s)
+    kl = torch.where(torch.isneginf(t), torch.zeros_like(terms), terms).sum(-1)
+    stats["log_prob_clamped"] = clamped.mean(-1)
     return kl, stats
 
 
@@ -70,8 +66,9 @@ def per_token_losses(
     student_topk_log_probs: torch.Tensor | None = None,
     teacher_topk_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(losses (B, R) after loss_max_clamp, stats)``: stats hold ``kl`` (the loss before the clamp),
-    ``loss_clamped`` (1 where the clamp bound) and, for ``forward_kl_topk``, :func:`topk_forward_kl`'s."""
+    """``(losses after loss_max_clamp, stats)``, per token (the log-probs' leading shape): stats hold ``kl``
+    (the loss before the clamp), ``loss_clamped`` (1 where the clamp bound) and, for ``forward_kl_topk``
+    (``(..., k + 1)`` log-probs, the tail last), :func:`topk_forward_kl`'s."""
     mode = config.loss_mode
     if mode in SAMPLED_TOKEN_MODES:
         if student_log_probs is None or teacher_log_probs is None:
@@ -131,13 +128,14 @@ def distillation_metrics(stats: dict[str, torch.Tensor], response_mask: torch.Te
            "kl_max": torch.where(mask, stats["kl"], -torch.inf).amax() if mask.any() else stats["kl"].new_zeros(()),
            "loss_clamp_frac": token_stat(stats["loss_clamped"], response_mask, global_tokens)}
     names = {"teacher_mass": "teacher_topk_mass", "student_mass": "student_topk_mass",
-             "tail_floored": "tail_floor_frac", "log_prob_clamped": "log_prob_clamp_frac"}
+             "log_prob_clamped": "log_prob_clamp_frac"}
     out.update({new: token_stat(stats[old], response_mask, global_tokens) for old, new in names.items() if old in stats})
     return out
 
 
-def combine(config: DistillationLossConfig, task_loss: torch.Tensor, distill_loss: torch.Tensor) -> torch.Tensor:
-    """verl's mix: ``task + distillation_loss_coef * distill`` with ``use_task_rewards``, else ``distill``."""
+def combine(config: DistillationLossConfig, task_loss: torch.Tensor | None, distill_loss: torch.Tensor) -> torch.Tensor:
+    """verl's mix: ``task + distillation_loss_coef * distill`` with ``use_task_rewards``, else ``distill`` (the
+    task's loss is then not read: None)."""
     if config.use_task_rewards:
         return task_loss + config.distillation_loss_coef * distill_loss
     return distill_loss

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpad.config.choices import DISTILLATION_LOSS_MODES, SAMPLED_TOKEN_MODES, TOPK_MODES
+from rlpad.config.choices import DISTILLATION_LOSS_MODES, DTYPES, SAMPLED_TOKEN_MODES, TOPK_MODES
 
 __all__ = ["distillation_problems", "pair_problem", "task_advantages_used", "teacher_problems", "teacher_path",
            "uses_teacher_topk"]
 
 KEY = "distillation.distillation_loss"
-PATH_KEY = "distillation.teacher_models.teacher_model.model_path"
+TEACHER_KEY = "distillation.teacher_models.teacher_model"
+PATH_KEY = f"{TEACHER_KEY}.model_path"
 # Which (loss_mode, use_policy_gradient) pairs train the student toward the teacher: the policy gradient
 # needs k1, and k1 needs the policy gradient (docs/distillation.md#which-pairs-train-toward-the-teacher; each
 # pair's exact expected gradient: tests/test_distillation_gradients.py). Per sampled token y ~ s,
@@ -110,13 +111,29 @@ def distillation_problems(config: Any) -> list[str]:
         problems.append(f"sft.teacher_steps={config.sft.teacher_steps} must be >= 1 (the embedded teacher's steps)")
     if d.enabled and not d.teacher_models.teacher_model.model_path:
         problems.append(f"{PATH_KEY} is missing: distillation.enabled=true needs a teacher")
+    teacher = d.teacher_models.teacher_model
+    if teacher.dtype is not None and teacher.dtype not in DTYPES:
+        problems.append(f"{TEACHER_KEY}.dtype={teacher.dtype!r} is not valid; choose one of {', '.join(DTYPES)} "
+                        "(or null: the actor's model.dtype)")
+    if not (isinstance(teacher.temperature, (int, float)) and teacher.temperature > 0):
+        problems.append(f"{TEACHER_KEY}.temperature={teacher.temperature!r} must be > 0")
+    actor = config.actor_rollout_ref.actor
+    if d.enabled and not loss.use_task_rewards:  # the distillation loss alone: the task's terms would do nothing
+        for key, on in (("use_kl_loss", actor.use_kl_loss), ("entropy_coeff", actor.entropy_coeff != 0)):
+            if on:
+                problems.append(f"actor_rollout_ref.actor.{key}={getattr(actor, key)} has no effect with {KEY}."
+                                "use_task_rewards=false: the distillation loss alone is trained (verl drops the "
+                                f"task's terms too); unset it or set use_task_rewards=true")
     return problems
 
 
-def teacher_problems(path: str, student_tokenizer: Any, student_source: str) -> list[str]:
+def teacher_problems(path: str, student_tokenizer: Any, student_source: str, topk: int | None = None) -> list[str]:
     """The teacher at ``path`` exists, is a causal LM and has the student's tokenizer (the one loaded from
     ``student_source``): a different tokenizer is refused naming both (no cross-tokenizer path). Padded
-    embedding sizes may differ (152064 vs 151936): the KL is taken over the tokenizer's ids."""
+    embedding sizes may differ (152064 vs 151936): the top-k ids are the tokenizer's. ``topk`` (forward_kl_topk)
+    is at most the tokenizer's id count."""
+    if topk is not None and topk > len(student_tokenizer):
+        return [f"{KEY}.topk={topk} is more than the tokenizer's {len(student_tokenizer)} ids (at {student_source!r})"]
     import os
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL

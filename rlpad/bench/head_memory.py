@@ -1,7 +1,8 @@
 """Peak memory of the LM head's log-prob + entropy forward+backward: full logits vs chunked; and of
 on-policy distillation's two head computations (:data:`DISTILL_VARIANTS`): the teacher's top-k
 (forward, no gradient; full logits + ``torch.topk`` vs vocabulary chunks, rlpad.core.topk) and the
-student's log-probs at those k ids (forward+backward; full log-softmax + gather vs the chunked head).
+student's log-probs at those k ids and its tail (forward+backward; full log-softmax + gather vs the
+chunked head), each with the tail bucket's log-mass.
 
 One computation (:func:`head_fwd_bwd`), two ways to measure it:
 
@@ -51,21 +52,29 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _with_tail(log_softmax: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The full-logits twin of the chunked heads' ``(N, k + 1)``: log-probs at ``ids``, then the rest's log-mass."""
+    outside = torch.ones_like(log_softmax, dtype=torch.bool).scatter_(-1, ids, False)
+    rest = torch.where(outside, log_softmax, float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.cat([log_softmax.gather(-1, ids), rest], dim=-1)
+
+
 def head_fwd_bwd(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
     """Log-prob + entropy through the head, then backward of their sum; returns the sum."""
     if variant.startswith("topk_"):
         with torch.no_grad():
             if variant == "topk_full":
-                top = _fp32(hidden @ weight.T).log_softmax(-1).topk(DISTILL_TOPK, dim=-1).values
+                full = _fp32(hidden @ weight.T).log_softmax(-1)
+                top = _with_tail(full, full.topk(DISTILL_TOPK, dim=-1).indices)
             else:
                 top = teacher_topk(hidden, weight, DISTILL_TOPK, token_chunk=chunk)[1]
         return float(top.sum())
     if variant.startswith("at_ids_"):
         ids = (labels[:, None] + torch.arange(DISTILL_TOPK, device=labels.device)) % weight.shape[0]
         if variant == "at_ids_full":
-            at = _fp32(hidden @ weight.T).log_softmax(-1).gather(-1, ids)
+            at = _with_tail(_fp32(hidden @ weight.T).log_softmax(-1), ids)
         else:
-            at = chunked_log_probs_at(hidden, weight, ids, chunk_size=chunk)
+            at = chunked_log_probs_at(hidden, weight, ids, chunk_size=chunk)[0]
         at.sum().backward()
         return float(at.detach().sum())
     if variant == "full":

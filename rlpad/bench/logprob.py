@@ -5,7 +5,8 @@ right-padded, about half valid) on two model sizes (rlpad/bench/models.py); forw
 forward+backward; medians of interleaved repetitions; measured speedup next to the FLOP-ideal one
 (padded FLOPs / remove-padding FLOPs, :mod:`rlpad.bench.flops`). Memory: log-prob + entropy
 forward+backward at vocab 151936 and 4096 tokens, full logits vs chunked LM head, each variant in
-its own process (peak RSS growth, :mod:`rlpad.bench.head_memory`).
+its own process (peak RSS growth, :mod:`rlpad.bench.head_memory`); the bytes a distillation teacher
+hands on per step, jagged vs padded (:mod:`rlpad.bench.teacher_bytes`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rlpad.bench.head_memory import DISTILL_TOPK, DISTILL_VARIANTS, VARIANTS, me
 from rlpad.bench.measure import interleaved_medians, path_rates
 from rlpad.bench.models import bench_model
 from rlpad.bench.table import Table, write_json
+from rlpad.bench.teacher_bytes import run_teacher_bytes
 from rlpad.core.forward import compute_log_probs
 from rlpad.embedded.synthetic import rollout_batch
 
@@ -96,6 +98,15 @@ def tables(result: dict[str, Any]) -> list[Table]:
                          title=f"distillation (forward_kl_topk, k = {DISTILL_TOPK}): the teacher's top-k (fwd) and "
                                f"the student's log-probs at them (fwd+bwd), {first['tokens']} tokens x vocab "
                                f"{first['vocab']}"))
+    tb = result.get("teacher_bytes")
+    if tb:
+        rows = [[layout, f"{tb[layout]['bytes'] / 2**20:.1f}", f"{tb[layout]['pickled'] / 2**20:.1f}",
+                 f"{tb[layout]['step_gb']:.2f}"] for layout in ("padded", "jagged")]
+        step = tb["step"]
+        out.append(Table(["layout", "MiB held", "MiB pickled", f"GB per step (B {step['rows']}, R {step['response']})"],
+                         rows, notes=[f"jagged / padded: {tb['ratio']:.3f}"],
+                         title=f"distillation: the teacher's top-k (k = {tb['topk']}) per step, {tb['rows']} rows x "
+                               f"{tb['response']} response positions, {tb['scored']} scored"))
     return out
 
 
@@ -107,6 +118,7 @@ def run(models: Sequence[str] | None = None, *, reps: int = 3, memory: bool = Tr
         "speed": [bench_speed(name, reps=reps) for name in (models or DEFAULT_MODELS)],
         "memory": [measure_in_subprocess(v) for v in VARIANTS] if memory else [],
         "distill_memory": [measure_in_subprocess(v) for v in DISTILL_VARIANTS] if memory else [],
+        "teacher_bytes": run_teacher_bytes() if memory else None,
     }
     if out:
         write_json(result, out)

@@ -43,6 +43,12 @@ class TeacherModelConfig:
     """One teacher: a causal LM sharing the student's tokenizer."""
 
     model_path: str | None = None  # a local HF checkpoint, tiny:<arch> or embedded-teacher:<task> (built in set-up)
+    # The teacher's weights: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16); null: the actor's model.dtype
+    # (verl's teacher is a vLLM server in the rollout's dtype, bf16 by default: set bfloat16 for that)
+    dtype: str | None = None
+    # The softmax temperature the teacher scores at (its log-probs and top-k); verl scores the teacher at 1.0
+    # whatever the rollout's (the student's log-probs stay at the rollout temperature, as its sampling)
+    temperature: float = 1.0
 
 
 @dataclass

@@ -17,12 +17,21 @@ import functools
 
 import torch
 
-__all__ = ["HEAD_PATHS", "TORCH", "TORCH_CUDA", "TRITON", "addmm_fp32_", "choose_head", "head_path", "mm_fp32",
-           "triton_missing"]
+__all__ = ["HEAD_CHUNK_BYTES", "HEAD_PATHS", "TORCH", "TORCH_CUDA", "TRITON", "addmm_fp32_", "choose_head",
+           "chunk_tokens", "head_path", "mm_fp32", "triton_missing"]
 
 TORCH, TRITON, TORCH_CUDA = "torch", "triton", "torch_cuda"
 HEAD_PATHS = (TORCH, TRITON, TORCH_CUDA)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# The chunked heads of distillation (rlpad.core.distill_scoring) with logits_chunk_size null: as many tokens as
+# keep one chunk's fp32 logits (tokens x columns x 4 B) within this; a chunk holds up to ~4 such blocks at once
+# (logits, softmax, the tail's and the gradient's), so ~0.5 GiB at any vocabulary: 220 tokens at 151936 rows.
+HEAD_CHUNK_BYTES = 128 << 20
+
+
+def chunk_tokens(chunk_size: int | None, columns: int, budget: int = HEAD_CHUNK_BYTES) -> int:
+    """``chunk_size`` (tokens) when set, else the tokens whose fp32 logits over ``columns`` fit ``budget`` bytes."""
+    return chunk_size or max(1, budget // (4 * max(1, columns)))
 
 
 @functools.cache

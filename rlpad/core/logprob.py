@@ -67,58 +67,83 @@ def _centred_mean(z, z_max, e, total, rows: int = 256):
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """Log-prob and entropy through the LM head, one chunk of tokens at a time.
+    """Log-probs of L labels per token, the entropy and (``tail_from``) the tail bucket's log-mass
+    through the LM head, one chunk of tokens at a time.
 
-    Nothing of size (N, V) is saved: backward recomputes each chunk's logits and forms the
-    gradient in closed form, d logp/dz = onehot(y) - p and dH/dz = -p (z - E_p[z]), writing the
-    weight gradient into one buffer with addmm_. ``lowp`` (the ``torch_cuda`` head: bf16 / fp16 on
-    CUDA without Triton): fp32-output logits, and both gradient GEMMs take the gradient rounded to
-    the weight's dtype (tensor cores, fp32 accumulation) instead of an fp32 GEMM.
+    Nothing of size (N, V) is saved: backward recomputes each chunk's logits and forms the gradient in
+    closed form, ``d log p(y)/dz = onehot(y) - p``, ``dH/dz = -p (z - E_p[z])`` and, for the tail
+    ``T = log sum_{v not in Y} p_v`` (Y: labels[:, tail_from:]), ``dT/dz = 1[v not in Y] p_v / p_T - p``;
+    the weight gradient goes into one buffer with addmm_. The tail is a log-sum-exp over the logits
+    outside Y, exact however close the labels' mass is to 1. ``lowp`` (the ``torch_cuda`` head: bf16 /
+    fp16 on CUDA without a fused kernel): fp32-output logits, and both gradient GEMMs take the gradient
+    rounded to the weight's dtype (tensor cores, fp32 accumulation) instead of an fp32 GEMM.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy, lowp=False):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, calculate_entropy, lowp=False,
+                tail_from=None):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        ids = labels.view(labels.shape[0], -1)  # (N, K): K = 1 for (N,) labels
+        ids = labels.view(labels.shape[0], -1)  # (N, L): L = 1 for (N,) labels
         log_probs = hidden.new_empty(ids.shape, dtype=acc)
         entropy = hidden.new_empty(hidden.shape[0], dtype=acc)
+        tail = hidden.new_zeros(hidden.shape[0] if tail_from is not None else 0, dtype=acc)
         for s in range(0, hidden.shape[0], chunk_size):
             e = s + chunk_size
+            chunk_ids = ids[s:e].long()
             z, _, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, probs=False, lowp=lowp)
-            log_probs[s:e] = z.gather(-1, ids[s:e]) - lse[:, None]
+            log_probs[s:e] = z.gather(-1, chunk_ids) - lse[:, None]
             entropy[s:e] = lse - mean_z
+            if tail_from is not None:  # the logits outside the tail's labels, in z's own buffer
+                tail[s:e] = z.scatter_(-1, chunk_ids[:, tail_from:], float("-inf")).logsumexp(dim=-1) - lse
         log_probs = log_probs.view(labels.shape)
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.temperature, ctx.chunk_size, ctx.lowp = temperature, chunk_size, lowp
+        ctx.save_for_backward(hidden, weight, bias, labels, tail)
+        ctx.temperature, ctx.chunk_size, ctx.lowp, ctx.tail_from = temperature, chunk_size, lowp, tail_from
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None: its term is dropped
         if not calculate_entropy:
             ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        if tail_from is None:
+            ctx.mark_non_differentiable(tail)
+        return log_probs, entropy, tail
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, bias, labels = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk_size
+    def backward(ctx, grad_log_probs, grad_entropy, grad_tail):
+        hidden, weight, bias, labels, tail = ctx.saved_tensors
+        temperature, chunk, tail_from = ctx.temperature, ctx.chunk_size, ctx.tail_from
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        nothing = (None,) * 9
+        if grad_log_probs is None and grad_entropy is None and grad_tail is None:
+            return nothing
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
-        ids = labels.view(labels.shape[0], -1)  # (N, K)
+        ids = labels.view(labels.shape[0], -1)  # (N, L)
         if grad_log_probs is not None:
             grad_log_probs = grad_log_probs.reshape(ids.shape)
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
-            z, p, _, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, lowp=ctx.lowp)
-            g_lp = grad_log_probs[s:e] if grad_log_probs is not None else z.new_zeros(z.shape[0], 1)
-            g_sum = g_lp.sum(dim=-1, keepdim=True) if g_lp.shape[1] > 1 else g_lp
-            # g = -p * (sum_k g_k + g_H * (z - E_p[z])) + sum_k g_k * onehot(y_k), built in z's buffer
+            chunk_ids = ids[s:e].long()
+            z, p, lse, mean_z = _chunk_stats(hidden[s:e], weight, bias, temperature, lowp=ctx.lowp)
+            g_lp = grad_log_probs[s:e] if grad_log_probs is not None else None
+            g_sum = z.new_zeros(z.shape[0], 1) if g_lp is None else g_lp.sum(dim=-1, keepdim=True).to(z.dtype)
+            outside = None
+            if grad_tail is not None:  # 1[v not in Y] p_v / p_T = exp(z - lse - T) off the tail's labels
+                g_tail = grad_tail[s:e, None].to(z.dtype)
+                g_sum = g_sum + g_tail
+                outside = torch.sub(z, (lse + tail[s:e])[:, None]).exp_()
+                outside.scatter_(-1, chunk_ids[:, tail_from:], 0.0).mul_(g_tail)
+            # g = -p * (sum_k g_k + g_T + g_H * (z - E_p[z])) + sum_k g_k onehot(y_k) + g_T 1[not in Y] p / p_T
             if grad_entropy is not None:
                 z.sub_(mean_z[:, None]).mul_(grad_entropy[s:e, None]).add_(g_sum)
             else:
                 z.copy_(g_sum.expand_as(z))
             g = z.mul_(p).neg_()
             del p
-            g.scatter_add_(-1, ids[s:e] if grad_log_probs is not None else ids[s:e, :1], g_lp.to(g.dtype))
+            if g_lp is not None:
+                g.scatter_add_(-1, chunk_ids, g_lp.to(g.dtype))
+            if outside is not None:
+                g.add_(outside)
+                del outside
             if temperature != 1.0:
                 g.div_(temperature)
             if grad_b is not None:
@@ -133,7 +158,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hidden[s:e].to(acc))
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, *nothing[3:]
 
 
 def chunked_log_probs_and_entropy(
@@ -169,8 +194,8 @@ def chunked_log_probs_and_entropy(
         log_probs, entropy = triton_log_probs_and_entropy(hidden, weight, labels, bias=bias, temperature=temperature,
                                                           chunk_size=chunk_size, calculate_entropy=calculate_entropy)
     else:
-        log_probs, entropy = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size,
-                                                calculate_entropy, path == TORCH_CUDA)  # fmt: skip
+        log_probs, entropy, _ = _ChunkedHead.apply(hidden, weight, bias, labels, temperature, chunk_size,
+                                                   calculate_entropy, path == TORCH_CUDA)  # fmt: skip
     return log_probs, entropy if calculate_entropy else None
 
 
@@ -179,33 +204,49 @@ def chunked_log_probs_at(
     weight: torch.Tensor,
     ids: torch.Tensor,
     *,
+    labels: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    calculate_entropy: bool = False,
     head: str | None = None,
-) -> torch.Tensor:
-    """Log-probs ``(N, K)`` of ``ids (N, K)`` (e.g. a teacher's top-k) under the head ``weight (V, H)``.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(at (N, K + 1), label log-probs (N,) | None, entropy (N,) | None)`` through the head ``weight (V, H)``
+    in ONE pass: ``at`` holds the log-probs of ``ids (N, K)`` (e.g. a teacher's top-k, distinct per row)
+    then the log of the mass outside them (the tail bucket, a log-sum-exp over the other logits: exact
+    however close the ids' mass is to 1; K = 0: ``at`` is (N, 0), the labels alone); ``labels (N,)``
+    (the sampled tokens) and the entropy come from the same logits, equal to
+    :func:`chunked_log_probs_and_entropy`'s on the ``torch`` head.
 
-    The same chunked head as :func:`chunked_log_probs_and_entropy` (one label per token is K = 1):
-    ``chunk_size`` tokens at a time, the backward recomputing each chunk and forming
-    ``d/dz sum_k g_k log p(y_k) = sum_k g_k onehot(y_k) - p sum_k g_k`` in closed form, so no
-    (N, V) tensor exists. Differentiable with respect to ``hidden``, ``weight`` and ``bias``.
+    The chunked head of :func:`chunked_log_probs_and_entropy` (``chunk_size`` tokens at a time, each
+    recomputed in backward, gradients in closed form), so no (N, V) tensor exists. Differentiable with
+    respect to ``hidden``, ``weight`` and ``bias``. On CUDA in bf16 / fp16 it runs the ``torch_cuda``
+    arithmetic (fp32-output logits, gradient GEMMs in the weight's dtype): the fused Triton kernel
+    scores one label and no tail; ``rlpad.core.distill_scoring`` runs the sampled tokens of a
+    distilling actor through here too, so its old log-probs and its update's share one arithmetic.
     """
-    if ids.dim() != 2:
-        raise ValueError(f"ids must be (N, K), got {tuple(ids.shape)}")
-    check_head_inputs(hidden, weight, ids[:, 0], bias, temperature, chunk_size)
-    if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"ids must be (N, K) with N = hidden's {hidden.shape[0]} rows, got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"ids must be integer token ids, got {ids.dtype}")
+    if labels is None and not ids.shape[1]:
+        raise ValueError("chunked_log_probs_at needs ids (N, K >= 1) or labels (N,)")
+    first = labels if labels is not None else ids[:, 0].long()
+    check_head_inputs(hidden, weight, first, bias, temperature, chunk_size)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
         raise ValueError(f"ids must lie in [0, {weight.shape[0]}) (the head's rows), got [{int(ids.min())}, "
                          f"{int(ids.max())}]")
     if head is not None and head not in HEAD_PATHS:
         raise ValueError(f"unknown LM head {head!r}; use one of {HEAD_PATHS} or None (the dispatch's choice)")
     path = head or head_path(hidden, weight)
-    # Hook for the fused Triton head: it scores one label per token today, so K ids per token run the
-    # torch_cuda arithmetic (fp32-output logits, bf16 gradient GEMMs) until a K-label kernel exists.
-    if path == TRITON:
-        path = TORCH_CUDA
-    log_probs, _ = _ChunkedHead.apply(hidden, weight, bias, ids, temperature, chunk_size, False, path == TORCH_CUDA)
-    return log_probs
+    lowp = path in (TRITON, TORCH_CUDA)  # the fused kernel scores one label and no tail: its torch_cuda twin
+    lead = 0 if labels is None else 1
+    columns = ids if labels is None else torch.cat([labels[:, None], ids.long()], dim=1)
+    tail_from = lead if ids.shape[1] else None  # no ids: no tail (the labels' pass of a distilling actor)
+    log_probs, entropy, tail = _ChunkedHead.apply(hidden, weight, bias, columns, temperature, chunk_size,
+                                                  calculate_entropy, lowp, tail_from)
+    at = torch.cat([log_probs[:, lead:], tail[:, None]], dim=1) if tail_from is not None else log_probs[:, lead:]
+    return at, log_probs[:, 0] if labels is not None else None, entropy if calculate_entropy else None
 
 
 def check_head_inputs(hidden, weight, labels, bias, temperature, chunk_size) -> None:
