@@ -12,12 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlpad.config.choices import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
+from rlpad.core.vision import is_vl_config, vl_attn_implementation
 
 __all__ = ["DTYPES", "MODEL_SOURCES", "ModelSource", "empty_causal_lm", "empty_pretrained", "load_causal_lm", "load_pretrained", "load_tokenizer",
            "model_config", "model_source", "parse_dtype", "register_model_source", "require_folder"]
@@ -100,7 +101,8 @@ def load_causal_lm(
     share_prompts: bool = False,
     sequence_parallel: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM from a local checkpoint ``path`` or a registered source's path (``tiny:<arch>``).
+    """A causal LM from a local checkpoint ``path`` or a registered source's path (``tiny:<arch>``); a
+    Qwen2(.5)-VL folder loads as its ``*ForConditionalGeneration`` (no ``trust_remote_code`` needed).
 
     ``attn_device``: where the model will run, when it is loaded elsewhere first (default ``device``).
 
@@ -117,10 +119,17 @@ def load_causal_lm(
         return _guarded(found[0].model(found[1], torch_dtype, attn).to(device))
     if not os.path.isdir(path):
         raise _not_a_folder("model", path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
-    )
+    auto, attn = _auto_class(model_config(path, trust_remote_code), attn)
+    model = auto.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
     return _guarded(model.to(device))
+
+
+def _auto_class(config: PretrainedConfig, attn: str) -> tuple[type, str | dict[str, str]]:
+    """The auto class and attention of a causal LM: a VL model (Qwen2(.5)-VL) is a
+    ``*ForConditionalGeneration`` whose vision tower gets its own attention (rlpad.core.vision)."""
+    if is_vl_config(config):
+        return AutoModelForImageTextToText, vl_attn_implementation(attn)
+    return AutoModelForCausalLM, attn
 
 
 def _guarded(model: PreTrainedModel) -> PreTrainedModel:
@@ -151,11 +160,9 @@ def empty_causal_lm(
     torch_dtype = parse_dtype(dtype)
     attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts, sequence_parallel)
     config = model_config(path, trust_remote_code)
+    auto, attn = _auto_class(config, attn)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype, attn_implementation=attn,
-            trust_remote_code=trust_remote_code,
-        )
+        model = auto.from_config(config, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
     return _guarded(model.eval())
 
 

@@ -2,7 +2,8 @@
 
 Used by the tests, ``rlpad check``, the benchmarks and the embedded default recipe. Importing this
 module registers the ``tiny:<arch>`` model paths with :mod:`rlpad.core.models` (random, seed 0).
-Head sizes are multiples of 32 so the same models run in vLLM's CPU attention.
+Head sizes are multiples of 32 so the same models run in vLLM's CPU attention. The vision-language
+architectures (``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``) are built by :mod:`rlpad.embedded.tiny_vl`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlpad.core.models import ModelSource, register_model_source
-from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, tiny_heads
+from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, VL_ARCHITECTURES, tiny_heads
 
 __all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model", "tiny_reward_model"]
 
@@ -37,10 +38,17 @@ def tiny_config(
     """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`).
 
     Query heads = ``hidden_size // head_dim`` (vLLM derives the head size that way), so
-    ``head_dim`` must divide ``hidden_size``; explicit head counts in ``overrides`` win.
+    ``head_dim`` must divide ``hidden_size``; explicit head counts in ``overrides`` win. A VL
+    architecture's config comes from :func:`rlpad.embedded.tiny_vl.tiny_vl_config`.
     """
+    if arch in VL_ARCHITECTURES:
+        from rlpad.embedded.tiny_vl import tiny_vl_config
+
+        return tiny_vl_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                              intermediate_size=intermediate_size, head_dim=head_dim,
+                              max_position_embeddings=max_position_embeddings, **overrides)  # fmt: skip
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES) + sorted(VL_ARCHITECTURES)}")
     if hidden_size % head_dim:
         raise ValueError(f"head_dim={head_dim} must divide hidden_size={hidden_size}")
     fields = dict(ARCHITECTURES[arch])
@@ -75,8 +83,15 @@ def tiny_model(
     device: torch.device | str = "cpu",
     **config_overrides: Any,
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``), built on ``device``."""
+    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``), built on ``device``
+    (a VL architecture: its ``*ForConditionalGeneration``, :func:`rlpad.embedded.tiny_vl.tiny_vl_model`)."""
     from rlpad.core.attention import VARLEN_ATTENTION  # registers the varlen attention
+
+    if arch in VL_ARCHITECTURES:
+        from rlpad.embedded.tiny_vl import tiny_vl_model
+
+        return tiny_vl_model(arch, seed=seed, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                             **config_overrides)  # fmt: skip
 
     config = tiny_config(arch, **config_overrides)
     device = torch.device(device)
