@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.rewards import RewardConfig, RewardModelConfig
+from rlpad.config.vision import ActorVisionKeys, DataVisionKeys, RolloutVisionKeys
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config",
@@ -129,7 +130,7 @@ class PolicyLossConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(ActorVisionKeys):
     """The policy update: PPO-clip loss, batching and KL loss (workers/actor.py)."""
 
     ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n (verl semantics)
@@ -207,7 +208,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(RolloutVisionKeys):
     """Generation: the engine, its sampling and sizing, and the log-prob micro-batches of the old policy."""
 
     name: str = "vllm"  # the rollout backend, a name in rlpad.rollout.BACKENDS (vllm, hf)
@@ -310,7 +311,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataVisionKeys):
     """Prompt files (parquet/jsonl in verl's columns, rlpad/data.py), batch size and lengths."""
 
     train_files: list[str] = field(default_factory=list)  # training prompts (.parquet/.jsonl) or <task>:train

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class ModelSource:
     config: Callable[[str], PretrainedConfig]  # name -> the model's config
     model: Callable[[str, torch.dtype, str], PreTrainedModel]  # (name, dtype, attn implementation) -> model on CPU
     tokenizer: Callable[[str], PreTrainedTokenizerBase]  # name -> its tokenizer (left padding)
+    image_processor: Callable[[str], Any] | None = None  # name -> its image processor (None: a text model's)
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {}  # path prefix (ending in ":") -> its source
