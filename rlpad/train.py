@@ -33,6 +33,9 @@ from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
+from rlpad.multimodal.checks import vl_config_problems
+from rlpad.multimodal.processor import load_vl_processor
+from rlpad.multimodal.prompts import PromptImages
 from rlpad.training.metrics import cpu_kernels
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.rules import reward_source_problems
@@ -187,6 +190,7 @@ class Prepared:
 
     config: Config
     tokenizer: Any
+    processor: Any  # a vision-language model's rlpad.multimodal.processor.VLProcessor; None for a text model
     train_loader: PromptLoader
     val_dataset: PromptDataset | None
     reward_fn: Callable[..., Any]
@@ -211,16 +215,28 @@ def prepare(config: Config) -> Prepared:
         problems = teacher_problems(teacher_path(config), tokenizer, model_cfg.tokenizer_path or model_cfg.path)
         if problems:
             raise ValueError(problems[0])
+    processor, images = _vl_inputs(config, tokenizer)
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
-    train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
+    train_loader, val_dataset = build_datasets(config.data, tokenizer, tools, images)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
     if problems := reward_source_problems(config.reward.function_spec, sources):
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
-    return Prepared(config, tokenizer, train_loader, val_dataset,
+    return Prepared(config, tokenizer, processor, train_loader, val_dataset,
                     build_reward(config.reward, _reward_model_inputs(config, tokenizer), _judge(config, tokenizer)))
+
+
+def _vl_inputs(config: Config, tokenizer: Any) -> tuple[Any, PromptImages]:
+    """A vision-language model's processor (None for a text model) and the datasets' image columns,
+    after the recipe's VL checks (rlpad.multimodal.checks)."""
+    model, data = config.actor_rollout_ref.model, config.data
+    processor = load_vl_processor(model.path, tokenizer, data.mm_processor_kwargs)
+    if problems := vl_config_problems(config, processor is not None):
+        raise ValueError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+    return processor, PromptImages(processor, image_key=data.image_key, video_key=data.video_key,
+                                   limit_images=config.actor_rollout_ref.rollout.limit_images, model_path=model.path)
 
 
 def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:

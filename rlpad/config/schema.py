@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.rewards import RewardConfig, RewardModelConfig
-from rlpad.config.vision import ActorVisionKeys, DataVisionKeys, RolloutVisionKeys
+from rlpad.config.vision import DataVisionKeys, RolloutVisionKeys
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config",
@@ -130,7 +130,7 @@ class PolicyLossConfig:
 
 
 @dataclass
-class ActorConfig(ActorVisionKeys):
+class ActorConfig:
     """The policy update: PPO-clip loss, batching and KL loss (workers/actor.py)."""
 
     ppo_mini_batch_size: int = 16  # in prompts, multiplied by rollout.n (verl semantics)

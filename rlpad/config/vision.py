@@ -1,13 +1,13 @@
 """The schema's vision-language keys (verl's names), mixed into their sections of schema.py: the data
-section's image column and processor options, the actor's frozen vision tower, the rollout's image limit
-and engine options (docs/vision.md)."""
+section's image column and processor options, the rollout's image limit and engine options
+(docs/vision.md). The actor's ``freeze_vision_tower`` is in schema.py's ActorConfig."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ActorVisionKeys", "DataVisionKeys", "RolloutVisionKeys"]
+__all__ = ["DataVisionKeys", "RolloutVisionKeys"]
 
 
 @dataclass
@@ -20,15 +20,6 @@ class DataVisionKeys:
     # scoring workers need it, so false is refused for a vision-language model
     return_multi_modal_inputs: bool = True
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # image processor options: min_pixels, max_pixels
-
-
-@dataclass
-class ActorVisionKeys:
-    """The actor's vision key (verl's)."""
-
-    # a vision-language model's vision tower gets no gradient and no optimizer state, and is not re-sent to
-    # the engines on weight sync
-    freeze_vision_tower: bool = False
 
 
 @dataclass
