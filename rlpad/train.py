@@ -31,7 +31,7 @@ from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
-from rlpad.embedded.tasks import TASKS, get_task
+from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_spec
 from rlpad.lora.adapters import check_lora
 from rlpad.multimodal.checks import vl_config_problems
 from rlpad.multimodal.processor import load_vl_processor
@@ -60,16 +60,16 @@ def _embedded_task(path: str, key: str) -> str | None:
     if not path.startswith(EMBEDDED_PREFIX):
         return None
     task = path[len(EMBEDDED_PREFIX):]
-    if task not in TASKS:
+    if task not in TASKS and task not in VL_TASKS:
         raise ValueError(f"{key}={path!r}: unknown embedded model; use one of "
-                         f"{[EMBEDDED_PREFIX + t for t in TASKS]}")
+                         f"{[EMBEDDED_PREFIX + t for t in [*TASKS, *VL_TASKS]]}")
     return task
 
 
 def _embedded_data_task(name: str) -> str | None:
     """The task of a ``<task>:train`` / ``<task>:val`` data name (None for a file path)."""
     task, sep, split = name.partition(":")
-    if not sep or task not in TASKS:
+    if not sep or (task not in TASKS and task not in VL_TASKS):
         return None
     if split not in ("train", "val"):
         raise ValueError(f"data files: unknown embedded dataset {name!r}; use {task}:train or {task}:val")
@@ -85,7 +85,8 @@ def resolve_embedded(config: Config) -> Config:
         from rlpad.embedded.sft import warm_start
 
         embedded = model.path
-        model.path = warm_start(config.sft, seed=0, task=task, verbose=False)
+        model.path = (VL_TASKS[task].warm_start(config.sft) if task in VL_TASKS else
+                      warm_start(config.sft, seed=0, task=task, verbose=False))
         if config.critic.model.path == embedded:
             config.critic.model.path = model.path
     teacher = config.distillation.teacher_models.teacher_model
@@ -127,7 +128,7 @@ def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
 
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
-    spec = get_task(task)
+    spec = dataset_spec(task)
     out = os.path.join(cache_root(sft), spec.dataset_tag(sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"

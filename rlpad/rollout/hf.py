@@ -19,7 +19,7 @@ from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.core.models import load_causal_lm, load_tokenizer
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.rollout.base import NamedTensors, RolloutBackend, Sampling, eos_token_ids, named_pairs
-from rlpad.rollout.images import generate_image_inputs
+from rlpad.multimodal.generate import generate_image_inputs
 
 __all__ = ["HFRollout"]
 

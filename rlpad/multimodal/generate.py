@@ -1,6 +1,6 @@
 """A VL rollout's images, shaped for generation: the rows' ``multi_modal_inputs`` (one mapping per row,
 ``{}`` for a text-only row) as the keyword arguments transformers' Qwen2(.5)-VL ``generate`` takes, and
-the engine-side checks (``rollout.limit_images``)."""
+the check that each row's image-pad tokens match its grids."""
 
 from __future__ import annotations
 
