@@ -159,6 +159,7 @@ class ActorConfig:
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
+    freeze_vision_tower: bool = False  # a VL model: the vision tower gets no gradient and no optimizer state, never re-sent to the engines
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

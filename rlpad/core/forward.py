@@ -42,7 +42,7 @@ from rlpad.core.lm_head import TORCH, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
-from rlpad.core.vision import padded_positions, run_backbone, with_images
+from rlpad.core.vision import check_images, padded_positions, run_backbone, with_images
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
            "groups_to_share", "head_log_probs", "scoring_hidden_states"]
@@ -93,10 +93,12 @@ def check_model_inputs(
     share_prompts: bool = False,
     sp: SequenceParallel | None = None,
     response_mask: torch.Tensor | None = None,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> None:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
     ``model``; ``response_mask`` inside the response's attention mask) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
-    for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding)."""
+    for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding); a VL model's
+    images (:func:`rlpad.core.vision.check_images`)."""
     check_share_prompts(use_remove_padding, share_prompts)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
@@ -104,6 +106,7 @@ def check_model_inputs(
                           response_length, response_mask)  # fmt: skip
     if use_remove_padding:
         require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
+    check_images(model, input_ids, attention_mask, multi_modal_inputs)
     if sp is not None:
         config = model.config
         kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
@@ -267,7 +270,7 @@ def compute_log_probs(
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
                            use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
-                           response_mask=response_mask)  # fmt: skip
+                           response_mask=response_mask, multi_modal_inputs=multi_modal_inputs)  # fmt: skip
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,

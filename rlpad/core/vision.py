@@ -23,15 +23,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from rlpad.config.choices import VL_MODEL_TYPES  # the VL architectures the scoring core runs
 from rlpad.core.mrope import lm_positions, mrope_positions
 
 __all__ = ["MM_KEY", "VL_MODEL_TYPES", "RowImages", "image_features", "is_vl", "is_vl_config", "language_model",
            "padded_positions", "row_images", "run_backbone", "split_groups_by_images", "vision_attention",
-           "vl_attn_implementation", "vl_rope_positions", "with_images"]
+           "vision_tower", "vl_attn_implementation", "vl_rope_positions", "with_images", "check_images",
+           "freeze_vision_tower"]
 
 MM_KEY = "multi_modal_inputs"  # the per-row non-tensor field (verl's name)
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"
-VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # the VL architectures the scoring core runs
 # The vision tower's attention: bidirectional within each image (window), so never rlpad_varlen's
 # causal kernel; flash-attn's where the language model runs it (transformers passes is_causal=False).
 _VISION_SAME_AS_TEXT = ("flash_attention_2", "flash_attention_3")
@@ -62,6 +63,36 @@ def vision_attention(text_attention: str) -> str:
 def vl_attn_implementation(text_attention: str) -> dict[str, str]:
     """transformers' per-sub-config ``attn_implementation`` of a VL model."""
     return {"": text_attention, "text_config": text_attention, "vision_config": vision_attention(text_attention)}
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The vision tower of a VL model or its backbone (``model.model.visual``); None for a text model."""
+    return _backbone(model).visual if is_vl(model) else None
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """A VL ``*ForConditionalGeneration``'s backbone (the module holding ``visual``), or ``model`` itself."""
+    return model if hasattr(model, "visual") else getattr(model, model.base_model_prefix, model)
+
+
+def freeze_vision_tower(model: nn.Module) -> None:
+    """``actor.freeze_vision_tower``: the tower's parameters stop requiring gradients (no gradient, no
+    optimizer state, never re-sent to the engines); ValueError for a text-only model."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"freeze_vision_tower=true needs a vision-language model ({list(VL_MODEL_TYPES)}), "
+                         f"the model is {getattr(model.config, 'model_type', '?')!r}")
+    tower.requires_grad_(False)
+
+
+def check_images(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 multi_modal_inputs: Sequence[Mapping] | None) -> None:
+    """ValueError (one line, before any compute) unless ``multi_modal_inputs`` fit the model and the
+    batch: images only for a VL model, one mapping per row, pixels matching their grids and each row's
+    image-pad tokens matching its images (:func:`with_images` on the batch's host copy)."""
+    from rlpad.core.host_plan import HostBatch
+
+    with_images(_backbone(model), HostBatch.of(input_ids, attention_mask, None), multi_modal_inputs)
 
 
 def language_model(backbone: nn.Module) -> nn.Module:

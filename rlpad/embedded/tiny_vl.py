@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConf
 from rlpad.core.vision import vl_attn_implementation
 from rlpad.embedded.shapes import TINY_DEFAULTS, VL_ARCHITECTURES, VL_TOKEN_IDS, VL_VISION
 
-__all__ = ["tiny_vl_config", "tiny_vl_model"]
+__all__ = ["tiny_vl_config", "tiny_vl_model", "tiny_vl_reward_model"]
 
 def tiny_vl_config(
     arch: str = "qwen2_5_vl",
@@ -96,4 +96,17 @@ def tiny_vl_model(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def tiny_vl_reward_model(arch: str = "qwen2_5_vl", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         attn_implementation: str | None = None, **config_overrides: Any) -> PreTrainedModel:
+    """A tiny VL model with a reward head: :func:`tiny_vl_model` plus ``score = Linear(hidden, 1)``
+    drawn N(0, 1) (transformers has no Qwen2(.5)-VL ``*ForSequenceClassification``; the core's reward
+    path reads ``score`` and the VL backbone, :func:`rlpad.core.reward_model.compute_scores`)."""
+    model = tiny_vl_model(arch, seed=seed, dtype=dtype, attn_implementation=attn_implementation, **config_overrides)
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.score = torch.nn.Linear(model.config.get_text_config().hidden_size, 1, bias=False, dtype=dtype)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=gen))
     return model.eval()

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 import torch
 
+from rlpad.batch import Batch
 from rlpad.core.layout import position_ids_from_mask
+from rlpad.core.vision import MM_KEY
 from rlpad.embedded.shapes import VL_TOKEN_IDS, VL_VISION
 
-__all__ = ["PATCH_DIM", "vl_rollout_batch"]
+__all__ = ["PATCH_DIM", "vl_ppo_batch", "vl_rollout_batch"]
 
 PATCH_DIM = 3 * VL_VISION["temporal_patch_size"] * VL_VISION["patch_size"] ** 2  # 1176, the processor's
 TEXT_IDS = (3, 80)  # the character tokenizer's ids [lo, hi): never a special or vision token
@@ -71,3 +75,22 @@ def vl_rollout_batch(
     tensors = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                    responses=responses, response_mask=mask[:, prompt_cols:].clone())
     return tensors, multi_modal_inputs
+
+
+def vl_ppo_batch(image_grids: Sequence[Sequence[tuple[int, int, int]]], response_length: int, *, n: int = 1,
+                 seed: int = 0, vocab_size: int = 128, **kwargs) -> Batch:
+    """A :class:`Batch` of :func:`vl_rollout_batch` rows with every key the workers read: the tensors,
+    ``multi_modal_inputs``, ``advantages`` / ``returns`` / ``values`` ~ N(0, 1) and ``old_log_probs`` /
+    ``ref_log_probs`` near a random model's (log(1/V) + N(0, 0.2)); zeros off the response mask."""
+    tensors, mm = vl_rollout_batch(image_grids, response_length, n=n, seed=seed, **kwargs)
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = tensors["response_mask"].float()
+    rows = mask.shape[0]
+
+    def noise(scale: float) -> torch.Tensor:
+        return torch.randn(rows, response_length, generator=gen) * scale * mask
+
+    base = -math.log(vocab_size) * mask
+    tensors.update(advantages=noise(1.0), returns=noise(1.0), values=noise(1.0),
+                   old_log_probs=base + noise(0.2), ref_log_probs=base + noise(0.2))  # fmt: skip
+    return Batch(tensors, {MM_KEY: mm})
