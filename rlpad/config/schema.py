@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.rewards import RewardConfig, RewardModelConfig
+from rlpad.config.vision import DataVisionKeys, RolloutVisionKeys
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config",
@@ -208,7 +209,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(RolloutVisionKeys):
     """Generation: the engine, its sampling and sizing, and the log-prob micro-batches of the old policy."""
 
     name: str = "vllm"  # the rollout backend, a name in rlpad.rollout.BACKENDS (vllm, hf)
@@ -311,7 +312,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataVisionKeys):
     """Prompt files (parquet/jsonl in verl's columns, rlpad/data.py), batch size and lengths."""
 
     train_files: list[str] = field(default_factory=list)  # training prompts (.parquet/.jsonl) or <task>:train
