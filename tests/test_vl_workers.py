@@ -178,3 +178,11 @@ def test_pixel_rows_travel_with_their_row(tmp_path):
     for i, j in enumerate(order.tolist()):
         assert torch.equal(moved["input_ids"][i], b["input_ids"][j])
         assert (not b[MM_KEY][j]) or torch.equal(moved[MM_KEY][i]["pixel_values"], b[MM_KEY][j]["pixel_values"])
+
+
+def test_sequence_parallelism_with_images_is_refused_at_config_load():
+    from rlpad.recipe.load import config_from_dict
+
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2: sequence parallelism with images is not built"):
+        config_from_dict({}, ["actor_rollout_ref.model.path=tiny:qwen2_5_vl", "trainer.n_gpus_per_node=2",
+                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])

@@ -43,8 +43,8 @@ VL_SHAPES: dict[str, dict[str, Any]] = {
                     max_text=24, response=48, device="cpu"),
     "7b-vl-layers": dict(model=dict(arch="qwen2_5_vl", vision=_7B_VISION, vision_depth=32, vision_width=1280,
                                     **_7B_TEXT),
-                         prompts=4, n=8, grids=[[(1, 32, 32)], [(1, 24, 40), (1, 16, 16)]], max_text=128,
-                         response=1024, device="cuda"),
+                         prompts=2, n=8, grids=[[(1, 32, 32)], [(1, 24, 40), (1, 16, 16)]], max_text=128,
+                         response=1024, device="cuda"),  # 16 rows of up to ~1.8k tokens, 1024-1216 patches per prompt
 }
 FULL_7B_LAYERS = 28  # Qwen2.5-VL-7B's decoder layers: the FLOP share of the whole model
 
