@@ -6,7 +6,9 @@ A row (parquet or jsonl) has:
   user message); the column name is ``data.prompt_key``,
 - ``reward_model``: a mapping with ``ground_truth`` (any JSON value; rewards compare its text),
 - ``data_source``: which reward applies (see :func:`rlpad.rewards.rules.compute_score`),
-- ``extra_info`` (optional): passed to the reward function as is.
+- ``extra_info`` (optional): passed to the reward function as is,
+- ``images`` (optional; the column ``data.image_key``): a vision-language model's images, one per
+  ``<image>`` placeholder of the prompt's text (rlpad/multimodal/; docs/vision.md).
 
 Prompts go through the tokenizer's chat template (``add_generation_prompt=True``; a tokenizer
 without a template gets the message contents joined by newlines) and are tokenized once, when
@@ -26,6 +28,7 @@ from rlpad.batch import Batch
 from rlpad.config.choices import TRUNCATION_MODES
 from rlpad.config.schema import DataConfig
 from rlpad.core.layout import left_pad, position_ids_from_mask
+from rlpad.multimodal.prompts import EncodedPrompt, PromptImages, keeps_vision_tokens
 
 __all__ = ["PromptDataset", "PromptLoader", "build_datasets", "check_renders_tools", "read_rows", "val_batches", "write_rows"]
 
@@ -158,6 +161,7 @@ class PromptDataset:
         prompt_key: str = "prompt",
         tools: list[dict[str, Any]] | None = None,
         filter_overlong: bool = False,
+        images: PromptImages | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {TRUNCATION_MODES}")
@@ -175,11 +179,22 @@ class PromptDataset:
         self.rows: list[dict[str, Any]] = []
         self.token_ids: list[list[int]] = []
         self.num_filtered = 0  # prompts dropped for their length (filter_overlong)
+        self.images = images if images is not None and images.processor is not None else None  # a VL model's
+        self.prompts: list[EncodedPrompt] = []  # with images: each row's image cells and grids
+        self.row_dirs: list[str] = []  # with images: the folder of each row's file (relative image paths)
+        self.num_cut_images = 0  # image prompts dropped because truncation would cut an image run
         for path in files:
             for i, raw in enumerate(read_rows(path)):
                 where = f"{path}: row {i}"
                 row = _check_row(raw, where, prompt_key)
-                ids = list(tokenizer(_prompt_text(tokenizer, row["raw_prompt"], tools or None), add_special_tokens=False)["input_ids"])
+
+                def text_ids() -> list[int]:
+                    return list(tokenizer(_prompt_text(tokenizer, row["raw_prompt"], tools or None),
+                                          add_special_tokens=False)["input_ids"])
+
+                prompt = images.encode(raw, row["raw_prompt"], where, os.path.dirname(path), tools or None,
+                                       text_ids) if images is not None else EncodedPrompt(text_ids())
+                ids = prompt.ids
                 if not ids:
                     raise ValueError(f"{where}: column {prompt_key!r} is empty after the chat template (0 tokens)")
                 if len(ids) > max_prompt_length:
@@ -191,24 +206,36 @@ class PromptDataset:
                             f"{where}: the prompt is {len(ids)} tokens (after the chat template), longer than "
                             f"data.max_prompt_length={max_prompt_length}; raise the limit or set "
                             "data.truncation=left|right")
-                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                    cut = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                    if prompt.grids is not None and not keeps_vision_tokens(ids, cut, self.images.processor.vision_token_ids):
+                        self.num_cut_images += 1  # never cut inside an image: the row is dropped
+                        continue
+                    ids = cut
                 self.rows.append(row)
                 self.token_ids.append(ids)
+                if self.images is not None:
+                    self.prompts.append(prompt)
+                    self.row_dirs.append(os.path.dirname(path))
         if self.num_filtered:
             print(f"data: dropped {self.num_filtered} of {self.num_filtered + len(self.rows)} prompts of {files}: "
                   f"longer than data.max_prompt_length={max_prompt_length} tokens (data.filter_overlong_prompts)",
                   flush=True)
+        if self.num_cut_images:
+            print(f"data: dropped {self.num_cut_images} prompts with images of {files}: data.truncation={truncation} "
+                  f"would cut an image's tokens to fit data.max_prompt_length={max_prompt_length}", flush=True)
         if not self.rows:
             dropped = f" ({self.num_filtered} dropped by data.filter_overlong_prompts)" if self.num_filtered else ""
+            dropped += f" ({self.num_cut_images} image prompts too long to cut)" if self.num_cut_images else ""
             raise ValueError(f"no rows in data files {files}{dropped}")
 
     @classmethod
     def from_config(cls, files: Sequence[str], tokenizer: Any, data: DataConfig,
-                    tools: list[dict[str, Any]] | None = None) -> PromptDataset:
+                    tools: list[dict[str, Any]] | None = None, images: PromptImages | None = None) -> PromptDataset:
         """A dataset of ``files`` with ``data``'s prompt length, truncation, overlong filter and prompt
-        key; prompts rendered with ``tools`` (schemas) when given."""
+        key; prompts rendered with ``tools`` (schemas) when given; ``images``: the image columns."""
         return cls(files, tokenizer, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-                   prompt_key=data.prompt_key, tools=tools, filter_overlong=data.filter_overlong_prompts)
+                   prompt_key=data.prompt_key, tools=tools, filter_overlong=data.filter_overlong_prompts,
+                   images=images)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -218,18 +245,22 @@ class PromptDataset:
 
         Tensors ``input_ids``, ``attention_mask``, ``position_ids`` (all ``(B, P)`` int64);
         non-tensors ``uid`` (``uid_prefix + str(index)``, unique when the indices are),
-        ``index``, ``raw_prompt``, ``ground_truth``, ``data_source``, ``extra_info``.
+        ``index``, ``raw_prompt``, ``ground_truth``, ``data_source``, ``extra_info``; for a
+        vision-language model also ``multi_modal_inputs`` (``{}`` for a row without images).
         """
         input_ids, attention_mask = left_pad([self.token_ids[i] for i in indices], self.max_prompt_length,
                                              self.pad_token_id)
         position_ids = position_ids_from_mask(attention_mask)
         rows = [self.rows[i] for i in indices]
+        mm = {} if self.images is None else {"multi_modal_inputs": self.images.inputs(
+            [self.prompts[i] for i in indices], [self.row_dirs[i] for i in indices])}
         return Batch(
             {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
             {
                 "uid": [f"{uid_prefix}{i}" for i in indices],
                 "index": [int(i) for i in indices],
                 **{k: [row[k] for row in rows] for k in ("raw_prompt", "ground_truth", "data_source", "extra_info")},
+                **mm,
             },
         )
 
@@ -308,14 +339,14 @@ def val_batches(dataset: PromptDataset, batch_size: int | None = None) -> Iterat
         yield dataset.collate(list(range(start, min(start + size, len(dataset)))), uid_prefix="val-")
 
 
-def build_datasets(data: DataConfig, tokenizer: Any,
-                   tools: list[dict[str, Any]] | None = None) -> tuple[PromptLoader, PromptDataset | None]:
+def build_datasets(data: DataConfig, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                   images: PromptImages | None = None) -> tuple[PromptLoader, PromptDataset | None]:
     """The training loader (``data.train_files``; batches of ``data.gen_batch_size`` prompts when set:
     dynamic sampling's generation batches) and the validation set (``data.val_files``, if any);
-    ``tools``: the schemas the prompts advertise (multi-turn)."""
-    train = PromptDataset.from_config(data.train_files, tokenizer, data, tools)
+    ``tools``: the schemas the prompts advertise (multi-turn); ``images``: the image columns."""
+    train = PromptDataset.from_config(data.train_files, tokenizer, data, tools, images)
     size, key = ((data.train_batch_size, "data.train_batch_size") if data.gen_batch_size is None
                  else (data.gen_batch_size, "data.gen_batch_size"))
     loader = PromptLoader(train, size, shuffle=data.shuffle, seed=data.seed, key=key)
-    val = PromptDataset.from_config(data.val_files, tokenizer, data, tools) if data.val_files else None
+    val = PromptDataset.from_config(data.val_files, tokenizer, data, tools, images) if data.val_files else None
     return loader, val

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.choices import VL_MODEL_TYPES
 from rlpad.config.rewards import RewardModelScoringConfig
 from rlpad.config.schema import ActorRolloutRefConfig, Config, CriticConfig
-from rlpad.embedded.shapes import ARCHITECTURES, WARM_START_DIMS, tiny_arch, tiny_heads
+from rlpad.embedded.shapes import ARCHITECTURES, VL_ARCHITECTURES, WARM_START_DIMS, tiny_arch, tiny_heads
 
-__all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "role_world", "sequence_parallel_problems",
-           "sp_size"]
+__all__ = ["ROLE_KEYS", "attention_heads", "data_parallel_groups", "dp_size", "is_vl_path", "role_world",
+           "sequence_parallel_problems", "sp_size"]
 
 # The config key of each role's sequence-parallel size.
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
@@ -80,6 +81,19 @@ def attention_heads(path: str) -> tuple[int, int] | None:
     return (heads, cfg.get("num_key_value_heads") or heads) if isinstance(heads, int) else None
 
 
+def is_vl_path(path: str) -> bool:
+    """Whether the model at ``path`` is a vision-language model the core runs (``tiny:qwen2_5_vl``, a folder whose
+    config.json has a model_type of :data:`rlpad.config.choices.VL_MODEL_TYPES`), without loading it."""
+    arch = tiny_arch(path)
+    if arch is not None:
+        return arch in VL_ARCHITECTURES
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") in VL_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def sequence_parallel_problems(config: Config) -> list[str]:
     """Every role's sequence-parallel size against its world, its model and its attention."""
     arr, rm = config.actor_rollout_ref, config.reward.reward_model
@@ -111,6 +125,9 @@ def sequence_parallel_problems(config: Config) -> list[str]:
                             "would cross the network")
         if not use_remove_padding:
             problems.append(f"{key}={sp} needs {model_key}.use_remove_padding=true (the ranks share one packed row)")
+        if is_vl_path(path):
+            problems.append(f"{key}={sp}: sequence parallelism with images is not built ({model_key} is a vision-language "
+                            "model); set it to 1")
         if attn_implementation not in ("auto", "rlpad_varlen"):
             problems.append(f"{key}={sp} needs {model_key}.attn_implementation auto or rlpad_varlen (its attention "
                             f"exchanges the row's slices), got {attn_implementation!r}")

@@ -31,9 +31,12 @@ from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets
 from rlpad.embedded.cache import cache_root
-from rlpad.embedded.tasks import TASKS, get_task
+from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_spec
 from rlpad.lora.adapters import check_lora
 from rlpad.parallel import sp_size
+from rlpad.multimodal.checks import vl_config_problems
+from rlpad.multimodal.processor import load_vl_processor
+from rlpad.multimodal.prompts import PromptImages
 from rlpad.training.metrics import cpu_kernels
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.combine import CombinedReward, build_reward
@@ -61,16 +64,16 @@ def _embedded_task(path: str, key: str) -> str | None:
     if not path.startswith(EMBEDDED_PREFIX):
         return None
     task = path[len(EMBEDDED_PREFIX):]
-    if task not in TASKS:
+    if task not in TASKS and task not in VL_TASKS:
         raise ValueError(f"{key}={path!r}: unknown embedded model; use one of "
-                         f"{[EMBEDDED_PREFIX + t for t in TASKS]}")
+                         f"{[EMBEDDED_PREFIX + t for t in [*TASKS, *VL_TASKS]]}")
     return task
 
 
 def _embedded_data_task(name: str) -> str | None:
     """The task of a ``<task>:train`` / ``<task>:val`` data name (None for a file path)."""
     task, sep, split = name.partition(":")
-    if not sep or task not in TASKS:
+    if not sep or (task not in TASKS and task not in VL_TASKS):
         return None
     if split not in ("train", "val"):
         raise ValueError(f"data files: unknown embedded dataset {name!r}; use {task}:train or {task}:val")
@@ -86,7 +89,8 @@ def resolve_embedded(config: Config) -> Config:
         from rlpad.embedded.sft import warm_start
 
         embedded = model.path
-        model.path = warm_start(config.sft, seed=0, task=task, verbose=False)
+        model.path = (VL_TASKS[task].warm_start(config.sft) if task in VL_TASKS else
+                      warm_start(config.sft, seed=0, task=task, verbose=False))
         if config.critic.model.path == embedded:
             config.critic.model.path = model.path
     teacher = config.distillation.teacher_models.teacher_model
@@ -128,7 +132,7 @@ def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
 
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
-    spec = get_task(task)
+    spec = dataset_spec(task)
     out = os.path.join(cache_root(sft), spec.dataset_tag(sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"
@@ -191,6 +195,7 @@ class Prepared:
 
     config: Config
     tokenizer: Any
+    processor: Any  # a vision-language model's rlpad.multimodal.processor.VLProcessor; None for a text model
     train_loader: PromptLoader
     val_dataset: PromptDataset | None
     reward_fn: Callable[..., Any]
@@ -216,16 +221,28 @@ def prepare(config: Config) -> Prepared:
                                     config.distillation.distillation_loss.topk if uses_teacher_topk(config) else None)
         if problems:
             raise ValueError(problems[0])
+    processor, images = _vl_inputs(config, tokenizer)
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
-    train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
+    train_loader, val_dataset = build_datasets(config.data, tokenizer, tools, images)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
     if problems := data_source_problems(config.reward, sources):  # the rule and source_weights against the data
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
     fill_lr_horizons(config, total_training_steps(config, len(train_loader)))
-    return Prepared(config, tokenizer, train_loader, val_dataset,
+    return Prepared(config, tokenizer, processor, train_loader, val_dataset,
                     build_reward(config.reward, _reward_model_inputs(config, tokenizer), _judge(config, tokenizer)))
+
+
+def _vl_inputs(config: Config, tokenizer: Any) -> tuple[Any, PromptImages]:
+    """A vision-language model's processor (None for a text model) and the datasets' image columns,
+    after the recipe's VL checks (rlpad.multimodal.checks)."""
+    model, data = config.actor_rollout_ref.model, config.data
+    processor = load_vl_processor(model.path, tokenizer, data.mm_processor_kwargs)
+    if problems := vl_config_problems(config, processor is not None):
+        raise ValueError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+    return processor, PromptImages(processor, image_key=data.image_key, video_key=data.video_key,
+                                   limit_images=config.actor_rollout_ref.rollout.limit_images, model_path=model.path)
 
 
 def _reward_model_inputs(config: Config, tokenizer: Any) -> Any:

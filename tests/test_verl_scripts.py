@@ -28,13 +28,16 @@ REWARD_MODEL = "reward_model."
 
 def _get(obj, key: str):
     for part in key.split("."):
-        obj = getattr(obj, part)
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)  # a key inside a mapping field too
     return obj
 
 
 def _annotation(key: str):
     tp = Config
     for part in key.split("."):
+        if typing.get_origin(tp) is dict:  # a key inside a mapping field (engine_kwargs.vllm.x)
+            tp = typing.get_args(tp)[1]
+            continue
         tp = typing.get_type_hints(tp)[part]
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) else tp
@@ -63,7 +66,7 @@ def _split(overrides):
 
 def test_the_copy_names_its_verl_version():
     assert len(VERL_COMMIT) == 40 and VERL_VERSION.startswith("0.")
-    assert len(SCRIPTS) == 13 and sum(map(len, SCRIPTS.values())) == 523
+    assert len(SCRIPTS) == 14 and sum(map(len, SCRIPTS.values())) == 565
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -106,6 +109,7 @@ def test_the_scripts_need_each_kind_of_no_effect_key():
     asked = {key for overrides in SCRIPTS.values() for key, _ in _split(overrides) if key in NO_EFFECT_KEYS}
     assert asked == {"data.return_raw_chat", "actor_rollout_ref.model.use_shm", "actor_rollout_ref.rollout.load_format",
                      "actor_rollout_ref.rollout.layered_summon", "actor_rollout_ref.rollout.mode",
+                     "actor_rollout_ref.rollout.free_cache_engine",
                      "trainer.use_legacy_worker_impl", "reward_model.use_reward_loop", "reward_model.num_workers",
                      *(f"reward_model.rollout.{k}" for k in ("name", "gpu_memory_utilization", "tensor_model_parallel_size",
                                                             "prompt_length", "response_length"))}

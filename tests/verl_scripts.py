@@ -3,11 +3,16 @@
 Taken from volcengine/verl at commit b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29; its
 verl/version/version says 0.8.0.dev, the newest verl this project could read), each script's
 ``python3 -m verl.trainer.main_ppo`` arguments in order, with the script's own shell variables
-filled in (HOME=/HOME), and then what points outside this machine replaced so the config loads:
+filled in (HOME=/HOME) and its shell quoting removed, and then what points outside this machine replaced so the config loads:
 the GSM8K / MATH / hh-rlhf parquet files by the embedded toy sets (``toy:train``, ``toy:val``,
 ``toy_long:train``, ``toy_long:val``), every model path by ``embedded:toy``, and
 ``rollout.name=sglang`` (run_qwen2-7b_seq_balance's choice, "sglang or vllm") by ``vllm``.
 ``lora_adapter_path`` keeps the script's placeholder: loading a config does not open it.
+
+``grpo_trainer/run_qwen2_5_vl-7b`` (GRPO on Qwen2.5-VL over geometry3k) comes from a later stored copy,
+commit 049776086db07d115422ffeb8f3c1c04d4aa02e0 (the older one does not hold it), with ``ENGINE=vllm``
+(its default), the geo3k parquet files by ``vl_shapes:train`` / ``vl_shapes:val`` and the model by
+``embedded:vl_shapes`` (the embedded vision-language task, rlpad/embedded/vl_shapes.py).
 """
 
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
@@ -558,6 +563,50 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
         'trainer.experiment_name=qwen2-7b_function_rm_bsz8k_p4k_r4k_seq_packing',
         'trainer.n_gpus_per_node=8',
         'trainer.val_before_train=False',
+        'trainer.nnodes=1',
+        'trainer.save_freq=20',
+        'trainer.test_freq=5',
+        'trainer.total_epochs=15',
+    ),
+    "grpo_trainer/run_qwen2_5_vl-7b": (
+        'algorithm.adv_estimator=grpo',
+        'data.train_files=vl_shapes:train',
+        'data.val_files=vl_shapes:val',
+        'data.train_batch_size=512',
+        'data.max_prompt_length=1024',
+        'data.max_response_length=2048',
+        'data.filter_overlong_prompts=True',
+        'data.truncation=error',
+        'data.image_key=images',
+        'actor_rollout_ref.model.path=embedded:vl_shapes',
+        'actor_rollout_ref.actor.optim.lr=1e-6',
+        'actor_rollout_ref.model.use_remove_padding=True',
+        'actor_rollout_ref.actor.ppo_mini_batch_size=128',
+        'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10',
+        'actor_rollout_ref.actor.use_kl_loss=True',
+        'actor_rollout_ref.actor.kl_loss_coef=0.01',
+        'actor_rollout_ref.actor.kl_loss_type=low_var_kl',
+        'actor_rollout_ref.actor.entropy_coeff=0',
+        'actor_rollout_ref.model.enable_gradient_checkpointing=True',
+        'actor_rollout_ref.actor.fsdp_config.param_offload=False',
+        'actor_rollout_ref.actor.fsdp_config.optimizer_offload=False',
+        'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=20',
+        'actor_rollout_ref.rollout.tensor_model_parallel_size=2',
+        'actor_rollout_ref.rollout.name=vllm',
+        'actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True',
+        'actor_rollout_ref.rollout.gpu_memory_utilization=0.6',
+        'actor_rollout_ref.rollout.enable_chunked_prefill=False',
+        'actor_rollout_ref.rollout.enforce_eager=False',
+        'actor_rollout_ref.rollout.free_cache_engine=False',
+        'actor_rollout_ref.rollout.n=5',
+        'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=20',
+        'actor_rollout_ref.ref.fsdp_config.param_offload=True',
+        'algorithm.use_kl_in_reward=False',
+        'trainer.critic_warmup=0',
+        'trainer.logger=[console,wandb]',
+        'trainer.project_name=verl_grpo_example_geo3k',
+        'trainer.experiment_name=qwen2_5_vl_7b_function_rm',
+        'trainer.n_gpus_per_node=8',
         'trainer.nnodes=1',
         'trainer.save_freq=20',
         'trainer.test_freq=5',

@@ -35,6 +35,7 @@ from rlpad.core.sequence_parallel import active, response_grid
 from rlpad.core.forward import LogProbModel
 from rlpad.core.fused_modules import apply_fused_modules
 from rlpad.core.models import empty_causal_lm, load_causal_lm
+from rlpad.core.vision import freeze_vision_tower
 from rlpad.lora.rules import LoraSpec, lora_spec
 from rlpad.lora.adapters import adapter_disabled, apply_lora, load_adapter_weights
 from rlpad.algorithms.policy_loss import get_policy_loss
@@ -99,6 +100,8 @@ class ActorWorker(WeightExportMixin, FSDPWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.role in ("ref", "teacher"):
             model.requires_grad_(False)
+        elif self.config.actor.freeze_vision_tower:  # verl's key: no gradient, no AdamW state, never re-sent
+            freeze_vision_tower(model)
         if self.lora is not None:  # before sharding: the adapters are parameters of the decoder layers
             self.peft = apply_lora(model, self.lora, seed=self.seed)
             if mcfg.lora_adapter_path is not None and self.reads_checkpoint:

@@ -27,6 +27,7 @@ from torch import nn
 from rlpad.batch import Batch
 from rlpad.core.forward import check_model_inputs
 from rlpad.core.sequence_parallel import SequenceParallel
+from rlpad.core.vision import MM_KEY
 
 __all__ = ["FORWARD", "INPUT_KEYS", "JAGGED_KEYS", "Contract", "DeclaredBatch", "batch_method", "check_batch",
            "contract_of", "finite_check", "forward_plus"]
@@ -66,9 +67,11 @@ class Contract:
         return [k for k in self.keys if k in batch]
 
 
-FORWARD = Contract(required=("input_ids", "attention_mask", "responses"), optional=("position_ids", "response_mask"))
+FORWARD = Contract(required=("input_ids", "attention_mask", "responses"),
+                   optional=("position_ids", "response_mask", MM_KEY))
 """What the scoring core reads (rlpad.core.forward): every log-prob and value method's batch.
-``response_mask`` (when present) says which response tokens are scored: multi-turn tool output is not."""
+``response_mask`` (when present) says which response tokens are scored: multi-turn tool output is not.
+``multi_modal_inputs`` (a VL batch, verl's name): each row's images (rlpad.core.vision), a non-tensor."""
 
 
 def forward_plus(required: tuple[str, ...], optional: tuple[str, ...] = (), finite: tuple[str, ...] = ()) -> Contract:
@@ -168,6 +171,8 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
             _check_jagged(batch, k, response_length, who, model.get_input_embeddings().num_embeddings)
             continue
         x = batch[k]
+        if not isinstance(x, torch.Tensor):  # a per-row non-tensor (multi_modal_inputs: checked with the inputs)
+            continue
         if k not in INPUT_KEYS and tuple(x.shape) != (len(batch), response_length):
             raise ValueError(f"{who}: {k} has shape {tuple(x.shape)}, expected (rows, response_length) = "
                              f"{(len(batch), response_length)}")
@@ -176,7 +181,8 @@ def check_batch(batch: Batch, contract: Contract, who: str, model: nn.Module, us
         check_model_inputs(model, batch["input_ids"], batch["attention_mask"], batch.tensors.get("position_ids"),
                            response_length, use_remove_padding=use_remove_padding,
                            share_prompts=share_prompts, sp=sp,
-                           response_mask=batch.tensors.get("response_mask") if "response_mask" in keys else None)  # fmt: skip
+                           response_mask=batch.tensors.get("response_mask") if "response_mask" in keys else None,
+                           multi_modal_inputs=batch.non_tensors.get(MM_KEY) if MM_KEY in keys else None)  # fmt: skip
     except TypeError as e:
         raise ValueError(f"{who}: {e}") from e
     return response_length

@@ -44,6 +44,7 @@ from rlpad.batching.micro_batches import micro_batches
 from rlpad.core.host_plan import HostBatch
 from rlpad.core.sequence_parallel import SequenceParallel, kv_repeats
 from rlpad.core.shared_prompt import min_saved_for
+from rlpad.core.vision import MM_KEY
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.parallel import dp_size, sp_size
 from rlpad.batching.balance import restore_order
@@ -254,13 +255,14 @@ class FSDPWorker(CheckpointMixin, RankCollectives, PPOUpdates):
         """``(args, kwargs)`` of the scoring core (:func:`rlpad.core.forward.compute_log_probs`,
         :func:`rlpad.core.value.compute_values`) for a micro-batch on this rank, model config ``mcfg``:
         checked where the batch entered (@batch_method), tool output context and not scored
-        (``response_mask``), the index plans from the piece's host copy."""
+        (``response_mask``), the index plans from the piece's host copy, a VL batch's images (``multi_modal_inputs``)."""
         args = (piece["input_ids"], piece["attention_mask"], piece.tensors.get("position_ids"),
                 int(piece["responses"].shape[1]))
         return args, dict(
             use_remove_padding=mcfg.use_remove_padding, share_prompts=mcfg.share_prompts,
             share_min_saved=min_saved_for(mcfg.share_prompts_min_saved_fraction, self.device), check=False,
             sp=self.sp, response_mask=piece.tensors.get("response_mask"), host=piece.meta.get(HOST_COPY),
+            multi_modal_inputs=piece.non_tensors.get(MM_KEY),
         )
 
     def _on_device(self, piece: Batch) -> Batch:

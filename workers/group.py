@@ -30,8 +30,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlpad.batch import WORKER_SECONDS, Batch
 from rlpad.errors import WorkerFailed
 from rlpad.core.shared_prompt import prompt_groups
+from rlpad.core.vision import MM_KEY
 from rlpad.parallel import data_parallel_groups, dp_size
 from rlpad.batching.balance import balance_across_ranks, balance_units_across_ranks, reverse_index, shared_units
+from rlpad.batching.micro_batches import row_tokens, vision_patches
 from workers.contract import contract_of
 from workers.net import free_port
 from workers.placement import Node, my_placement, plan_nodes, release, reserve
@@ -173,7 +175,7 @@ class WorkerGroup:
         if len(batch) < dp:
             groups = data_parallel_groups(dp, self.sp_size)
             raise ValueError(f"{self.role}: {len(batch)} rows cannot be split over {groups}")
-        lengths = batch["attention_mask"].sum(-1).tolist()
+        lengths = row_tokens(batch)  # valid tokens + a VL row's vision patches
         size = chunk_rows or len(batch)
         # model.share_prompts (actor, critic) or the section's own (reward model), for the policy's own rows
         section = getattr(self._config, "model", self._config)
@@ -196,9 +198,12 @@ class WorkerGroup:
         ids, mask = batch["input_ids"][sl], batch["attention_mask"][sl]
         pos = batch.tensors.get("position_ids")
         response_length = int(batch["responses"].shape[1])
-        groups = prompt_groups(ids, mask, pos[sl] if pos is not None else None, response_length)
+        mm = batch.non_tensors.get(MM_KEY)
+        groups = prompt_groups(ids, mask, pos[sl] if pos is not None else None, response_length,
+                               mm[sl] if mm is not None else None)
         prompt_cols = mask.shape[1] - response_length
-        units, tokens = shared_units(groups, mask[:, :prompt_cols].sum(-1).tolist(), mask[:, prompt_cols:].sum(-1).tolist())
+        prompts = [n + p for n, p in zip(mask[:, :prompt_cols].sum(-1).tolist(), vision_patches(batch)[sl])]  # images once
+        units, tokens = shared_units(groups, prompts, mask[:, prompt_cols:].sum(-1).tolist())
         return balance_units_across_ranks(units, tokens, self.dp_size)
 
     def call_batch(self, method: str, batch: Batch, *, chunk_rows: int | None = None, **kwargs: Any) -> Any:

@@ -110,7 +110,7 @@ class LocalWorkers:
             seconds = self.rollout.load_lora_adapter(self.actor.lora_adapters(), self.actor.lora, self.lora_version)
             self.rollout.finish_weight_update()
             return seconds
-        return self.rollout.update_weights(self.actor.full_state_dict())
+        return self.rollout.update_weights(self.actor.full_state_dict(for_sync=True))
 
     # ---- FSDP workers -------------------------------------------------------------------------
 

@@ -35,13 +35,15 @@ from rlpad.core.host_plan import HostBatch
 from rlpad.core.reward_model import check_reward_inputs, compute_scores, load_reward_model
 from rlpad.core.shared_prompt import min_saved_for
 from rlpad.parallel import sp_size
+from rlpad.core.vision import MM_KEY, is_vl
 from workers.contract import Contract, DeclaredBatch
 from workers.fsdp import HOST_COPY, FSDPWorker, reports_seconds
 
 __all__ = ["RM_INPUTS", "RewardModelWorker", "ScoreModel"]
 
-# ``responses``: only its width is read (where each row's response starts), for shared prompts.
-RM_INPUTS = Contract(required=("input_ids", "attention_mask"), optional=("position_ids", "responses"))
+# ``responses``: only its width is read (where each row's response starts), for shared prompts;
+# ``multi_modal_inputs``: the rows' images, read by a reward model with a VL backbone (a text one scores the text).
+RM_INPUTS = Contract(required=("input_ids", "attention_mask"), optional=("position_ids", "responses", MM_KEY))
 
 
 class ScoreModel(nn.Module):
@@ -75,8 +77,9 @@ def _scoring_method(method):
 
         self._agree(check)
         declared = frozenset(RM_INPUTS.keys)
-        view = DeclaredBatch({k: v for k, v in batch.tensors.items() if k in declared}, {}, dict(batch.meta),
-                             declared=declared, who=method.__name__)
+        view = DeclaredBatch({k: v for k, v in batch.tensors.items() if k in declared},
+                             {k: v for k, v in batch.non_tensors.items() if k in declared}, dict(batch.meta),
+                             declared=declared, who=method.__name__)  # fmt: skip
         return method(self, view, *args, **kwargs)
 
     run.contract = lambda _config: RM_INPUTS  # type: ignore[attr-defined]
@@ -148,5 +151,6 @@ class RewardModelWorker(FSDPWorker):
         (scores,) = self._forward_all(batch, *micro, lambda p: (self.root(
             p["input_ids"], p["attention_mask"], p.tensors.get("position_ids"),
             use_remove_padding=c.use_remove_padding, response_length=response_length, share_prompts=share,
-            share_min_saved=self.share_min_saved, sp=self.sp, host=p.meta.get(HOST_COPY)),))
+            share_min_saved=self.share_min_saved, sp=self.sp, host=p.meta.get(HOST_COPY),
+            multi_modal_inputs=p.non_tensors.get(MM_KEY) if is_vl(self.model) else None),))
         return Batch({"rm_scores": scores})

@@ -2,7 +2,10 @@
 weight stash, for asynchronous training), HF folders.
 
 A mixin of :class:`workers.actor.ActorWorker` (it uses ``root``, ``model``, ``config``, ``rank``,
-``world_size``, ``role`` and ``lora``: with LoRA the exported weights have the adapter merged in). Every method here is a collective: FSDP2 all-gathers each tensor,
+``world_size``, ``role`` and ``lora``: with LoRA the exported weights have the adapter merged in). A weight
+sync (push, export to the stash, the local stack's ``full_state_dict(for_sync=True)``) sends a frozen vision
+tower (``actor.freeze_vision_tower``, or LoRA) once per actor process, then never: it cannot change
+(:meth:`WeightExportMixin._sync_sources`). Every method here is a collective: FSDP2 all-gathers each tensor,
 so every rank must call it (and iterate a generator to its end), while only the ranks that keep
 the result (by default rank 0) hold full tensors.
 """
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlpad.core.models import load_tokenizer, parse_dtype
+from rlpad.core.vision import vision_tower
 from rlpad.export.hf_folder import LORA_ADAPTER_DIR, write_model_files
 from rlpad.export.names import LM_HEAD, actor_sources, folder_order, hf_name, lora_merges
 from rlpad.export.safetensors_stream import TensorSpec, write_safetensors
@@ -69,6 +73,24 @@ class WeightExportMixin:
             full = merged_weight(full, a, b, self.lora.scale)
         return full
 
+    def _frozen_tower_names(self) -> set[str]:
+        """HF names of a VL model's vision tower when none of its parameters trains (empty otherwise)."""
+        tower = vision_tower(self.model)
+        if tower is None or any(p.requires_grad for p in tower.parameters()):
+            return set()
+        own = {id(p) for p in tower.parameters()}
+        return {hf_name(k) for k, p in self.root.named_parameters() if id(p) in own}
+
+    def _sync_sources(self) -> list[tuple[str, str]]:
+        """What a weight sync sends (HF name, state-dict key): every exported tensor, less a frozen vision
+        tower once one sync of this process has sent it (the engines hold it then; it never changes)."""
+        skip = self._frozen_tower_names() if getattr(self, "_tower_synced", False) else set()
+        return [(n, k) for n, k in self._hf_sources() if n not in skip]
+
+    def _synced(self) -> None:
+        """A sync finished: a frozen tower is on the engines from now on."""
+        self._tower_synced = True
+
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(HF name, full tensor)`` of the model, ``lm_head.weight`` included when tied (with
         LoRA: the merged weights).
@@ -82,7 +104,7 @@ class WeightExportMixin:
 
     def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
         """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
-        sources = self._hf_sources()
+        sources = self._sync_sources()
         state = self.root.state_dict()
         sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
         return plan_buckets(sizes, bucket_bytes)
@@ -96,7 +118,7 @@ class WeightExportMixin:
         """
         keep = self.rank == 0 if keep is None else keep
         plan = self._bucket_plan(bucket_bytes)
-        state, sources, merges = self.root.state_dict(), dict(self._hf_sources()), self._lora_merges()
+        state, sources, merges = self.root.state_dict(), dict(self._sync_sources()), self._lora_merges()
         for names in plan:
             bucket = []
             for name in names:
@@ -104,6 +126,7 @@ class WeightExportMixin:
                 if keep:
                     bucket.append((name, full.cpu()))
             yield bucket
+        self._synced()
 
     def push_weights(self, replicas: list[Any], bucket_bytes: int, max_in_flight: int = 2, *,
                      targets: list[list[int]] | None = None) -> dict[str, float] | None:
@@ -133,7 +156,7 @@ class WeightExportMixin:
             return None
         from workers.weight_push import push_weight_buckets  # imports ray: only in a Ray worker
 
-        partial = len(self._bucket_plan(bucket_bytes)) > 1
+        partial = len(self._bucket_plan(bucket_bytes)) > 1 or len(self._sync_sources()) < len(self._hf_sources())
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
     def push_lora_adapter(self, replicas: list[Any]) -> dict[str, float] | None:
@@ -169,14 +192,17 @@ class WeightExportMixin:
         index = iter(range(1 << 62))
         return stream_buckets(buckets, lambda ref: [stash.put.remote(version, next(index), ref)], max_in_flight)[1]
 
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, rank0_only: bool = True, for_sync: bool = False) -> dict[str, torch.Tensor] | None:
         """Full weights by HF name, on CPU (``None`` off rank 0 if ``rank0_only``): the local
-        stack's rollout sync, and tests."""
+        stack's rollout sync (``for_sync``: what a sync sends, :meth:`_sync_sources`), and tests."""
         keep = self.rank == 0 or not rank0_only
-        out = {}
-        for name, tensor in self.iter_hf_tensors():
+        state, merges, out = self.root.state_dict(), self._lora_merges(), {}
+        for name, key in self._sync_sources() if for_sync else self._hf_sources():
+            tensor = self._full(state, name, key, merges)
             if keep:
                 out[name] = tensor.cpu()
+        if for_sync:
+            self._synced()
         return out if keep else None
 
     def lora_adapters(self, rank0_only: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:

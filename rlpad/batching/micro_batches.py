@@ -1,7 +1,8 @@
 """Micro-batch plans: which rows of a worker's batch go through each forward (and backward).
 
 By rows (``micro_rows`` per micro-batch) or by a token budget (at most ``max_tokens`` valid tokens
-each, :func:`rlpad.batching.balance.split_by_token_budget`). With shared prompts (``model.share_prompts``)
+each, :func:`rlpad.batching.balance.split_by_token_budget`; a VL row's vision patches count as tokens:
+:func:`row_tokens`). With shared prompts (``model.share_prompts``)
 every micro-batch holds whole prompt groups, a group costing its prompt once (``P + sum(R_i)``,
 :func:`rlpad.batching.balance.shared_units`).
 
@@ -19,9 +20,24 @@ from collections.abc import Callable
 
 from rlpad.batch import Batch
 from rlpad.core.shared_prompt import prompt_groups
+from rlpad.core.vision import MM_KEY
 from rlpad.batching.balance import count_micro_batches, pack_units_by_rows, shared_units, split_by_token_budget
 
-__all__ = ["micro_batches"]
+__all__ = ["micro_batches", "row_tokens", "vision_patches"]
+
+
+def vision_patches(batch: Batch) -> list[int]:
+    """Vision patches per row of ``batch`` (``multi_modal_inputs``; 0 for a text-only row or batch)."""
+    mm = batch.non_tensors.get(MM_KEY)
+    if mm is None:
+        return [0] * len(batch)
+    return [int(m["pixel_values"].shape[0]) if m and "pixel_values" in m else 0 for m in mm]
+
+
+def row_tokens(batch: Batch) -> list[int]:
+    """What each row costs in a token budget or a rank balance: its valid tokens plus its images'
+    vision patches (the tower runs on every patch, the language model on every valid token)."""
+    return [n + p for n, p in zip(batch["attention_mask"].sum(-1).tolist(), vision_patches(batch))]
 
 
 def _alone(values: list[int]) -> list[int]:
@@ -43,7 +59,7 @@ def micro_batches(batch: Batch, micro_rows: int | None, max_tokens: int | None, 
         raise ValueError(f"micro-batch size must be >= 1 rows, got {micro_rows}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"the micro-batch token budget must be an int >= 1, got {max_tokens!r}")
-    lengths = batch["attention_mask"].sum(-1).tolist()
+    lengths = row_tokens(batch)
     longest = max(lengths, default=0)
     if max_tokens is not None and longest > max_tokens:  # no plan here: say so in the agreement
         agree([0, longest])
@@ -74,10 +90,11 @@ def _units(batch: Batch, micro_rows: int | None, max_tokens: int | None,
     if share_prompts:
         response_length = int(batch["responses"].shape[1])
         prompt_cols = mask.shape[1] - response_length
-        groups = prompt_groups(batch["input_ids"], mask, batch.tensors.get("position_ids"), response_length)
-        units, tokens = shared_units(groups, mask[:, :prompt_cols].sum(-1).tolist(),
-                                     mask[:, prompt_cols:].sum(-1).tolist(), max_token_len=max_tokens,
+        groups = prompt_groups(batch["input_ids"], mask, batch.tensors.get("position_ids"), response_length,
+                               batch.non_tensors.get(MM_KEY))
+        prompts = [n + p for n, p in zip(mask[:, :prompt_cols].sum(-1).tolist(), vision_patches(batch))]  # images once
+        units, tokens = shared_units(groups, prompts, mask[:, prompt_cols:].sum(-1).tolist(), max_token_len=max_tokens,
                                      max_rows=micro_rows if max_tokens is None else None)  # fmt: skip
     else:
-        units, tokens = [[i] for i in range(len(batch))], mask.sum(-1).tolist()
+        units, tokens = [[i] for i in range(len(batch))], row_tokens(batch)
     return units, tokens

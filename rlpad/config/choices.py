@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DISTILLATION_LOSS_MODES", "DTYPES", "FILTER_METRICS",
     "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "REWARD_MANAGERS",
-    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "kl_kind",
+    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "VL_MODEL_TYPES", "kl_kind",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
@@ -34,6 +34,7 @@ TOPK_MODES = ("forward_kl_topk",)
 DISTILLATION_LOSS_MODES = SAMPLED_TOKEN_MODES + TOPK_MODES
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation: a prompt longer than max_prompt_length
 # model.attn_implementation (what each means and needs: rlpad/core/attn_choice.py)
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # the vision-language model_types the scoring core runs (rlpad.core.vision)
 ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "rlpad_varlen", "sdpa")
 BACKENDS = ("ray", "local")  # trainer.backend: Ray worker groups, or everything in the driver process
 DEVICES = ("auto", "cpu", "cuda")  # trainer.device; auto: cuda when torch sees a GPU (rlpad.topology.resolve_device)

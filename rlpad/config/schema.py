@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from rlpad.config.checkpoint import CheckpointConfig
 from rlpad.config.distillation import DistillationConfig
 from rlpad.config.rewards import RewardConfig, RewardModelConfig
+from rlpad.config.vision import DataVisionKeys, RolloutVisionKeys
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BypassCorrectionConfig", "Config",
@@ -159,6 +160,7 @@ class ActorConfig:
     # "log_prob": with rollout.log_prob_* (verl's behaviour; ratio off by the kernels' batch variance).
     old_log_prob_layout: str = "update"
     ulysses_sequence_parallel_size: int = 1  # Ulysses sequence parallelism: ranks splitting each packed row; 1: off
+    freeze_vision_tower: bool = False  # a VL model: the vision tower gets no gradient and no optimizer state, never re-sent to the engines
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -209,7 +211,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(RolloutVisionKeys):
     """Generation: the engine, its sampling and sizing, and the log-prob micro-batches of the old policy."""
 
     name: str = "vllm"  # the rollout backend, a name in rlpad.rollout.BACKENDS (vllm, hf)
@@ -313,7 +315,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataVisionKeys):
     """Prompt files (parquet/jsonl in verl's columns, rlpad/data.py), batch size and lengths."""
 
     train_files: list[str] = field(default_factory=list)  # training prompts (.parquet/.jsonl) or <task>:train

@@ -28,6 +28,8 @@ NO_EFFECT_KEYS = {
     "actor_rollout_ref.rollout.layered_summon": "the weight sync already streams the actor's parameters in buckets of "
                                                 "rollout.weight_sync_bucket_mb",
     "actor_rollout_ref.rollout.mode": "rlpad drives its engines one way: the trainer hands them each step's prompts",
+    "actor_rollout_ref.rollout.free_cache_engine": "the layout decides it: colocated engines sleep between "
+                                                    "generations (trainer.colocate), separate ones keep their cache",
     "trainer.use_legacy_worker_impl": "it chooses between verl's two worker implementations and rlpad has one",
     **{f"reward_model.{key}": _RM_SERVED for key in ("use_reward_loop", "num_workers", "rollout.name",
        "rollout.gpu_memory_utilization", "rollout.tensor_model_parallel_size", "rollout.prompt_length",

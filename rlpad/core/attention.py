@@ -245,7 +245,8 @@ def guard_padded_sdpa(model: torch.nn.Module) -> int:
             weakref.finalize(mask, fixed.pop, id(mask), None)
         return args, {**kwargs, "attention_mask": out}
 
-    layers = getattr(getattr(model, model.base_model_prefix, model), "layers", [])
+    backbone = getattr(model, model.base_model_prefix, model)
+    layers = getattr(getattr(backbone, "language_model", backbone), "layers", [])  # a VL model: its decoder
     for layer in layers:
         layer.register_forward_pre_hook(hook, with_kwargs=True)
     return len(layers)

@@ -29,6 +29,7 @@ the critic (:mod:`rlpad.core.value`) is core + value head + the same scatter.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from rlpad.core.lm_head import TORCH, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, pack_shared_prompts, prompt_groups, saved_fraction
+from rlpad.core.vision import check_images, padded_positions, run_backbone, with_images
 
 __all__ = ["LogProbModel", "backbone_of", "check_model_inputs", "check_share_prompts", "compute_log_probs",
            "groups_to_share", "head_log_probs", "scoring_hidden_states"]
@@ -58,11 +60,12 @@ def check_share_min_saved(share_min_saved: float) -> None:
                          f"got {share_min_saved!r}")
 
 
-def groups_to_share(host: HostBatch, response_length: int, share_min_saved: float) -> list[list[int]] | None:
-    """The prompt groups of the batch when sharing removes at least ``share_min_saved`` of its valid
-    tokens; else None (the batch runs plain remove-padding), which the first such batch of a run
-    logs (once per threshold)."""
-    groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)
+def groups_to_share(host: HostBatch, response_length: int, share_min_saved: float,
+                    multi_modal_inputs: Sequence[Mapping] | None = None) -> list[list[int]] | None:
+    """The prompt groups of the batch (images included) when sharing removes at least ``share_min_saved``
+    of its valid tokens; else None (the batch runs plain remove-padding), which the first such batch
+    of a run logs (once per threshold)."""
+    groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length, multi_modal_inputs)
     saved = saved_fraction(host.attention_mask, response_length, groups)
     if saved >= share_min_saved:
         return groups
@@ -90,10 +93,12 @@ def check_model_inputs(
     share_prompts: bool = False,
     sp: SequenceParallel | None = None,
     response_mask: torch.Tensor | None = None,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> None:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
     ``model``; ``response_mask`` inside the response's attention mask) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
-    for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding)."""
+    for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding); a VL model's
+    images (:func:`rlpad.core.vision.check_images`)."""
     check_share_prompts(use_remove_padding, share_prompts)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
@@ -101,6 +106,7 @@ def check_model_inputs(
                           response_length, response_mask)  # fmt: skip
     if use_remove_padding:
         require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
+    check_images(model, input_ids, attention_mask, multi_modal_inputs)
     if sp is not None:
         config = model.config
         kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
@@ -132,6 +138,7 @@ def scoring_hidden_states(
     host: HostBatch | None = None,
     share_min_saved: float = 0.0,
     response_mask: torch.Tensor | None = None,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden (N, H), response_idx (N,))``: the states that score the N scored response tokens and
     their flat indices into ``(B, R)``. Inputs are assumed checked (:func:`check_model_inputs`).
@@ -147,7 +154,8 @@ def scoring_hidden_states(
     the batch's host copy, when the caller has one, else from one read of the batch (none on the CPU),
     and moved in one copy: nothing reads the device after that. ``share_min_saved``: with
     ``share_prompts``, a batch whose sharing removes less than this fraction of its valid tokens
-    runs plain remove-padding (0: always share).
+    runs plain remove-padding (0: always share). ``multi_modal_inputs``: a VL model's per-row images
+    (:mod:`rlpad.core.vision`; None: text-only rows), on every path.
     """
     check_share_prompts(use_remove_padding, share_prompts)
     check_share_min_saved(share_min_saved)
@@ -159,28 +167,33 @@ def scoring_hidden_states(
     elif response_mask is not None and host.response_mask is None:
         raise ValueError("scoring_hidden_states: response_mask given but the host copy `host` has none; "
                          "build it with HostBatch.of(..., response_mask)")
+    host, images = with_images(backbone, host, multi_modal_inputs, sp)  # a VL model: its images, mrope positions
     seqlen = input_ids.shape[1]
     prompt_length = seqlen - response_length
     if not use_remove_padding:
         response_idx, rows, cols = to_device(list(response_positions(host, response_length)), device)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        if images is not None:
+            position_ids = padded_positions(position_ids, host.rope_positions)
+        hidden = run_backbone(backbone, input_ids, position_ids, attention_mask, host_ids=host.input_ids,
+                              images=images, image_rows=range(input_ids.shape[0]))
         return hidden[rows, prompt_length - 1 + cols], response_idx
     pad_to = sp.size if sp is not None else 1
-    groups = groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    groups = groups_to_share(host, response_length, share_min_saved, multi_modal_inputs) if share_prompts else None
+    image_rows = range(input_ids.shape[0])  # the rows whose prompt (and images) the packed row holds
     if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
-                                  pad_to=pad_to, groups=groups, response_mask=host.response_mask).to(device)
-        ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids[0], row.score_index, row.response_idx
+                                  pad_to=pad_to, groups=groups, response_mask=host.response_mask,
+                                  rope_positions=host.rope_positions)  # fmt: skip
+        host_ids, row, image_rows = row.input_ids[0], row.to(device), [g[0] for g in groups]
+        ids, positions, score_slots, response_idx = row.input_ids[0], row.position_ids.select(-2, 0), row.score_index, row.response_idx
         attention = {SEGMENTS_KWARG: row.segments}
     else:
         # The sequence bounds once per forward: cu_seqlens on the device and max_seqlen a Python int
         # for the varlen kernels, PackedBounds for the sdpa path (its host copy, no device read).
         plan = packed_plan(host, response_length, pad_to=pad_to)
-        host_cu, plan = plan.cu_seqlens, plan.to(device)
+        host_cu, host_ids, plan = plan.cu_seqlens, plan.input_ids, plan.to(device)
         ids, positions, score_slots, response_idx = plan.input_ids, plan.position_ids, plan.score_slots, plan.response_idx
         cu_seqlens, max_seqlen = plan.cu_seqlens, plan.max_seqlen
         attention = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
@@ -189,8 +202,8 @@ def scoring_hidden_states(
     # mask, which spares transformers' search of position_ids for sequences (a host sync).
     no_mask = packed_row_mask(device) if backbone.config._attn_implementation == VARLEN_ATTENTION else None
     if sp is None:
-        hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=no_mask,
-                          use_cache=False, **attention).last_hidden_state[0]  # fmt: skip
+        hidden = run_backbone(backbone, ids.view(1, -1), positions.unsqueeze(-2), no_mask, host_ids=host_ids,
+                              images=images, image_rows=image_rows, **attention)[0]  # fmt: skip
         return hidden.index_select(0, score_slots), response_idx
     shard = sp.shard(ids, positions, attention)
     hidden = backbone(attention_mask=no_mask, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]
@@ -228,6 +241,7 @@ def compute_log_probs(
     host: HostBatch | None = None,
     share_min_saved: float = 0.0,
     response_mask: torch.Tensor | None = None,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens and, if asked, entropies (B, R); zero on padding and,
     with ``response_mask`` (B, R), exactly zero on every response token it marks 0 (tool output:
@@ -244,6 +258,7 @@ def compute_log_probs(
     sequence-parallel group (:mod:`rlpad.core.sequence_parallel`); every rank of it gets the same
     (B, R) results, each rank's LM head having run on its slice of the row only. ``host``: the
     batch's host copy (:class:`rlpad.core.host_plan.HostBatch`) where the caller has one.
+    ``multi_modal_inputs``: a VL model's per-row images (:mod:`rlpad.core.vision`).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -255,12 +270,12 @@ def compute_log_probs(
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
                            use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
-                           response_mask=response_mask)  # fmt: skip
+                           response_mask=response_mask, multi_modal_inputs=multi_modal_inputs)  # fmt: skip
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,
         use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp, host=host,
-        share_min_saved=share_min_saved, response_mask=response_mask,
+        share_min_saved=share_min_saved, response_mask=response_mask, multi_modal_inputs=multi_modal_inputs,
     )  # fmt: skip
     labels = input_ids[:, -response_length:].reshape(-1)[response_idx]
     log_probs, entropy = head_log_probs(model, hidden, labels, temperature, calculate_entropy, logits_chunk_size)

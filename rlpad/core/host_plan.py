@@ -23,12 +23,14 @@ __all__ = ["HostBatch", "PackedPlan", "packed_plan", "response_positions", "to_d
 @dataclass(frozen=True)
 class HostBatch:
     """``input_ids``, ``attention_mask`` (0/1) and ``position_ids`` of a rollout batch, (B, S) int64 on the CPU,
-    and ``response_mask`` (B, R) (1 = a token the policy generated; None: every valid response token)."""
+    ``response_mask`` (B, R) (1 = a token the policy generated; None: every valid response token) and,
+    for a VL model, ``rope_positions`` (3, B, S): the multimodal positions (:mod:`rlpad.core.mrope`)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     response_mask: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
     @staticmethod
     def of(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
@@ -46,6 +48,14 @@ class HostBatch:
         pos = stacked[2] if position_ids is not None else (mask.cumsum(1) - 1).clamp_(min=0)
         scored = stacked[-1, :, input_ids.shape[1] - response_mask.shape[1]:] if response_mask is not None else None
         return HostBatch(ids, mask, pos, scored)
+
+    def gather_positions(self, flat: torch.Tensor) -> torch.Tensor:
+        """The position ids of the flat (B*S) slots ``flat``: (T,), or (4, T) with the multimodal rows
+        under the text row (a VL batch)."""
+        text = self.position_ids.reshape(-1)[flat]
+        if self.rope_positions is None:
+            return text
+        return torch.cat([text[None], self.rope_positions.reshape(3, -1)[:, flat]])
 
     def scored_mask(self, response_length: int) -> torch.Tensor:
         """(B, R) 0/1: the response tokens the core scores (``response_mask``, else the valid ones)."""
@@ -75,7 +85,8 @@ def response_positions(host: HostBatch, response_length: int) -> tuple[torch.Ten
 
 @dataclass(frozen=True)
 class PackedPlan:
-    """One packed (1, T) row of a batch: ``input_ids``/``position_ids`` (T,), ``cu_seqlens`` (n + 1,)
+    """One packed (1, T) row of a batch: ``input_ids`` (T,), ``position_ids`` (T,) or (4, T) (a VL batch,
+    :meth:`HostBatch.gather_positions`), ``cu_seqlens`` (n + 1,)
     int32, ``max_seqlen`` (int), ``score_slots`` (N,): the packed slot whose hidden state scores each
     valid response token, and ``response_idx`` (N,): that token's flat index into (B, R). With
     ``pad_to`` > 1 the row ends in a padding sequence of its own (token 0, positions 0, 1, ...)."""
@@ -102,7 +113,7 @@ def packed_plan(host: HostBatch, response_length: int, *, pad_to: int = 1) -> Pa
     indices = mask.reshape(-1).nonzero().flatten()
     seqlens = mask.sum(1)
     ids = host.input_ids.reshape(-1)[indices]
-    positions = host.position_ids.reshape(-1)[indices]
+    positions = host.gather_positions(indices)
     slot = torch.full((batch * seqlen,), -1, dtype=torch.long)
     slot[indices] = torch.arange(indices.numel())
     response_idx, rows, cols = response_positions(host, response_length)
@@ -110,7 +121,7 @@ def packed_plan(host: HostBatch, response_length: int, *, pad_to: int = 1) -> Pa
     pad = -indices.numel() % pad_to
     if pad:  # a sequence of its own, so cu_seqlens ends at the padded length (the varlen kernels need it)
         ids = torch.cat([ids, ids.new_zeros(pad)])
-        positions = torch.cat([positions, torch.arange(pad)])
+        positions = torch.cat([positions, torch.arange(pad).expand(*positions.shape[:-1], pad)], -1)
         seqlens = torch.cat([seqlens, seqlens.new_tensor([pad])])
     cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)
     return PackedPlan(ids, positions, cu_seqlens, score_slots, response_idx, int(seqlens.max()))

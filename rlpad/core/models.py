@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rlpad.config.choices import DTYPES as DTYPE_NAMES
 from rlpad.core.attention import VARLEN_ATTENTION, guard_padded_sdpa
 from rlpad.core.attn_choice import resolve_attn_implementation
+from rlpad.core.vision import is_vl, is_vl_config, vl_attn_implementation
 
-__all__ = ["DTYPES", "MODEL_SOURCES", "ModelSource", "empty_causal_lm", "empty_pretrained", "load_causal_lm", "load_pretrained", "load_tokenizer",
-           "model_config", "model_source", "parse_dtype", "register_model_source", "require_folder"]
+__all__ = ["DTYPES", "MODEL_SOURCES", "VISION_LOGIT_BIAS", "ModelSource", "empty_causal_lm", "empty_pretrained", "load_causal_lm", "load_pretrained", "load_tokenizer",
+           "mask_vision_logits", "model_config", "model_source", "parse_dtype", "register_model_source", "require_folder"]
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}  # the config's names
 
@@ -32,6 +34,7 @@ class ModelSource:
     config: Callable[[str], PretrainedConfig]  # name -> the model's config
     model: Callable[[str, torch.dtype, str], PreTrainedModel]  # (name, dtype, attn implementation) -> model on CPU
     tokenizer: Callable[[str], PreTrainedTokenizerBase]  # name -> its tokenizer (left padding)
+    image_processor: Callable[[str], Any] | None = None  # name -> its image processor (None: a text model's)
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {}  # path prefix (ending in ":") -> its source
@@ -100,7 +103,8 @@ def load_causal_lm(
     share_prompts: bool = False,
     sequence_parallel: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM from a local checkpoint ``path`` or a registered source's path (``tiny:<arch>``).
+    """A causal LM from a local checkpoint ``path`` or a registered source's path (``tiny:<arch>``); a
+    Qwen2(.5)-VL folder loads as its ``*ForConditionalGeneration`` (no ``trust_remote_code`` needed).
 
     ``attn_device``: where the model will run, when it is loaded elsewhere first (default ``device``).
 
@@ -117,18 +121,51 @@ def load_causal_lm(
         return _guarded(found[0].model(found[1], torch_dtype, attn).to(device))
     if not os.path.isdir(path):
         raise _not_a_folder("model", path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
-    )
+    auto, attn = _auto_class(model_config(path, trust_remote_code), attn)
+    model = auto.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
     return _guarded(model.to(device))
+
+
+def _auto_class(config: PretrainedConfig, attn: str) -> tuple[type, str | dict[str, str]]:
+    """The auto class and attention of a causal LM: a VL model (Qwen2(.5)-VL) is a
+    ``*ForConditionalGeneration`` whose vision tower gets its own attention (rlpad.core.vision)."""
+    if is_vl_config(config):
+        return AutoModelForImageTextToText, vl_attn_implementation(attn)
+    return AutoModelForCausalLM, attn
 
 
 def _guarded(model: PreTrainedModel) -> PreTrainedModel:
     """``model``, its padded sdpa masks guarded against fully masked query rows where it runs
     transformers' own ``sdpa`` (``rlpad_varlen``'s padded branch does it itself): never NaN in bf16
-    whichever kernel sdpa picks (:func:`rlpad.core.attention.guard_padded_sdpa`)."""
+    whichever kernel sdpa picks (:func:`rlpad.core.attention.guard_padded_sdpa`); a VL model's vision
+    tokens masked out of its logits (:func:`mask_vision_logits`)."""
     if model.config._attn_implementation == "sdpa":
         guard_padded_sdpa(model)
+    if is_vl(model):
+        mask_vision_logits(model)
+    return model
+
+
+VISION_LOGIT_BIAS = -1.0e4  # exp(-1e4 + any logit) is 0 in every float type: probability exactly 0
+
+
+def mask_vision_logits(model: PreTrainedModel) -> PreTrainedModel:
+    """The policy of a VL model never emits its vision special tokens (image / video pad, vision start /
+    end): a non-persistent LM-head bias of :data:`VISION_LOGIT_BIAS` at their ids (0 elsewhere) gives them
+    probability 0 in ``generate`` and in every head of the scoring core (which reads ``lm_head.bias``),
+    so the rollout samples from the distribution the actor scores. Not a parameter: no gradient, never
+    saved or synced. A head that has a bias of its own is refused."""
+    head, config = model.get_output_embeddings(), model.config
+    if isinstance(getattr(head, "bias", None), torch.nn.Parameter):
+        raise ValueError("the VL model's LM head has a bias of its own; rlpad masks the vision tokens with one")
+    ids = sorted({getattr(config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                               "vision_end_token_id") if getattr(config, k, None) is not None})
+    bias = torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)
+    if bias.device.type != "meta":
+        bias[ids] = VISION_LOGIT_BIAS
+    if "bias" in head._parameters:
+        del head._parameters["bias"]
+    head.register_buffer("bias", bias, persistent=False)
     return model
 
 
@@ -151,11 +188,9 @@ def empty_causal_lm(
     torch_dtype = parse_dtype(dtype)
     attn = _attn(attn_implementation, attn_device, use_remove_padding, share_prompts, sequence_parallel)
     config = model_config(path, trust_remote_code)
+    auto, attn = _auto_class(config, attn)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype, attn_implementation=attn,
-            trust_remote_code=trust_remote_code,
-        )
+        model = auto.from_config(config, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
     return _guarded(model.eval())
 
 

@@ -27,6 +27,8 @@ of ones per row (the rollout layout, or whole left-padded conversations after re
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, PretrainedConfig
@@ -40,6 +42,7 @@ from rlpad.core.models import empty_pretrained, load_pretrained, model_config, m
 from rlpad.core.padding import validate_attention_mask
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats
 from rlpad.core.shared_prompt import SEGMENTS_KWARG, SharedSegments, pack_shared_prompts
+from rlpad.core.vision import padded_positions, run_backbone, with_images
 
 __all__ = ["REWARD_HEADS", "check_reward_config", "check_reward_inputs", "compute_scores", "last_token_columns",
            "load_reward_model", "reward_head_kind", "score_head", "shared_last_slots"]
@@ -175,12 +178,13 @@ def _packed_row(host: HostBatch, pad_to: int) -> tuple[torch.Tensor, torch.Tenso
     plain packed row on the host; padded to a multiple of ``pad_to`` by a sequence of its own (token 0,
     positions 0, 1, ...), as :func:`rlpad.core.host_plan.packed_plan` pads it."""
     indices = host.attention_mask.reshape(-1).nonzero().flatten()
-    ids, positions = host.input_ids.reshape(-1)[indices], host.position_ids.reshape(-1)[indices]
+    ids, positions = host.input_ids.reshape(-1)[indices], host.gather_positions(indices)
     seqlens = host.attention_mask.sum(1)
     last = seqlens.cumsum(0) - 1
     pad = -indices.numel() % pad_to
     if pad:
-        ids, positions = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([positions, torch.arange(pad)])
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        positions = torch.cat([positions, torch.arange(pad).expand(*positions.shape[:-1], pad)], -1)
         seqlens = torch.cat([seqlens, seqlens.new_tensor([pad])])
     cu = torch.nn.functional.pad(seqlens.cumsum(0), (1, 0)).to(torch.int32)
     return ids, positions, cu, int(seqlens.max()), last
@@ -199,6 +203,7 @@ def compute_scores(
     sp: SequenceParallel | None = None,
     host: HostBatch | None = None,
     check: bool = True,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> torch.Tensor:
     """Scores ``(B,)`` in fp32: the reward model's ``score`` head on the hidden state of each row's
     last valid token. ``position_ids`` None: the rollout rule (restart at 0 at the first valid token).
@@ -209,7 +214,8 @@ def compute_scores(
     least ``share_min_saved`` of the valid tokens. ``sp``: this rank's sequence-parallel group; it runs
     its slice of the row, scores the rows whose last token it holds, and every rank gets all B scores.
     ``host``: the batch's host copy where the caller has one. ``check=False`` skips
-    :func:`check_reward_inputs` (the caller ran it)."""
+    :func:`check_reward_inputs` (the caller ran it). ``multi_modal_inputs``: the per-row images of a
+    reward model with a VL backbone (:mod:`rlpad.core.vision`), on every path."""
     sp = active(sp)
     if check:
         check_reward_inputs(model, input_ids, attention_mask, position_ids, use_remove_padding=use_remove_padding,
@@ -219,30 +225,34 @@ def compute_scores(
     backbone = getattr(model, model.base_model_prefix)
     if host is None:
         host = HostBatch.of(input_ids, attention_mask, position_ids)  # the one read of the batch (none on the CPU)
+    host, images = with_images(backbone, host, multi_modal_inputs, sp)
     if not use_remove_padding:
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        if images is not None:
+            position_ids = padded_positions(position_ids, host.rope_positions)
+        hidden = run_backbone(backbone, input_ids, position_ids, attention_mask, host_ids=host.input_ids,
+                              images=images, image_rows=range(batch))
         rows, cols = to_device([torch.arange(batch), last_token_columns(host.attention_mask)], device)
         return score_head(model, hidden[rows, cols])
     pad_to = sp.size if sp is not None else 1
-    groups = groups_to_share(host, response_length, share_min_saved) if share_prompts else None
+    groups = groups_to_share(host, response_length, share_min_saved, multi_modal_inputs) if share_prompts else None
+    image_rows = range(batch)  # the rows whose prompt (and images) the packed row holds
     if groups is not None:
         row = pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response_length,
-                                  pad_to=pad_to, groups=groups)
+                                  pad_to=pad_to, groups=groups, rope_positions=host.rope_positions)
         slots = shared_last_slots(row.segments, groups, host.attention_mask[:, -response_length:].sum(1).tolist())
-        row = row.to(device)  # one copy
-        ids, positions, attention = row.input_ids[0], row.position_ids[0], {SEGMENTS_KWARG: row.segments}
+        host_ids, row, image_rows = row.input_ids[0], row.to(device), [g[0] for g in groups]  # one copy
+        ids, positions, attention = row.input_ids[0], row.position_ids.select(-2, 0), {SEGMENTS_KWARG: row.segments}
     else:
         ids, positions, cu_host, max_seqlen, slots = _packed_row(host, pad_to)
-        ids, positions, cu_seqlens = to_device([ids, positions, cu_host], device)  # one copy
+        host_ids, (ids, positions, cu_seqlens) = ids, to_device([ids, positions, cu_host], device)  # one copy
         attention = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen,
                          max_length_k=max_seqlen, **{BOUNDS_KWARG: PackedBounds(cu_host, ids.shape[0])})
     no_mask = packed_row_mask(device) if backbone.config._attn_implementation == VARLEN_ATTENTION else None
     if sp is None:
-        hidden = backbone(input_ids=ids.view(1, -1), position_ids=positions.view(1, -1), attention_mask=no_mask,
-                          use_cache=False, **attention).last_hidden_state[0]
+        hidden = run_backbone(backbone, ids.view(1, -1), positions.unsqueeze(-2), no_mask, host_ids=host_ids,
+                              images=images, image_rows=image_rows, **attention)[0]
         return score_head(model, hidden.index_select(0, *to_device([slots], device)))
     shard = sp.shard(ids, positions, attention)
     hidden = backbone(attention_mask=no_mask, use_cache=False, **shard.forward_kwargs()).last_hidden_state[0]

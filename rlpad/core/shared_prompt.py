@@ -18,11 +18,13 @@ token 0 of every row is scored by the hidden state of its group's last prompt to
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from rlpad.core.host_plan import HostBatch, response_positions, to_device
+from rlpad.core.vision import split_groups_by_images
 
 __all__ = ["MIN_SAVED_BY_DEVICE", "SEGMENTS_KWARG", "SharedPromptRow", "SharedSegments", "min_saved_for",
            "pack_shared_prompts", "prompt_groups", "saved_fraction"]
@@ -38,10 +40,12 @@ SEGMENTS_KWARG = "rlpad_shared_segments"
 
 
 def prompt_groups(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int,
+    multi_modal_inputs: Sequence[Mapping] | None = None,
 ) -> list[list[int]]:
-    """Rows grouped by identical prompt part (valid tokens and their positions), in order of first
-    appearance; rows inside a group ascending. Padding slots do not count (their token is ignored)."""
+    """Rows grouped by identical prompt part (valid tokens and their positions, and the rows' images
+    of ``multi_modal_inputs`` bit for bit), in order of first appearance; rows inside a group
+    ascending. Padding slots do not count (their token is ignored)."""
     prompt_cols = input_ids.shape[1] - response_length
     mask = attention_mask[:, :prompt_cols].bool()
     ids = torch.where(mask, input_ids[:, :prompt_cols].long(), -1)
@@ -50,7 +54,7 @@ def prompt_groups(
     groups: dict[int, list[int]] = {}
     for row, g in enumerate(inverse.tolist()):
         groups.setdefault(g, []).append(row)
-    return list(groups.values())  # dicts keep insertion order: first appearance
+    return split_groups_by_images(list(groups.values()), multi_modal_inputs)  # insertion order: first appearance
 
 
 def min_saved_for(configured: float | None, device: torch.device | str) -> float:
@@ -221,6 +225,7 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
 def pack_shared_prompts(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, response_length: int,
     *, pad_to: int = 1, groups: list[list[int]] | None = None, response_mask: torch.Tensor | None = None,
+    rope_positions: torch.Tensor | None = None,
 ) -> SharedPromptRow:
     """Pack a checked rollout batch (left-padded non-empty prompts, right-padded responses) with
     each group's prompt once; see the module docstring. ``pad_to``: pad the row to a multiple of it
@@ -228,10 +233,12 @@ def pack_shared_prompts(
     only to itself and is never scored. ``groups``: :func:`prompt_groups` of the batch, where the
     caller has them. ``response_mask`` (B, R): score only those response tokens (the generated
     ones); every valid response token, tool output included, is still packed and attended.
+    ``rope_positions`` (3, B, S): a VL batch's multimodal positions; the row's ``position_ids`` are then
+    (4, 1, T) (:meth:`rlpad.core.host_plan.HostBatch.gather_positions`).
 
     Built on the host from one read of the batch (none when it is on the CPU): the row is on the
     CPU; :meth:`SharedPromptRow.to` moves it to the device in one copy."""
-    host = HostBatch.of(input_ids, attention_mask, position_ids, response_mask)
+    host = replace(HostBatch.of(input_ids, attention_mask, position_ids, response_mask), rope_positions=rope_positions)
     batch, seqlen = host.input_ids.shape
     prompt_cols = seqlen - response_length
     prompt_lens = host.attention_mask[:, :prompt_cols].sum(1).tolist()
@@ -259,11 +266,11 @@ def pack_shared_prompts(
                 cursor += n
     flat = torch.cat(src)
     packed_ids = host.input_ids.reshape(-1).index_select(0, flat).view(1, -1)
-    packed_pos = host.position_ids.reshape(-1).index_select(0, flat).view(1, -1)
+    packed_pos = host.gather_positions(flat).unsqueeze(-2)  # (1, T) or (4, 1, T)
     pad = -cursor % pad_to
     if pad:
         packed_ids = torch.cat([packed_ids, packed_ids.new_zeros(1, pad)], 1)
-        packed_pos = torch.cat([packed_pos, torch.arange(pad, dtype=packed_pos.dtype)[None]], 1)
+        packed_pos = torch.cat([packed_pos, torch.arange(pad, dtype=packed_pos.dtype).expand(*packed_pos.shape[:-1], pad)], -1)
         prompts.append((cursor, pad))
     # Response token t > 0 of row r is scored by packed slot resp_start[r] + t - 1.
     score = [torch.cat([torch.tensor([first_slot[r]]), resp_start[r] + torch.arange(int(n) - 1)])

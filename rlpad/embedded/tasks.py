@@ -3,6 +3,8 @@
 ``toy`` is small-number addition (:mod:`rlpad.embedded.toy`, short sequences); ``toy_long`` is
 an alphabet run (:mod:`rlpad.embedded.toy_long`, responses of 2-53 tokens, a padding-heavy batch);
 ``toy_tools`` is two-digit addition with a calculator tool (:mod:`rlpad.embedded.toy_tools`, multi-turn).
+:data:`VL_TASKS` holds the vision-language ones (``vl_shapes``: questions about squares on 56x56 images,
+:mod:`rlpad.embedded.vl_shapes`), each with its own warm start of a tiny VL model.
 A recipe names a task through ``actor_rollout_ref.model.path: embedded:<task>`` and
 ``data.train_files: [<task>:train]``; the ``sft`` section's ``n_val`` and ``data_seed`` (and
 ``max_operand`` for ``toy``) pick the split, so the warm-start never sees a validation problem.
@@ -17,7 +19,7 @@ from typing import Any
 from rlpad.config.schema import SFTConfig
 from rlpad.embedded import toy, toy_long, toy_tools
 
-__all__ = ["TASKS", "EmbeddedTask", "get_task"]
+__all__ = ["TASKS", "VL_TASKS", "EmbeddedTask", "EmbeddedVLTask", "dataset_spec", "get_task"]
 
 Example = tuple[str, Any]  # (user message, answer: a string or [(text, in the loss)] segments)
 
@@ -85,6 +87,39 @@ TASKS: dict[str, EmbeddedTask] = {
         version="toy_long-alphabet-1",
     ),
 }
+
+
+@dataclass(frozen=True)
+class EmbeddedVLTask:
+    """A vision-language embedded task: its warm start builds its own tiny VL model folder."""
+
+    name: str
+    warm_start: Callable[[SFTConfig], str]  # cfg -> the warm-started model folder (built once, cached)
+    write_dataset: Callable[[str, SFTConfig], tuple[str, str]]  # (out_dir, cfg) -> (train, val) paths
+    dataset_tag: Callable[[SFTConfig], str]  # cache folder name of the dataset
+
+
+def _vl_shapes_warm_start(cfg: SFTConfig) -> str:
+    from rlpad.embedded.vl_sft import vl_warm_start  # torch and the VL model: on first use
+
+    return vl_warm_start(cfg)
+
+
+def _vl_shapes_dataset(out: str, cfg: SFTConfig) -> tuple[str, str]:
+    from rlpad.embedded.vl_shapes import write_dataset
+
+    return write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed)
+
+
+VL_TASKS: dict[str, EmbeddedVLTask] = {
+    "vl_shapes": EmbeddedVLTask(name="vl_shapes", warm_start=_vl_shapes_warm_start, write_dataset=_vl_shapes_dataset,
+                                dataset_tag=lambda cfg: f"vl_shapes-{cfg.data_seed}-{cfg.n_val}"),
+}
+
+
+def dataset_spec(name: str) -> EmbeddedTask | EmbeddedVLTask:
+    """The task called ``name``, text (:data:`TASKS`) or vision-language (:data:`VL_TASKS`), for its dataset."""
+    return VL_TASKS[name] if name in VL_TASKS else get_task(name)
 
 
 def get_task(name: str) -> EmbeddedTask:

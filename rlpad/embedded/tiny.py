@@ -2,7 +2,8 @@
 
 Used by the tests, ``rlpad check``, the benchmarks and the embedded default recipe. Importing this
 module registers the ``tiny:<arch>`` model paths with :mod:`rlpad.core.models` (random, seed 0).
-Head sizes are multiples of 32 so the same models run in vLLM's CPU attention.
+Head sizes are multiples of 32 so the same models run in vLLM's CPU attention. The vision-language
+architectures (``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``) are built by :mod:`rlpad.embedded.tiny_vl`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,24 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           AutoModelForTokenClassification, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlpad.core.models import ModelSource, register_model_source
-from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, tiny_heads
+from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, VL_ARCHITECTURES, VL_TOKEN_IDS, tiny_heads
 
-__all__ = ["ARCHITECTURES", "CHARSET", "build_tokenizer", "tiny_config", "tiny_model", "tiny_reward_model"]
+__all__ = ["ARCHITECTURES", "CHARSET", "VISION_TOKENS", "VL_CHAT_TEMPLATE", "build_tokenizer", "tiny_config", "tiny_model", "tiny_reward_model"]
 
 CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
+# Qwen's vision special tokens (the VL tokenizer's, at the ids of shapes.VL_TOKEN_IDS), by their key there.
+VISION_TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
+                 "image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>"}
+# The VL chat template: a message's content is a string or a list of {"type": "text", "text"} /
+# {"type": "image"} parts; an image part becomes <|vision_start|><|image_pad|><|vision_end|> (the
+# processor expands the pad to the image's tokens, rlpad.multimodal.processor).
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    + VISION_TOKENS["vision_start"] + VISION_TOKENS["image_pad"] + VISION_TOKENS["vision_end"]
+    + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
 
 
 def tiny_config(
@@ -37,10 +50,17 @@ def tiny_config(
     """A small config of architecture ``arch`` (one of :data:`ARCHITECTURES`).
 
     Query heads = ``hidden_size // head_dim`` (vLLM derives the head size that way), so
-    ``head_dim`` must divide ``hidden_size``; explicit head counts in ``overrides`` win.
+    ``head_dim`` must divide ``hidden_size``; explicit head counts in ``overrides`` win. A VL
+    architecture's config comes from :func:`rlpad.embedded.tiny_vl.tiny_vl_config`.
     """
+    if arch in VL_ARCHITECTURES:
+        from rlpad.embedded.tiny_vl import tiny_vl_config
+
+        return tiny_vl_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                              intermediate_size=intermediate_size, head_dim=head_dim,
+                              max_position_embeddings=max_position_embeddings, **overrides)  # fmt: skip
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES) + sorted(VL_ARCHITECTURES)}")
     if hidden_size % head_dim:
         raise ValueError(f"head_dim={head_dim} must divide hidden_size={hidden_size}")
     fields = dict(ARCHITECTURES[arch])
@@ -75,8 +95,15 @@ def tiny_model(
     device: torch.device | str = "cpu",
     **config_overrides: Any,
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``), built on ``device``."""
+    """A randomly initialised causal LM of architecture ``arch`` (deterministic in ``seed``), built on ``device``
+    (a VL architecture: its ``*ForConditionalGeneration``, :func:`rlpad.embedded.tiny_vl.tiny_vl_model`)."""
     from rlpad.core.attention import VARLEN_ATTENTION  # registers the varlen attention
+
+    if arch in VL_ARCHITECTURES:
+        from rlpad.embedded.tiny_vl import tiny_vl_model
+
+        return tiny_vl_model(arch, seed=seed, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                             **config_overrides)  # fmt: skip
 
     config = tiny_config(arch, **config_overrides)
     device = torch.device(device)
@@ -114,11 +141,13 @@ def tiny_reward_model(
     return model.eval()
 
 
-def build_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(save_dir: str | os.PathLike | None = None, *, vision: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over :data:`CHARSET` with pad/eos/unk and a chat template.
 
-    Ids: 0 pad, 1 eos, 2 unk, then one id per character. Saved with ``save_pretrained`` when
-    ``save_dir`` is given, which vLLM and ``AutoTokenizer`` load offline.
+    Ids: 0 pad, 1 eos, 2 unk, then one id per character; ``vision``: then the vision special tokens
+    (:data:`VISION_TOKENS` at the ids of :data:`rlpad.embedded.shapes.VL_TOKEN_IDS`) and
+    :data:`VL_CHAT_TEMPLATE`. Saved with ``save_pretrained`` when ``save_dir`` is given, which vLLM and
+    ``AutoTokenizer`` load offline.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -137,13 +166,30 @@ def build_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedToke
         model_max_length=2048,
     )
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if vision:
+        order = sorted(VISION_TOKENS, key=VL_TOKEN_IDS.__getitem__)
+        tokenizer.add_special_tokens({"additional_special_tokens": [VISION_TOKENS[k] for k in order]})
+        got = {k: tokenizer.convert_tokens_to_ids(VISION_TOKENS[k]) for k in order}
+        if got != VL_TOKEN_IDS:
+            raise RuntimeError(f"the vision tokens landed at {got}, the tiny VL models expect {VL_TOKEN_IDS}")
+        tokenizer.chat_template = VL_CHAT_TEMPLATE
     if save_dir is not None:
         tokenizer.save_pretrained(str(save_dir))
     return tokenizer
 
 
+def _tiny_image_processor(arch: str) -> Any:
+    """The image processor of a tiny VL architecture (None for a text one)."""
+    if arch not in VL_ARCHITECTURES:
+        return None
+    from rlpad.embedded.vl_processor import build_image_processor
+
+    return build_image_processor()
+
+
 register_model_source(TINY_PREFIX, ModelSource(
     config=tiny_config,
     model=lambda arch, dtype, attn: tiny_model(arch, dtype=dtype, attn_implementation=attn),
-    tokenizer=lambda arch: build_tokenizer(),
+    tokenizer=lambda arch: build_tokenizer(vision=arch in VL_ARCHITECTURES),
+    image_processor=_tiny_image_processor,
 ))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlpad.core.vision import vision_tower
 from rlpad.lora.rules import LoraSpec, lora_spec, select_targets
 
 __all__ = ["ADAPTER_PREFIX", "adapter_disabled", "apply_lora", "check_lora", "decoder_linear_names",
@@ -21,9 +22,12 @@ ADAPTER_PREFIX = "base_model.model."  # peft's saved adapter keys: base_model.mo
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:
-    """Full names of the model's ``nn.Linear`` modules, the LM head (output embeddings) left out."""
+    """Full names of the model's ``nn.Linear`` modules, the LM head (output embeddings) left out, and a VL
+    model's vision tower too (LoRA adapts the language model; the tower stays frozen)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    tower = vision_tower(model)
+    skip = {id(m) for m in tower.modules()} if tower is not None else set()
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head and id(m) not in skip]
 
 
 def _lora_config(spec: LoraSpec, targets: list[str]) -> Any:

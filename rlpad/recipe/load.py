@@ -92,6 +92,10 @@ def _annotation(key: str) -> Any:
     """The declared type of dotted ``key`` (``a.b[0]``: the list's item type); KeyError if unknown."""
     tp: Any = Config
     for part in key.split("[", 1)[0].split("."):
+        mapping = _unwrap_optional(tp)[0]
+        if typing.get_origin(mapping) is dict:  # a key inside a mapping field (engine_kwargs.vllm.x): any name
+            tp = typing.get_args(mapping)[1] if typing.get_args(mapping) else Any
+            continue
         if not _is_section(tp) or part not in _fields(tp):
             raise KeyError(key)
         tp = _fields(tp)[part]

@@ -27,8 +27,15 @@ def _toy_long(solution_str: str, ground_truth: Any, extra_info: Any = None) -> f
     return run_score(solution_str, ground_truth, extra_info)
 
 
+def _vl_shapes(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    from rlpad.embedded.vl_shapes import shapes_score
+
+    return shapes_score(solution_str, ground_truth, extra_info)
+
+
 TOY_SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
     "rlpad/toy_add": _toy,
     "rlpad/toy_alphabet": _toy_long,
     "rlpad/toy_tools": _toy_tools,
+    "rlpad/vl_shapes": _vl_shapes,
 }

@@ -30,8 +30,9 @@ __all__ = ["AGENT_COUNTS", "Trajectory", "TurnCut", "cut_turn", "multi_turn_metr
 # the per-sample counts a rollout batch carries (one tensor each), read by the multi_turn/* metrics
 AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "tool_turns", "max_turn_calls", "calls_dropped")
 
-# (contexts, sampling with n=1, one seed per context or None) -> (tokens, log-probs) per context
-SampleEach = Callable[[list[list[int]], Any, "list[int] | None"], tuple[list[list[int]], list[list[float]]]]
+# (contexts, sampling with n=1, one seed per context or None[, each context's prompt images]) -> (tokens,
+# log-probs) per context
+SampleEach = Callable[..., tuple[list[list[int]], list[list[float]]]]
 
 
 @dataclass
@@ -110,10 +111,13 @@ def run_agent_loop(
     max_parallel_calls: int = 1,
     seed: int | None = None,
     prompt_offset: int = 0,
+    images: Sequence[Any] | None = None,
 ) -> list[Trajectory]:
     """``len(prompts) * sampling.n`` trajectories, prompt-major (see the module docstring).
     ``sampling.max_tokens`` is the response budget (generated and tool tokens together);
-    ``render_tool(observations)``: the tokens after a turn that made ``len(observations)`` calls."""
+    ``render_tool(observations)``: the tokens after a turn that made ``len(observations)`` calls;
+    ``images``: each prompt's ``multi_modal_inputs`` (a VL model), passed with each context (tools
+    return text only)."""
     if max_turns < 1:
         raise ValueError(f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns must be >= 1, got {max_turns}")
     n, budget = sampling.n, sampling.max_tokens
@@ -125,7 +129,9 @@ def run_agent_loop(
         contexts = [list(prompts[k // n]) + trajs[k].tokens for k in active]
         room = max(budget - len(trajs[k].tokens) for k in active)
         seeds = None if seed is None else [turn_seed(seed, prompt_offset + k // n, k % n, turn) for k in active]
-        outs, lps = sample_each(contexts, replace(sampling, n=1, max_tokens=room), seeds)
+        step = replace(sampling, n=1, max_tokens=room)
+        outs, lps = (sample_each(contexts, step, seeds) if images is None else
+                     sample_each(contexts, step, seeds, [images[k // n] for k in active]))
         calling: list[tuple[int, list[ToolCall]]] = []
         for k, toks, lp in zip(active, outs, lps):
             t = trajs[k]

