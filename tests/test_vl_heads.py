@@ -82,13 +82,17 @@ def test_reward_model_scores_with_images(batch):
 
 
 def test_teacher_topk_with_images(batch, causal):
+    """The teacher's top-k in the jagged layout (the scored positions in row order, k log-probs + the tail)."""
     tensors, mm = batch
     teacher = causal
     k = 4
-    ref_lp = torch.zeros(len(mm), R, k, dtype=torch.float64)
-    for b, (hidden, n_prompt, n_resp) in enumerate(alone_hidden(teacher, tensors, mm)):
+    refs = []
+    for hidden, n_prompt, n_resp in alone_hidden(teacher, tensors, mm):
         logp = teacher.lm_head(hidden[n_prompt - 1 : n_prompt - 1 + n_resp]).double().log_softmax(-1)
-        ref_lp[b, :n_resp] = logp.topk(k, -1).values
+        top = logp.topk(k, -1)
+        rest = logp.scatter(-1, top.indices, float("-inf")).logsumexp(-1, keepdim=True)
+        refs.append(torch.cat([top.values, rest], -1))
+    ref_lp = torch.cat(refs)
     for name, kw in PATHS.items():
         ids, lp = compute_teacher_topk(teacher, *args(tensors), R, topk=k, multi_modal_inputs=mm, **kw)
         torch.testing.assert_close(lp.double(), ref_lp, atol=FP32_LOGPROB_TOL, rtol=0, msg=name)
