@@ -66,7 +66,8 @@ class GemmaLikeRMSNorm(nn.Module):
 
     def forward(self, x):
         x32 = x.float()
-        return ((1 + self.weight.float()) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((1 + self.weight.float()) * x32 * rms).to(x.dtype)
 
 
 def test_another_formula_is_left_alone():

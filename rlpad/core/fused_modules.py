@@ -105,9 +105,9 @@ def _is_plain_rms_norm(module: nn.Module, cache: dict[type, bool]) -> bool:
     """True when ``module``'s class computes ``weight * x * rsqrt(mean(x^2) + variance_epsilon)``: checked
     once per class on a random fp32 input against aten's op (equal to fp32 rounding; another formula,
     Gemma's ``1 + weight``, is off by O(1))."""
-    weight = getattr(module, "weight", None)
-    if not type(module).__name__.endswith("RMSNorm") or not isinstance(getattr(module, "variance_epsilon", None), float) \
-            or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    named = type(module).__name__.endswith("RMSNorm")
+    if not named or not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return False
     kind = type(module)
     if kind not in cache:

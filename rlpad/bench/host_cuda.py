@@ -1,0 +1,195 @@
+"""``rlpad bench host --device cuda``: is one forward micro-batch device-bound? (issue #54's 0.5B rows)
+
+The batch of the issue (16 rows: 2 prompts x 8 responses; prompt 512 with responses <= 256, prompt 128
+with responses <= 512), the ``qwen2.5-0.5b`` shape in bf16, forward only (old / reference log-probs),
+called as the workers call the core (the batch's host copy given, checks done where it entered).
+Per path (rmpad, shared) and variant:
+
+* ``plain``: the model as loaded;
+* ``rms_norm``: its RMSNorms on aten's fused op (:mod:`rlpad.core.fused_modules`, 12 fewer launches a layer);
+* ``graphed``: the backbone of THIS micro-batch captured once in a CUDA graph and replayed (the
+  index plan still built on the host and copied each call, the head and the scatter eager): whether
+  CUDA graphs pay for forward-only scoring before packed rows are bucketed for them.
+
+For each: ``wall_ms`` (synchronised, no profiler: the median of ``reps``), ``enqueue_ms`` (from the
+call to its return without waiting for the GPU: the host's time; ~wall when the GPU waits on the
+host), from one profiled call ``device_ms`` (the kernels' time), ``launches`` (kernels, memcpy,
+memset) and per decoder layer, and ``syncs``: the synchronising calls (``torch.cuda.set_sync_debug_mode``)
+with the line that made each. Targets: ``wall / device <= 1.1``; shared faster than rmpad whenever
+its device time is lower. ``dry_run``: the same code on the CPU at a tiny width (no graphs, no syncs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlpad.bench.host import GROUPS, MODEL, N, PATHS, SHAPES, _batch
+from rlpad.bench.kernels import profile_pass
+from rlpad.bench.measure import device_peak, require_cuda
+from rlpad.bench.models import bench_model
+from rlpad.bench.table import Table
+from rlpad.core.attention import VARLEN_ATTENTION
+from rlpad.core.forward import backbone_of, compute_log_probs, head_log_probs
+from rlpad.core.fused_modules import FUSED_MODULES
+from rlpad.core.host_plan import HostBatch, packed_plan
+from rlpad.core.padding import pad_input
+
+__all__ = ["VARIANTS", "cuda_tables", "run_cuda"]
+
+VARIANTS = ("plain", "rms_norm", "graphed")
+
+
+def _plain(model, b: dict, response: int, path: str, host: HostBatch) -> Callable[[], object]:
+    def fn():
+        return compute_log_probs(model, b["input_ids"], b["attention_mask"], b["position_ids"], response,
+                                 use_remove_padding=True, share_prompts=path == "shared", calculate_entropy=True,
+                                 check=False, host=host)  # fmt: skip
+    return fn
+
+
+def _graphed(model, b: dict, response: int, path: str, host: HostBatch) -> Callable[[], object]:
+    """The backbone's call of this micro-batch recorded from an eager forward, captured in a CUDA graph;
+    each call: the host plan rebuilt and copied (as a bucketed graph would need), the graph replayed,
+    the head on the scored tokens and the scatter eager."""
+    backbone = backbone_of(model)
+    recorded: dict[str, Any] = {}
+    hook = backbone.register_forward_pre_hook(lambda m, a, kw: recorded.update(kw), with_kwargs=True)
+    try:
+        _plain(model, b, response, path, host)()
+    finally:
+        hook.remove()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the capture (lazy initialisation, autotuning)
+            backbone(**recorded)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hidden = backbone(**recorded).last_hidden_state[0]
+    scored = host.attention_mask[:, -response:].reshape(-1).nonzero().flatten()
+    response_idx = scored.to(hidden.device)
+    labels = b["input_ids"][:, -response:].reshape(-1)[response_idx]
+    rows = torch.arange(scored.numel(), device=hidden.device)  # N rows of the head, as many as it scores
+
+    def fn():
+        if path == "shared":
+            from rlpad.core.forward import groups_to_share
+            from rlpad.core.shared_prompt import pack_shared_prompts
+
+            groups = groups_to_share(host, response, 0.0)
+            pack_shared_prompts(host.input_ids, host.attention_mask, host.position_ids, response,
+                                groups=groups).to(hidden.device)
+        else:
+            packed_plan(host, response).to(hidden.device)
+        graph.replay()
+        lp, ent = head_log_probs(model, hidden.index_select(0, rows), labels, 1.0, True, None)
+        grid = b["input_ids"].shape[0], response
+        return pad_input(lp[:, None], response_idx, *grid), pad_input(ent[:, None], response_idx, *grid)
+    fn.graph = graph  # kept alive with the function
+    return fn
+
+
+def _syncs(fn: Callable[[], object]) -> tuple[int, dict[str, int]]:
+    """The synchronising CUDA calls ``fn`` makes and the ``file:line`` of each."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(f"{w.filename.rsplit('/site-packages/', 1)[-1]}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message))
+    return sum(where.values()), dict(where)
+
+
+def _measure(fn: Callable[[], object], device: torch.device, layers, reps: int) -> dict[str, Any]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for _ in range(2):
+            fn()
+        walls, enqueues = [], []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            enqueues.append(time.perf_counter() - start)
+            sync()
+            walls.append(time.perf_counter() - start)
+        prof = profile_pass(fn, device, layers=layers)
+        syncs, where = _syncs(fn) if device.type == "cuda" else (None, {})
+    out = {"wall_ms": statistics.median(walls) * 1e3, "enqueue_ms": statistics.median(enqueues) * 1e3,
+           "device_ms": prof["device_ms"], "launches": prof["launches"],
+           "launches_per_layer": prof.get("launches_per_layer"), "syncs": syncs, "sync_where": where,
+           "top": prof["top"][:6]}
+    out["wall_vs_device"] = out["wall_ms"] / out["device_ms"] if out["device_ms"] else None
+    return out
+
+
+def run_cuda(*, reps: int = 10, shapes=SHAPES, variants=VARIANTS, dry_run: bool = False) -> dict[str, Any]:
+    """Every path x variant at each shape; ``dry_run``: the CPU, the ``tiny`` model, one short shape, no graphs."""
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown variants {bad}; choose among {list(VARIANTS)}")
+    device = torch.device("cpu") if dry_run else require_cuda()
+    name = "tiny" if dry_run else MODEL
+    if dry_run:
+        shapes, reps, variants = ((16, 8),), min(reps, 2), [v for v in variants if v != "graphed"]
+    models = {}
+    for v in variants:
+        model = bench_model(name, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
+        if v == "rms_norm":
+            FUSED_MODULES["rms_norm"](model)
+        models[v] = model.eval()
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                              "device": device_peak(device)[0], "model": name, "groups": GROUPS, "n": N,
+                              "dry_run": dry_run, "shapes": []}
+    for prompt, response in shapes:
+        on_host = _batch(prompt, response)
+        host = HostBatch.of(*on_host.values())
+        b = {k: v.to(device) for k, v in on_host.items()}
+        shape: dict[str, Any] = {"prompt": prompt, "max_response": response, "rows": GROUPS * N,
+                                 "valid_tokens": int(host.attention_mask.sum()), "runs": {}}
+        for path in PATHS:
+            for v, model in models.items():
+                make = _graphed if v == "graphed" else _plain
+                fn = make(model, b, response, path, host)
+                shape["runs"][f"{path}/{v}"] = _measure(fn, device, backbone_of(model).layers, reps)
+                del fn
+        result["shapes"].append(shape)
+    return result
+
+
+def cuda_tables(result: dict[str, Any]) -> list[Table]:
+    """One row per shape x path x variant of a :func:`run_cuda` result."""
+    rows = []
+    for s in result["shapes"]:
+        for key, r in s["runs"].items():
+            path, variant = key.split("/")
+            rows.append([f"{s['prompt']}/{s['max_response']}", path, variant, f"{r['wall_ms']:.2f}",
+                         f"{r['enqueue_ms']:.2f}", f"{r['device_ms']:.2f}",
+                         f"{r['wall_vs_device']:.2f}" if r["wall_vs_device"] else "-", str(r["launches"]),
+                         f"{r['launches_per_layer']:.1f}" if r.get("launches_per_layer") is not None else "-",
+                         "-" if r["syncs"] is None else str(r["syncs"])])
+    notes = ["wall: synchronised, median, no profiler; enqueue: the call's return without waiting for the GPU "
+             "(the host's time); device: the kernels' time in one profiled call; launches: kernels + memcpy + "
+             "memset (per decoder layer: inside the layers' forwards); syncs: torch.cuda.set_sync_debug_mode",
+             "targets (issue #54): wall / device <= 1.1; shared faster than rmpad whenever its device time is lower"]
+    for s in result["shapes"]:
+        for key, r in s["runs"].items():
+            if r["sync_where"]:
+                notes.append(f"{s['prompt']}/{s['max_response']} {key} syncs at: " +
+                             ", ".join(f"{k} x{v}" for k, v in r["sync_where"].items()))
+    title = (f"one forward micro-batch on {result['device']} (torch {result['torch']}), {result['model']} bf16, "
+             f"{result['groups']} prompts x {result['n']} responses, as the workers call the core")
+    return [Table(["P/R<=", "path", "variant", "wall ms", "enqueue ms", "device ms", "wall / device", "launches",
+                   "launches/layer", "syncs"], rows, title=title, notes=notes)]
