@@ -73,3 +73,22 @@ def test_shared_plan_host_ops_do_not_grow_with_the_rows():
 
     small, large = (_plan(batch(g), 16, "shared", reps=1)["plan_ops"] for g in (2, 6))
     assert small == large, (small, large)  # 16 rows or 48: the same ops (332 -> 73 at 16 rows, before the run lists)
+
+
+def test_sync_count_reads_the_sync_warning_only():
+    """torch.cuda.set_sync_debug_mode warns a prototype notice ONCE per process, with "synchronizing" in
+    it: counted as a sync (the GPU lane's test did, by substring) it made the first measured forward
+    read 2. The counter takes c10's own warning only, at the line that made it."""
+    import warnings
+
+    from rlpad.bench.host_cuda import SYNC_WARNING, count_warnings
+
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+
+    def forward():
+        warnings.warn(notice)
+        warnings.warn(SYNC_WARNING)  # the one sync
+
+    n, where = count_warnings(forward, SYNC_WARNING)
+    assert n == 1 and list(where) == [f"tests/test_bench_host.py:{forward.__code__.co_firstlineno + 2}"], where
+    assert count_warnings(forward, "synchroniz")[0] == 2  # control: the old substring count
