@@ -92,3 +92,17 @@ def test_sync_count_reads_the_sync_warning_only():
     n, where = count_warnings(forward, SYNC_WARNING)
     assert n == 1 and list(where) == [f"tests/test_bench_host.py:{forward.__code__.co_firstlineno + 2}"], where
     assert count_warnings(forward, "synchroniz")[0] == 2  # control: the old substring count
+
+
+def test_head_rounding_truncation_biases_and_promotion_removes_it():
+    """rlpad/bench/head_rounding.py's emulation at hidden 3584: the tensor cores' truncating accumulation
+    biases the logits toward zero (the top logits are positive: their mean error is negative, many times the
+    rounding-to-nearest one) and the log-probs follow; moving the partial sum out every 256 products (the
+    fused head's tiles) brings both within a few times fp32's own rounding."""
+    from rlpad.bench.head_rounding import accumulation_errors
+
+    e = accumulation_errors(8, vocab=8192, top=256, tokens=64)
+    tc, promoted, nearest = e["tensor_core"], e["tensor_core_p256"], e["rn_sequential"]
+    assert tc["dz_mean"] < 0 and abs(tc["dz_mean"]) > 10 * abs(nearest["dz_mean"]), e
+    assert tc["lp_max"] > 5 * promoted["lp_max"] and tc["dz_max"] > 5 * promoted["dz_max"], e
+    assert promoted["lp_max"] < 2 * max(nearest["lp_max"], 1e-6), e
