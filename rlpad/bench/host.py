@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 from collections import Counter
 from typing import Any
@@ -49,8 +50,8 @@ from rlpad.core.shared_prompt import pack_shared_prompts
 from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_model
 
-__all__ = ["DEPTHS", "GROUPS", "MODEL", "N", "PATHS", "SHAPES", "SHORT", "TINY_WIDTH", "measure_shape", "run",
-           "tables"]
+__all__ = ["DEPTHS", "GROUPS", "MODEL", "N", "PATHS", "SHAPES", "SHORT", "TINY_WIDTH", "host_us", "measure_shape",
+           "run", "tables"]
 
 SHAPES = ((512, 256), (128, 512))  # (prompt length, max response length): the issue's two batches
 GROUPS, N = 2, 8  # 16 rows: 2 prompts x 8 responses (one GPU micro-batch)
@@ -129,14 +130,15 @@ def _reads(model: torch.nn.Module, b: dict, response: int, path: str) -> dict[st
     return out
 
 
-def _best_us(fn, reps: int) -> float:
-    """The fastest of ``reps`` calls of ``fn``, us: the host's own cost, the least disturbed by other load."""
+def _cpu_us(fn, reps: int) -> float:
+    """The median CPU time of ``reps`` calls of ``fn`` on this thread, us: the host's own work, not the time
+    the machine's other load keeps it waiting (a shared CPU: wall time would count that)."""
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.thread_time_ns()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e6
+        times.append(time.thread_time_ns() - start)
+    return statistics.median(times) / 1e3
 
 
 def _plan(b: dict, response: int, path: str, reps: int) -> dict[str, float]:
@@ -151,33 +153,36 @@ def _plan(b: dict, response: int, path: str, reps: int) -> dict[str, float]:
 
     with DeviceOps(device="cpu") as ops:
         build()
-    return {"plan_ops": ops.total(), "plan_us": _best_us(build, reps)}
+    return {"plan_ops": ops.total(), "plan_us": _cpu_us(build, reps)}
 
 
-def _host_us(path: str, reps: int) -> dict[str, float]:
-    """Host us per layer and of the rest of a forward (embedding, final norm, head, scatter; its plan
-    aside): the CPU at tiny width on the short batch, the heavy ops no-work stand-ins; depths
-    interleaved, the fastest of ``reps`` each."""
+def host_us(paths: tuple[str, ...] = PATHS, reps: int = 15) -> dict[str, dict[str, float]]:
+    """``{path: {"layer_us", "rest_us"}}``: host us per decoder layer and of the rest of a forward
+    (embedding, final norm, head, scatter; its plan aside), the CPU at tiny width on the short batch, the
+    heavy ops no-work stand-ins; paths and depths interleaved, the median CPU time of ``reps`` each. One
+    figure per path: on the varlen path a layer's host work does not depend on the batch."""
     prompt, response = SHORT
     b = _batch(prompt, response, seed=1)
     host = HostBatch.of(*b.values())
     models = {d: _model(MODEL, d, device="cpu", width=TINY_WIDTH).train() for d in DEPTHS}
+    times: dict[tuple[str, int], list[float]] = {(p, d): [] for p in paths for d in DEPTHS}
     with gpu_code_path(cpu=True), torch.no_grad():
-        for m in models.values():
-            _score(m, b, response, path, host=host)  # warm-up
-        times: dict[int, list[float]] = {d: [] for d in DEPTHS}
-        for _ in range(reps):
-            for d, m in models.items():
-                times[d].append(_best_us(lambda m=m: _score(m, b, response, path, host=host), 1))
-    lo, hi = (min(times[d]) for d in DEPTHS)
-    layer = (hi - lo) / (DEPTHS[1] - DEPTHS[0])
-    plan = _plan(b, response, path, reps)["plan_us"]  # the short batch's own plan, not the real batch's
-    return {"layer_us": layer, "rest_us": lo - DEPTHS[0] * layer - plan}
+        for _ in range(reps + 1):  # the first round warms up
+            for (path, d), ts in times.items():
+                ts.append(_cpu_us(lambda path=path, d=d: _score(models[d], b, response, path, host=host), 1))
+    out = {}
+    for path in paths:
+        lo, hi = (statistics.median(times[(path, d)][1:]) for d in DEPTHS)
+        layer = (hi - lo) / (DEPTHS[1] - DEPTHS[0])
+        plan = _plan(b, response, path, reps)["plan_us"]  # the short batch's own plan, not the real batch's
+        out[path] = {"layer_us": layer, "rest_us": lo - DEPTHS[0] * layer - plan}
+    return out
 
 
 def measure_shape(model_name: str, prompt: int, response: int, *, reps: int = 15,
-                  paths: tuple[str, ...] = PATHS, timing: bool = True) -> dict[str, Any]:
-    """Every figure of one batch shape for each of ``paths`` (see the module docstring)."""
+                  paths: tuple[str, ...] = PATHS, host: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """Every figure of one batch shape for each of ``paths`` (see the module docstring); ``host``: the
+    paths' :func:`host_us` (None: no host-time figures)."""
     b = _batch(prompt, response)
     models = {d: _model(model_name, d, device="meta").train() for d in DEPTHS}
     layers = model_shape(model_name)[1]["num_hidden_layers"]
@@ -187,8 +192,8 @@ def measure_shape(model_name: str, prompt: int, response: int, *, reps: int = 15
         r = _on_meta(models, b, response, path)
         r.update(_reads(models[DEPTHS[0]], b, response, path))
         r.update(_plan(b, response, path, reps))
-        if timing:
-            r.update(_host_us(path, reps))
+        if host is not None:
+            r.update(host[path])
             r["forward_host_ms"] = (r["plan_us"] + r["rest_us"] + layers * r["layer_us"]) / 1e3
         result["paths"][path] = r
     return result
@@ -204,7 +209,8 @@ def run(model_name: str = MODEL, *, reps: int = 15, shapes=SHAPES, dry_run: bool
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a GPU's host thread dispatches alone (and idle OpenMP threads on a busy CPU stall)
     try:
-        measured = [measure_shape(model_name, p, r, reps=reps) for p, r in shapes]
+        times = host_us(PATHS, reps)
+        measured = [measure_shape(model_name, p, r, reps=reps, host=times) for p, r in shapes]
     finally:
         torch.set_num_threads(threads)
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "machine": platform.processor() or "cpu",
@@ -238,7 +244,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
     notes = [f"ops: dispatched on meta (views aside: each a kernel launch or more on a GPU), per layer = depth "
              f"{result['depths'][1]} - depth {result['depths'][0]}, divided; index ops: integer outputs in a layer; "
              f"outside: per forward (the head runs torch's path on meta, Triton's on a GPU)",
-             f"host us/layer: CPU, one thread, tiny width ({result['tiny_width']['hidden_size']} = 14 heads of 4), "
+             f"host us: CPU time of this thread (medians), one thread, tiny width ({result['tiny_width']['hidden_size']} = 14 heads of 4), "
              f"a 16-row batch of prompts {result['short_batch'][0]} / responses <= {result['short_batch'][1]}, "
              "FlashAttention a no-work stand-in; without a GPU's launch cost (~2-5 us per op on its host)",
              "plan: host ops and us building the forward's index plan on this batch; host ms/forward: plan + rest + "
