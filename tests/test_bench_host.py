@@ -106,3 +106,33 @@ def test_head_rounding_truncation_biases_and_promotion_removes_it():
     assert tc["dz_mean"] < 0 and abs(tc["dz_mean"]) > 10 * abs(nearest["dz_mean"]), e
     assert tc["lp_max"] > 5 * promoted["lp_max"] and tc["dz_max"] > 5 * promoted["dz_max"], e
     assert promoted["lp_max"] < 2 * max(nearest["lp_max"], 1e-6), e
+
+
+@pytest.mark.parametrize("path", ["rmpad", "shared"])
+def test_graphed_measurement_equals_the_plain_forward_on_its_cpu_fallback(path):
+    """rlpad bench host --device cuda's `graphed` variant (the backbone of one micro-batch replayed from a
+    CUDA graph) runs eagerly on the CPU: the same numbers as the forward, bit for bit, its index plan rebuilt
+    and copied into the recorded inputs each call. Control: with those inputs zeroed, the copy restores
+    them (zeroed ids give other numbers)."""
+    from rlpad.bench.host import _batch
+    from rlpad.bench.host_cuda import _graphed, _plain
+    from rlpad.core.host_plan import HostBatch
+    from rlpad.embedded.tiny import tiny_model
+
+    model = tiny_model("qwen2", vocab_size=256, seed=1).eval()
+    b = _batch(12, 6)
+    host = HostBatch.of(*b.values())
+    with torch.no_grad():
+        ref = _plain(model, b, 6, path, host)()
+        fn = _graphed(model, b, 6, path, host)
+        got = fn()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        ids = fn.inputs["input_ids"]
+        kept = ids.clone()
+        ids.zero_()
+        zeroed = model.model(**fn.inputs).last_hidden_state
+        ids.copy_(kept)
+        assert not torch.equal(zeroed, model.model(**fn.inputs).last_hidden_state)  # the ids matter
+        ids.zero_()
+        again = fn()  # copies the plan's ids back before the backbone runs
+        assert torch.equal(again[0], ref[0]) and torch.equal(fn.inputs["input_ids"], kept)
