@@ -114,13 +114,13 @@ def test_graphed_measurement_equals_the_plain_forward_on_its_cpu_fallback(path):
     CUDA graph) runs eagerly on the CPU: the same numbers as the forward, bit for bit, its index plan rebuilt
     and copied into the recorded inputs each call. Control: with those inputs zeroed, the copy restores
     them (zeroed ids give other numbers)."""
-    from rlpad.bench.host import _batch
+    from rlpad.bench.host import micro_batch
     from rlpad.bench.host_cuda import _graphed, _plain
     from rlpad.core.host_plan import HostBatch
     from rlpad.embedded.tiny import tiny_model
 
     model = tiny_model("qwen2", vocab_size=256, seed=1).eval()
-    b = _batch(12, 6)
+    b = micro_batch(12, 6)
     host = HostBatch.of(*b.values())
     with torch.no_grad():
         ref = _plain(model, b, 6, path, host)()

@@ -51,7 +51,7 @@ from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_model
 
 __all__ = ["DEPTHS", "GROUPS", "MODEL", "N", "PATHS", "SHAPES", "SHORT", "TINY_WIDTH", "host_us", "measure_shape",
-           "run", "tables"]
+           "micro_batch", "run", "tables"]
 
 SHAPES = ((512, 256), (128, 512))  # (prompt length, max response length): the issue's two batches
 GROUPS, N = 2, 8  # 16 rows: 2 prompts x 8 responses (one GPU micro-batch)
@@ -69,7 +69,9 @@ def _model(name: str, layers: int, *, device: str, width: dict | None = None) ->
     return tiny_model(arch, dtype=torch.bfloat16, device=device, **spec)
 
 
-def _batch(prompt: int, response: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def micro_batch(prompt: int, response: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The issue's micro-batch: :data:`GROUPS` prompts of ``prompt`` tokens x :data:`N` responses of 1 to
+    ``response`` tokens (input_ids, attention_mask, position_ids)."""
     b = grpo_batch(GROUPS, N, prompt, response, vocab_size=VOCAB, seed=seed, min_prompt=prompt)
     return {k: b[k] for k in ("input_ids", "attention_mask", "position_ids")}
 
@@ -162,7 +164,7 @@ def host_us(paths: tuple[str, ...] = PATHS, reps: int = 15) -> dict[str, dict[st
     heavy ops no-work stand-ins; paths and depths interleaved, the median CPU time of ``reps`` each. One
     figure per path: on the varlen path a layer's host work does not depend on the batch."""
     prompt, response = SHORT
-    b = _batch(prompt, response, seed=1)
+    b = micro_batch(prompt, response, seed=1)
     host = HostBatch.of(*b.values())
     models = {d: _model(MODEL, d, device="cpu", width=TINY_WIDTH).train() for d in DEPTHS}
     times: dict[tuple[str, int], list[float]] = {(p, d): [] for p in paths for d in DEPTHS}
@@ -183,7 +185,7 @@ def measure_shape(model_name: str, prompt: int, response: int, *, reps: int = 15
                   paths: tuple[str, ...] = PATHS, host: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """Every figure of one batch shape for each of ``paths`` (see the module docstring); ``host``: the
     paths' :func:`host_us` (None: no host-time figures)."""
-    b = _batch(prompt, response)
+    b = micro_batch(prompt, response)
     models = {d: _model(model_name, d, device="meta").train() for d in DEPTHS}
     layers = model_shape(model_name)[1]["num_hidden_layers"]
     result: dict[str, Any] = {"prompt": prompt, "max_response": response, "rows": GROUPS * N,

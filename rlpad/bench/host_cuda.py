@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlpad.bench.host import GROUPS, MODEL, N, PATHS, SHAPES, _batch
+from rlpad.bench.host import GROUPS, MODEL, N, PATHS, SHAPES, micro_batch
 from rlpad.bench.kernels import profile_pass
 from rlpad.bench.measure import device_peak, require_cuda
 from rlpad.bench.models import bench_model
@@ -207,7 +207,7 @@ def run_cuda(*, reps: int = 10, shapes=SHAPES, variants=VARIANTS, dry_run: bool 
                               "device": device_peak(device)[0], "model": name, "groups": GROUPS, "n": N,
                               "dry_run": dry_run, "skipped": skipped, "shapes": []}
     for prompt, response in shapes:
-        on_host = _batch(prompt, response)
+        on_host = micro_batch(prompt, response)
         host = HostBatch.of(*on_host.values())
         b = {k: v.to(device) for k, v in on_host.items()}
         shape: dict[str, Any] = {"prompt": prompt, "max_response": response, "rows": GROUPS * N,
