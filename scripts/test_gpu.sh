@@ -25,18 +25,19 @@ OUT=${1:-${RLPAD_GPU_OUT:-results/gpu}}
 SITE=${RLPAD_GPU_SITE:-/tmp/rlpad-gpu-site}
 DRY=${RLPAD_GPU_DRY_RUN:-0}
 # Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...), against what the H200 of 2026-11-27 took:
-# install 30 (19), tests 85 (51-68), sweep 60 with a 35 s budget (65 s with 50: 16 of its 27 configurations), head 20
-# (17), logprob's peer columns 100 (not measured: the runs that had packed_flex among them wrote nothing in 120 and
-# 180 s), prefix 60 (28 for the 0.5B shape; 7b-layers added by issue #54), host 40 (new), compiled 70 (the 0.5B shape
-# alone: 99 s for both shapes, 36.7 s of it the 0.5B compile): 465 s at most, under the 8 minutes with the report.
+# install 30 (19), tests 80 (51-68), sweep 50 with a 30 s budget (65 s with 50: 16 of its 27 configurations), head 20
+# (17), logprob's peer columns 120 (not measured: the runs that had packed_flex among them wrote nothing in 120 and
+# 180 s; ~95 s estimated from the 2026-11-24 seconds of its four columns), prefix 60 (28 for the 0.5B shape; 7b-layers
+# added by issue #54), host 40 (new), compiled 70 (the 0.5B shape alone: 99 s for both shapes, 36.7 s of it the 0.5B
+# compile): 470 s at most, under the 8 minutes with the report.
 # packed flex_attention is not in the lane since issue #54 (transformers compiles it per packed length: killed at
 # 120 s twice): `rlpad bench logprob --device cuda --columns flex` apart. The sweep starts no configuration after
 # SWEEP_BUDGET_S, so its JSON is written inside its limit; logprob writes its JSON after each shape.
-TEST_S=${RLPAD_GPU_TEST_S:-85}
-SWEEP_S=${RLPAD_GPU_SWEEP_S:-60}
-SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-35}
+TEST_S=${RLPAD_GPU_TEST_S:-80}
+SWEEP_S=${RLPAD_GPU_SWEEP_S:-50}
+SWEEP_BUDGET_S=${RLPAD_GPU_SWEEP_BUDGET_S:-30}
 HEAD_S=${RLPAD_GPU_HEAD_S:-20}
-LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-100}
+LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-120}
 BENCH_S=${RLPAD_GPU_BENCH_S:-60}
 HOST_S=${RLPAD_GPU_HOST_S:-40}
 COMPILED_S=${RLPAD_GPU_COMPILED_S:-70}
