@@ -248,7 +248,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
              f"outside: per forward (the head runs torch's path on meta, Triton's on a GPU)",
              f"host us: CPU time of this thread (medians), one thread, tiny width ({result['tiny_width']['hidden_size']} = 14 heads of 4), "
              f"a 16-row batch of prompts {result['short_batch'][0]} / responses <= {result['short_batch'][1]}, "
-             "FlashAttention a no-work stand-in; without a GPU's launch cost (~2-5 us per op on its host)",
+             "FlashAttention and the GEMMs no-work stand-ins; without a GPU's launch cost (~2-5 us per op on its host)",
              "plan: host ops and us building the forward's index plan on this batch; host ms/forward: plan + rest + "
              "layers x us/layer at the model's depth",
              "device reads (a GPU's synchronising calls): as the workers call the core (host copy given) / a direct "
