@@ -218,10 +218,12 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     bench["prefix"]["shapes"] = [{**shape, "prompt": p, "model": m} for p, m in
                                  ((512, "qwen2.5-0.5b"), (128, "qwen2.5-0.5b"), (512, "7b-layers"))]
     micro = bench["host"]["shapes"][0]
-    assert set(micro["runs"]) == {"rmpad/plain", "rmpad/rms_norm", "shared/plain", "shared/rms_norm"}  # no graphs
+    assert set(micro["runs"]) == {f"{p}/{v}" for p in ("rmpad", "shared") for v in ("plain", "rms_norm", "graphed")}
+    assert micro["runs"]["rmpad/graphed"]["lp_max_diff_vs_plain"] == 0  # its eager fallback: the forward's numbers
     bench["host"]["shapes"] = [{**micro, "prompt": p} for p in (512, 128)]
     figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {
-        "rmpad/2 layers/forward": 1, "rmpad/2 layers/forward, host copy given": 0, "rmpad/2 layers/forward+backward": [1, 1]}}}
+        "rmpad/2 layers/forward": 1, "rmpad/2 layers/forward, host copy given": 0,
+        "rmpad/2 layers/forward+backward": [1, 1]}}}
     rows = target_rows({"bench": {k: {"json": v} for k, v in bench.items()}, "figures": figures, "wall_s": 100,
                         "summary": report["summary"], "tests": report["tests"]})
     missing = [r["name"] for r in rows if r["value"] is None]
