@@ -10,7 +10,7 @@ import sys
 from rlpad.export.command import add_export_parser
 
 
-CUDA_BENCHES = ("logprob", "prefix", "sp", "head")  # the benchmarks with a --device cuda variant
+CUDA_BENCHES = ("logprob", "prefix", "sp", "head", "host")  # the benchmarks with a --device cuda variant
 
 
 def _bench(args: argparse.Namespace, command: str) -> int:
@@ -77,11 +77,16 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                                   micro_rows=args.micro_rows, dry_run=args.dry_run, columns=args.columns,
                                   on_shape=shape_done)
                 tables = cuda_tables(result)
+            elif args.what == "host":
+                from rlpad.bench.host_cuda import cuda_tables as host_tables, run_cuda as run_host_cuda
+
+                result = run_host_cuda(reps=args.reps, dry_run=args.dry_run)
+                tables = host_tables(result)
             else:
                 from rlpad.bench.prefix import run_cuda, tables as prefix_tables
 
                 result = run_cuda(reps=args.reps, groups=args.groups, micro_rows=args.micro_rows or 16,
-                                  dry_run=args.dry_run)
+                                  models=args.models, dry_run=args.dry_run)
                 tables = prefix_tables(result)
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
@@ -129,6 +134,16 @@ def _bench(args: argparse.Namespace, command: str) -> int:
             name = os.path.splitext(os.path.basename(recipe))[0]
             out = args.out if args.out and len(recipes) == 1 else f"results/bench_e2e_{name}.json"
             report(f"e2e {name}", tables(run_e2e(recipe, steps=args.steps or 4, overrides=args.set or (), out=out)))
+    elif args.what == "host":
+        from rlpad.bench.host import MODEL, run as run_host, tables
+
+        try:
+            result = run_host((args.models or [MODEL])[0], reps=args.reps, dry_run=args.dry_run)
+        except ValueError as e:  # an unknown model row or bad repetitions: one line, before any compute
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        report("host", tables(result))
+        write_json(result, args.out or "results/bench_host.json")
     elif args.what == "prefix":
         from rlpad.bench.prefix import run as run_prefix, tables
 
@@ -224,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync",
-                                                                   "e2e", "sp", "head", "lora", "rm", "export"])
+                                                                   "e2e", "sp", "head", "lora", "rm", "export", "host"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "
                             "sync: sizes (40m 160m); lora: sizes (40m qwen2.5-0.5b); rm: one size (default 40m); "
-                            "export: one size (default qwen2.5-0.5b)")
+                            "export: one size (default qwen2.5-0.5b); host: one row (default qwen2.5-0.5b)")
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")

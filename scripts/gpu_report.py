@@ -3,7 +3,7 @@
 Folds together what the lane left in OUT: the device and versions (read here), the steps and their
 exit codes (steps.tsv), every test's outcome and one-line reason (junit.xml), the figures the tests
 recorded (parts/*.json) and the benchmarks' JSON (bench_*.json, read defensively: whatever keys
-they hold), and on top every target of issue #34 beside its figure and the 2026-11-24 baseline
+they hold), and on top every target of issues #34 and #54 beside its figure and the 2026-11-24 baseline
 (rlpad/bench/gpu_targets.py). Each benchmark's JSON is shown as the benchmark's own tables (its formatter in
 :data:`TABLES`, imported from rlpad) and, where that fails, as its numbers key by key. Standard
 library + torch (+ rlpad's formatters when they import). Exit status 1 when OUT holds no test results.
@@ -26,8 +26,9 @@ from typing import Any
 TABLES = {"head_sweep": "rlpad.bench.head_sweep:sweep_tables", "head": "rlpad.bench.head:tables",
           "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
           "compiled": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_compiled, a step of its own
-          "flex": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_flex, likewise
-          "logprob_vl": "rlpad.bench.logprob_vl:vl_tables"}  # a VL batch: Qwen2.5-VL-7B's shape, its vision tower
+          "flex": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_flex, run apart (issue #54)
+          "logprob_vl": "rlpad.bench.logprob_vl:vl_tables",  # a VL batch: Qwen2.5-VL-7B's shape, its vision tower
+          "host": "rlpad.bench.host_cuda:cuda_tables"}  # one micro-batch forward: wall vs kernels (issue #54)
 COMMANDS = {"head_sweep": "head --sweep", "compiled": "logprob --columns compiled",  # name -> `rlpad bench` args
             "flex": "logprob --columns flex", "logprob_vl": "logprob --vl"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
@@ -186,7 +187,7 @@ def markdown(r: dict[str, Any]) -> str:
         lines += ["**DRY RUN on the CPU** (RLPAD_GPU_DRY_RUN=1): the GPU command's steps at tiny shapes; no figure "
                   "below means anything about a GPU.", ""]
     if r.get("targets"):
-        lines += ["## Targets (issue #34) and the 2026-11-24 H100 baseline", "",
+        lines += ["## Targets (issues #34 and #54) and the 2026-11-24 H100 baseline", "",
                   "| figure | measured | target | met | baseline 2026-11-24 | note |", "|---|---:|---|---|---:|---|"]
         for t in r["targets"]:
             met = {True: "yes", False: "**no**", None: "-"}[t["met"]]

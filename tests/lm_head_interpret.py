@@ -82,6 +82,9 @@ for order in GRID_ORDERS:
         cases[f"{order}/{name}"] = errors(spec, tiny, seed=len(cases))
 cases["grouped_L2_group/fp32_T0.7_bias_3_slices"] = errors(CASES["fp32_T0.7_bias_3_slices"],
                                                            dataclasses.replace(TINY, group=None), seed=1)
+for promote in (16, 32):  # partial sums moved out every 1 / 2 of the K blocks (hidden 40: 3 blocks of 16)
+    for name in ("fp16_T0.7_bias_3_slices", "fp32_T0.7_bias_3_slices"):
+        cases[f"promote{promote}/{name}"] = errors(CASES[name], dataclasses.replace(TINY, promote=promote), seed=2)
 table = {t for entries in TILE_TABLE.values() for _, t in entries}
 for t in sorted(table, key=lambda t: t.name):
     for order in GRID_ORDERS:

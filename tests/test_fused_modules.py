@@ -35,10 +35,10 @@ def test_the_hook_refuses_before_any_change():
     before = [(name, type(m), "forward" in vars(m)) for name, m in model.named_modules()]
     with pytest.raises(ValueError, match=f"{KEY}=true needs a CUDA device .* the model runs on 'cpu'"):
         apply_fused_modules(model, "liger", key=KEY, device_type="cpu")
-    with pytest.raises(ValueError, match=f"{KEY}: unknown fused modules 'apex'; choose one of \\['compile', 'liger'\\]"):
+    with pytest.raises(ValueError, match=f"{KEY}: unknown fused modules 'apex'; choose one of \\['compile', 'liger', 'rms_norm'\\]"):
         apply_fused_modules(model, "apex", key=KEY, device_type="cuda")
     assert [(name, type(m), "forward" in vars(m)) for name, m in model.named_modules()] == before
-    assert set(FUSED_MODULES) == {"compile", "liger"}
+    assert set(FUSED_MODULES) == {"compile", "liger", "rms_norm"}
 
 
 WIRING = """

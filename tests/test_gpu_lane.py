@@ -183,15 +183,15 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert [(s[0], s[1]) for s in steps] == [(n, "0") for n in ("tests", "bench_head_sweep", "bench_head",
-                                                                 "bench_logprob", "bench_prefix", "bench_logprob_vl",
-                                                                 "bench_compiled", "bench_flex")]
+                                                                 "bench_logprob", "bench_prefix", "bench_host",
+                                                                 "bench_logprob_vl", "bench_compiled")]
     md = (out / "report.md").read_text()
-    assert "**DRY RUN on the CPU**" in md and "## Targets (issue #34)" in md
+    assert "**DRY RUN on the CPU**" in md and "## Targets (issues #34 and #54)" in md
     for t in TARGETS:
         assert f"| {t.name} |" in md, t.name
-    for bench in ("head --sweep", "head", "logprob", "prefix", "logprob --columns compiled", "logprob --columns flex",
-                  "logprob --vl"):
+    for bench in ("head --sweep", "head", "logprob", "prefix", "host", "logprob --vl", "logprob --columns compiled"):
         assert f"### rlpad bench {bench} --device cuda: exit 0" in md, bench
+    assert "### rlpad bench logprob --columns flex --device cuda: exit not run" in md  # apart since issue #54
     assert "| packed_compiled" in md and "packed_compiled: decoder layers under torch.compile" in md
     assert "VL log-prob + entropy, tiny-vl on cpu" in md and "| shared" in md  # the VL step's own table
     assert "LM head tile sweep" in md and "HBM model per grid order" in md and "| packed_sdpa" in md.replace(" ", " ")
@@ -210,18 +210,26 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     bench["head_sweep"]["best"] = {str(relabel[int(k)]): v for k, v in bench["head_sweep"]["best"].items()}
     for r in bench["head"]["rows"]:
         r["peak_gib"] = 1.0  # CUDA only
-    tiny, flex = bench["logprob"]["shapes"][0], bench["flex"]["shapes"][0]
-    assert "packed_flex" not in tiny["fwd"] and "packed_flex" in flex["fwd"]  # its own step
-    flex["fwdbwd"]["packed_flex"] = dict(flex["fwd"]["packed_flex"])  # FlexAttention: no CPU backward
+    tiny = bench["logprob"]["shapes"][0]
+    assert "packed_flex" not in tiny["fwd"] and bench["flex"] is None  # apart since issue #54
     for mode in ("fwd", "fwdbwd"):
         tiny[mode]["rmpad"]["mfu"] = 0.5  # on a GPU of the peak table only (path_rates' rmpad_mfu)
-    for key, shape in (("logprob", tiny), ("flex", flex)):
-        bench[key]["shapes"] = [{**shape, "model": m} for m in ("qwen2.5-0.5b", "7b-layers")]
+    bench["logprob"]["shapes"] = [{**tiny, "model": m} for m in ("qwen2.5-0.5b", "7b-layers")]
     shape = bench["prefix"]["shapes"][0]
-    bench["prefix"]["shapes"] = [{**shape, "prompt": p} for p in (512, 128)]
-    figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {"rmpad/2 layers": 0}}}
-    rows = target_rows({"bench": {k: {"json": v} for k, v in bench.items()}, "figures": figures, "wall_s": 100})
+    bench["prefix"]["shapes"] = [{**shape, "prompt": p, "model": m} for p, m in
+                                 ((512, "qwen2.5-0.5b"), (128, "qwen2.5-0.5b"), (512, "7b-layers"))]
+    micro = bench["host"]["shapes"][0]
+    assert set(micro["runs"]) == {f"{p}/{v}" for p in ("rmpad", "shared") for v in ("plain", "rms_norm", "graphed")}
+    assert micro["runs"]["rmpad/graphed"]["lp_max_diff_vs_plain"] == 0  # its eager fallback: the forward's numbers
+    bench["host"]["shapes"] = [{**micro, "prompt": p} for p in (512, 128)]
+    figures = {"test_no_host_sync_per_layer_bf16": {"synchronizing_calls": {
+        "rmpad/2 layers/forward": 1, "rmpad/2 layers/forward, host copy given": 0,
+        "rmpad/2 layers/forward+backward": [1, 1]}}}
+    rows = target_rows({"bench": {k: {"json": v} for k, v in bench.items()}, "figures": figures, "wall_s": 100,
+                        "summary": report["summary"], "tests": report["tests"]})
     missing = [r["name"] for r in rows if r["value"] is None]
-    assert missing == ["7b-layers fwd+bwd: rmpad speed-up over packed + liger"], missing  # liger: CUDA only
+    assert missing == ["7b-layers fwd+bwd: rmpad speed-up over packed flex_attention",  # apart
+                       "7b-layers fwd+bwd: rmpad speed-up over packed + liger",  # liger: CUDA only
+                       "qwen2.5-0.5b fwd+bwd: rmpad speed-up over packed flex_attention"], missing
     assert tiny["skipped"]["packed_liger"] == "liger-kernel's kernels need CUDA"
     assert all(isinstance(r["met"], bool) for r in rows if r["value"] is not None)

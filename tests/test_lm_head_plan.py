@@ -71,11 +71,12 @@ def test_tile_table_choice_per_capability_and_bucket_logged_once(caplog):
         cut = choose_tiles((8, 6), 19000, smem_optin=99 << 10)  # sm_86: ~100 KiB per block
         assert cut.smem_bytes() <= 99 << 10 < dataclasses.replace(cut, stages=cut.stages + 1).smem_bytes()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == len(set(lines)) and any("sm_90" in line and "256x128x32" in line for line in lines), lines
+    assert len(lines) == len(set(lines)) and any("sm_90" in line and "128x128x64 w8 s3 p256" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(order="diagonal"), "grid order must be one of"),
-                                          (dict(block_n=0), "must be >= 1"), (dict(group=0), "must be >= 1")])
+                                          (dict(block_n=0), "must be >= 1"), (dict(group=0), "must be >= 1"),
+                                          (dict(promote=24), "promote must be 0 or a positive multiple of block_k")])
 def test_bad_tiles_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Tiles(**{**dict(block_n=16, block_v=16, block_k=16, warps=1, stages=1), **kwargs})

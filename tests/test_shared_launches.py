@@ -18,10 +18,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import rlpad.core.attn_dispatch as attn_dispatch
-from rlpad.core.attn_dispatch import DeviceKernels
+from rlpad.bench.host_proxy import DeviceOps, gpu_code_path
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.host_plan import HostBatch
 from rlpad.core.shared_attention import shared_prompt_attention
@@ -30,51 +28,21 @@ from rlpad.embedded.synthetic import grpo_batch
 from rlpad.embedded.tiny import tiny_model
 
 RESPONSE, VOCAB = 10, 128
-# Ops that only make a view (no kernel on a GPU).
-VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.slice", "aten.select", "aten.unsqueeze",
-         "aten.squeeze", "aten.expand", "aten.detach", "aten.split_with_sizes", "aten.split", "aten.unbind",
-         "aten.alias", "aten.lift_fresh"}
 # What the shared path adds per layer to the packed row's work: K and V gathered (forward), their
 # gradients scattered back (backward: a zero buffer and an index_add each).
 SHARED_EXTRA = Counter({"aten.index_select": 2, "aten.new_zeros": 2, "aten.index_add": 2})
 
 
-class DeviceOps(TorchDispatchMode):
-    """Counts the ops whose output is on the ``meta`` device (host-side work is not counted);
-    ``ints``: those of them whose output is an integer tensor (an index being built); ``h2d``:
-    copies of a host tensor to the device."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.ints: Counter[str] = Counter()
-        self.h2d = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-        name = str(func.overloadpacket)
-        sources = [a for a in args if isinstance(a, torch.Tensor)]
-        if name == "aten._to_copy" and sources and sources[0].device.type == "cpu" and outs[0].device.type == "meta":
-            self.h2d += 1
-        if any(o.device.type == "meta" for o in outs) and name not in VIEWS:
-            self.ops[name] += 1
-            if any(not (o.is_floating_point() or o.is_complex()) for o in outs):
-                self.ints[name] += 1
-        return out
-
-
 @pytest.fixture
-def h100_offer(monkeypatch):
-    """The dispatch sees on ``meta`` what an sm90 GPU with torch's varlen kernel offers."""
-    real = attn_dispatch.device_kernels
-    offer = DeviceKernels(cuda=True, capability=(9, 0), torch_varlen=True)
-    monkeypatch.setattr(attn_dispatch, "device_kernels",
-                        lambda device: offer if torch.device(device).type == "meta" else real(device))
+def h100_offer():
+    """The dispatch sees on ``meta`` what an sm90 GPU with torch's varlen kernel offers
+    (rlpad.bench.host_proxy, the same stand-in `rlpad bench host` counts with)."""
+    with gpu_code_path():
+        yield
 
 
 def counted(batch: dict, share: bool, layers: int) -> DeviceOps:
-    """Device ops of one bf16 forward + backward of a ``layers``-layer tiny qwen2 on ``meta``."""
+    """Device ops of one bf16 forward + backward of a ``layers``-layer tiny qwen2 on ``meta`` (views aside)."""
     model = tiny_model("qwen2", vocab_size=VOCAB, seed=1, num_hidden_layers=layers).to(torch.bfloat16).to("meta")
     host = HostBatch.of(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     on_meta = {k: batch[k].to("meta") for k in ("input_ids", "attention_mask", "position_ids")}
@@ -113,7 +81,7 @@ def test_shared_path_per_layer_ops_are_the_packed_rows_plus_two_gathers(shape, h
     extra.subtract(packed)
     assert Counter({k: v for k, v in extra.items() if v}) == SHARED_EXTRA, (extra, shared, packed)
     # No index is built inside a layer: the only integer outputs per layer are the varlen kernel's
-    # own (its RNG state / workspace), the same as on the packed row.
+    # own (its RNG state), the same as on the packed row.
     assert shared_ints == packed_ints, (shared_ints, packed_ints)
 
 

@@ -37,17 +37,23 @@ __all__ = ["DRY_SWEEP", "SWEEP", "run_sweep", "sweep_tables"]
 
 
 def _sweep() -> tuple[Tiles, ...]:
-    """The table's entries (vocab_fastest), the shapes around them, then the table's in the other two
-    orders: the most telling first, as a time budget may cut the tail."""
+    """The table's entries (vocab_fastest, promoted), the same unpromoted (the promotion's price), the
+    unpromoted winner of 2026-11-27 (256x128x32 w8 s4) and the table's at promote 512 and 1024 (fewer adds,
+    more truncation), then the shapes around them and the table's in the other two orders: the most telling
+    first, as a time budget may cut the tail."""
     table = sorted({t for entries in TILE_TABLE.values() for _, t in entries}, key=lambda t: t.name)
+    plain = [dataclasses.replace(t, promote=0) for t in table] + [Tiles(256, 128, 32, 8, 4)]
+    coarser = [dataclasses.replace(t, promote=p) for p in (512, 1024) for t in table if t.promote]
     extra = [Tiles(bn, bv, bk, w, st) for bn, bv in ((64, 256), (128, 64), (256, 128)) for bk in (32, 64)
              for w, st in ((4, 3), (8, 4))]
     others = [dataclasses.replace(t, order=o) for o in GRID_ORDERS if o != "vocab_fastest" for t in table]
-    return tuple(table + extra + others)
+    seen: dict[Tiles, None] = dict.fromkeys(table + plain + coarser + extra + others)
+    return tuple(seen)
 
 
-SWEEP = _sweep()  # 27 points
-DRY_SWEEP = tuple(Tiles(16, 32, 16, 1, 1, order=o, group=2) for o in GRID_ORDERS) + (Tiles(32, 16, 32, 1, 1),)
+SWEEP = _sweep()
+DRY_SWEEP = tuple(Tiles(16, 32, 16, 1, 1, order=o, group=2) for o in GRID_ORDERS) + (
+    Tiles(32, 16, 32, 1, 1), Tiles(16, 32, 16, 1, 1, promote=16))
 # device -> (token counts, hidden, vocab, err_tokens)
 DEFAULTS = {"cuda": ((4800, 19000), 3584, 152064, 256), "cpu": ((20, 33), 24, 100, 33)}
 

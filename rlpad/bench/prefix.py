@@ -9,7 +9,9 @@ and, for reference, the decoder-only ideal (linear + attention).
 
 * CPU (default): the ``40m`` model in fp32, the whole batch in one call;
 * ``--device cuda``: the ``qwen2.5-0.5b`` shape in bf16, micro-batches of whole groups, plus
-  TFLOP/s of the FLOPs each path executes and MFU (:mod:`rlpad.bench.mfu`).
+  TFLOP/s of the FLOPs each path executes and MFU (:mod:`rlpad.bench.mfu`); then ``7b-layers``
+  (where the GPU, not the host, is the bottleneck) at P=512 / R<=256, one group per micro-batch
+  (:data:`CUDA_MODELS`; ``--models`` picks).
 
 Both paths run the ``rlpad_varlen`` attention (the shared prompt needs it), so the ratio isolates
 the prompt sharing.
@@ -35,12 +37,15 @@ from rlpad.core.attn_dispatch import SDPA, choose_kernel, device_kernels
 from rlpad.core.shared_prompt import prompt_groups
 from rlpad.embedded.synthetic import grpo_batch
 
-__all__ = ["CUDA_MODEL", "GROUPS", "N", "SHAPES", "bench_shape", "run", "run_cuda", "tables"]
+__all__ = ["CUDA_MODEL", "CUDA_MODELS", "GROUPS", "N", "SHAPES", "bench_shape", "run", "run_cuda", "tables"]
 
 SHAPES = ((512, 256), (128, 512))  # (prompt length, max response length)
 GROUPS, N = 8, 8
 CHUNK = 1024  # LM head chunk: the (N, V) logits never exist whole (memory; same for both paths)
-CUDA_MODEL = "qwen2.5-0.5b"  # the row of rlpad.bench.models.MODEL_SHAPES that --device cuda runs
+CUDA_MODEL = "qwen2.5-0.5b"  # the row of rlpad.bench.models.MODEL_SHAPES that --device cuda runs first
+# --device cuda: model row -> (shapes, rows per micro-batch); 7b-layers: issue #54's shared prompts where the GPU
+# is the bottleneck (target: >= 0.8 of the FLOP ideal)
+CUDA_MODELS = {CUDA_MODEL: (SHAPES, 16), "7b-layers": (((512, 256),), 8)}
 
 
 def bench_shape(model: torch.nn.Module, prompt: int, response: int, *, reps: int = 3, seed: int = 0,
@@ -101,24 +106,30 @@ def bench_shape(model: torch.nn.Module, prompt: int, response: int, *, reps: int
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    """The remove-padding vs shared-prompt table of a :func:`run` / :func:`run_cuda` result."""
+    """The remove-padding vs shared-prompt table of a :func:`run` / :func:`run_cuda` result, one per model."""
     peak = result.get("peak")
-    title = (f"log-prob + entropy, {result['model']} ({result['params_m']:.1f}M, {result['dtype']}) on {result['device']}, "
-             f"{result['groups']} groups x n={N}: remove-padding vs shared prompt (median seconds; tokens/s count valid "
-             "tokens; TF/s of the FLOPs each path executes" + (f"; MFU of {peak['bf16_tflops']:.0f} TFLOP/s bf16)"
-                                                               if peak else ")"))
-    rows = []
-    for r in result["shapes"]:
-        for mode in ("fwd", "fwdbwd"):
-            m = r[mode]
-            mfus = [f"{m['rmpad_mfu']:.1%}", f"{m['shared_mfu']:.1%}"] if peak and "rmpad_mfu" in m else []
-            rows.append([f"{r['prompt']}/{r['max_response']}", mode, f"{m['rmpad_s']:.3f}", f"{m['shared_s']:.3f}",
-                         f"{m['rmpad_tok_s']:.0f}", f"{m['shared_tok_s']:.0f}", f"{m['speedup']:.2f}x",
-                         f"{r['flop_ideal_speedup']:.2f}x", f"{m['speedup_vs_ideal']:.2f}x", f"{m['rmpad_tflops']:.2f}",
-                         f"{m['shared_tflops']:.2f}", *mfus])
-    columns = ["P/R<=", "pass", "rmpad s", "shared s", "rmpad tok/s", "shared tok/s", "speedup", "ideal", "of ideal",
-               "rm TF/s", "sh TF/s"] + (["rm MFU", "sh MFU"] if rows and len(rows[0]) == 13 else [])
-    return [Table(columns, rows, title=title)]
+    models = result.get("models") or [{k: result[k] for k in ("model", "params_m", "dtype")}]
+    out = []
+    for m in models:
+        title = (f"log-prob + entropy, {m['model']} ({m['params_m']:.1f}M, {m['dtype']}) on {result['device']}, "
+                 f"{result['groups']} groups x n={N}: remove-padding vs shared prompt (median seconds; tokens/s count "
+                 "valid tokens; TF/s of the FLOPs each path executes" + (f"; MFU of {peak['bf16_tflops']:.0f} TFLOP/s "
+                                                                         "bf16)" if peak else ")"))
+        rows = []
+        for r in result["shapes"]:
+            if r.get("model", m["model"]) != m["model"]:
+                continue
+            for mode in ("fwd", "fwdbwd"):
+                x = r[mode]
+                mfus = [f"{x['rmpad_mfu']:.1%}", f"{x['shared_mfu']:.1%}"] if peak and "rmpad_mfu" in x else []
+                rows.append([f"{r['prompt']}/{r['max_response']}", mode, f"{x['rmpad_s']:.3f}", f"{x['shared_s']:.3f}",
+                             f"{x['rmpad_tok_s']:.0f}", f"{x['shared_tok_s']:.0f}", f"{x['speedup']:.2f}x",
+                             f"{r['flop_ideal_speedup']:.2f}x", f"{x['speedup_vs_ideal']:.2f}x",
+                             f"{x['rmpad_tflops']:.2f}", f"{x['shared_tflops']:.2f}", *mfus])
+        columns = ["P/R<=", "pass", "rmpad s", "shared s", "rmpad tok/s", "shared tok/s", "speedup", "ideal",
+                   "of ideal", "rm TF/s", "sh TF/s"] + (["rm MFU", "sh MFU"] if rows and len(rows[0]) == 13 else [])
+        out.append(Table(columns, rows, title=title))
+    return out
 
 
 def _run(model: torch.nn.Module, model_name: str, *, reps: int, shapes, groups: int, micro_rows: int | None,
@@ -132,8 +143,9 @@ def _run(model: torch.nn.Module, model_name: str, *, reps: int, shapes, groups: 
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "groups": groups, "shapes": [],
     }
     for p, r in shapes:
-        result["shapes"].append(bench_shape(model, p, r, reps=reps, groups=groups, micro_rows=micro_rows, chunk=chunk,
-                                            warmup=warmup, peak_tflops=peak[1] if peak else None))
+        result["shapes"].append({"model": model_name, **bench_shape(
+            model, p, r, reps=reps, groups=groups, micro_rows=micro_rows, chunk=chunk, warmup=warmup,
+            peak_tflops=peak[1] if peak else None)})
         print(json.dumps(result["shapes"][-1]), flush=True)
     return result
 
@@ -156,15 +168,31 @@ def run(model_name: str = "40m", *, reps: int = 3, shapes=SHAPES, groups: int = 
     return result
 
 
-def run_cuda(*, reps: int = 3, groups: int = GROUPS, micro_rows: int = 16, shapes=SHAPES,
-             chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
-    """The CUDA benchmark: ``qwen2.5-0.5b`` in bf16, micro-batches of ``micro_rows`` rows (whole
-    groups), a warm-up round per shape; returns the result (the CLI prints :func:`tables`, writes the JSON).
-    ``dry_run``: the same code on the CPU, the ``tiny`` model, 2 groups, one shape of P = 8, R <= 8."""
+def run_cuda(*, reps: int = 3, groups: int = GROUPS, micro_rows: int | None = None, shapes=None,
+             models: list[str] | None = None, chunk: int = 4096, dry_run: bool = False) -> dict[str, Any]:
+    """The CUDA benchmark: each of ``models`` (default every row of :data:`CUDA_MODELS`) in bf16, micro-batches
+    of whole groups (``micro_rows``, default the model's), a warm-up round per shape; returns the result (the
+    CLI prints :func:`tables`, writes the JSON). ``dry_run``: the same code on the CPU, the ``tiny`` model,
+    2 groups, one shape of P = 8, R <= 8."""
     if dry_run:
         model = bench_model("tiny", seed=0, dtype=torch.bfloat16, attn_implementation=VARLEN_ATTENTION)
         return _run(model.train(), "tiny", reps=1, shapes=((8, 8),), groups=2, micro_rows=8, chunk=chunk, warmup=True)
+    names = list(models or CUDA_MODELS)
+    unknown = [n for n in names if n not in CUDA_MODELS]
+    if unknown:
+        raise ValueError(f"prefix --device cuda: unknown model(s) {unknown}; choose among {list(CUDA_MODELS)}")
     device = require_cuda()
-    model = bench_model(CUDA_MODEL, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
-    return _run(model.train(), CUDA_MODEL, reps=reps, shapes=shapes, groups=groups, micro_rows=micro_rows,
-                chunk=chunk, warmup=True)
+    merged: dict[str, Any] = {}
+    for name in names:
+        own_shapes, own_rows = CUDA_MODELS[name]
+        model = bench_model(name, seed=0, dtype=torch.bfloat16, device=device, attn_implementation=VARLEN_ATTENTION)
+        result = _run(model.train(), name, reps=reps, shapes=shapes or own_shapes, groups=groups,
+                      micro_rows=micro_rows or own_rows, chunk=chunk, warmup=True)
+        del model
+        torch.cuda.empty_cache()
+        if not merged:
+            merged = {**result, "models": [], "shapes": []}
+        merged["models"].append({k: result[k] for k in ("model", "params_m", "dtype")})
+        merged["shapes"] += result["shapes"]
+    merged["model"] = "+".join(names)
+    return merged

@@ -37,7 +37,7 @@ from torch import nn
 from rlpad.core.attention import BOUNDS_KWARG, VARLEN_ATTENTION, PackedBounds, packed_row_mask
 from rlpad.core.attn_choice import require_varlen_attention
 from rlpad.core.layout import check_rollout_tensors, position_ids_from_mask
-from rlpad.core.host_plan import HostBatch, packed_plan, response_positions, to_device
+from rlpad.core.host_plan import HostBatch, host_copies, packed_plan, response_positions, to_device
 from rlpad.core.lm_head import TORCH, head_path
 from rlpad.core.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from rlpad.core.sequence_parallel import SequenceParallel, active, kv_repeats, response_grid
@@ -94,23 +94,30 @@ def check_model_inputs(
     sp: SequenceParallel | None = None,
     response_mask: torch.Tensor | None = None,
     multi_modal_inputs: Sequence[Mapping] | None = None,
-) -> None:
+) -> HostBatch:
     """All checks of a scoring call, before any compute: the rollout tensors (vocabulary of
     ``model``; ``response_mask`` inside the response's attention mask) and, for remove-padding, that the model runs a varlen attention (``rlpad_varlen``
     for ``share_prompts`` and sequence parallelism ``sp``, which need remove-padding); a VL model's
-    images (:func:`rlpad.core.vision.check_images`)."""
+    images (:func:`rlpad.core.vision.check_images`).
+
+    The values are read from ONE host copy of the tensors (:func:`rlpad.core.host_plan.host_copies`:
+    one host sync on a GPU, none on the CPU), returned as the batch's :class:`HostBatch` (the
+    forward's index plans are built from it: no second read)."""
     check_share_prompts(use_remove_padding, share_prompts)
     sp = active(sp)
     check_sequence_parallel(use_remove_padding, sp)
-    check_rollout_tensors(model.get_input_embeddings().num_embeddings, input_ids, attention_mask, position_ids,
-                          response_length, response_mask)  # fmt: skip
+    given = (input_ids, attention_mask, position_ids, response_mask)
+    copies = host_copies(*(t if isinstance(t, torch.Tensor) else None for t in given))
+    ids, mask, pos, scored = (c if isinstance(t, torch.Tensor) else t for c, t in zip(copies, given))
+    check_rollout_tensors(model.get_input_embeddings().num_embeddings, ids, mask, pos, response_length, scored)
     if use_remove_padding:
         require_varlen_attention(model, share_prompts=share_prompts, sequence_parallel=sp is not None)
-    check_images(model, input_ids, attention_mask, multi_modal_inputs)
+    check_images(model, ids, mask, multi_modal_inputs)  # the host copies: no second read
     if sp is not None:
         config = model.config
         kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
                    or config.num_attention_heads, sp.size)  # fmt: skip
+    return HostBatch.of(ids, mask, pos, scored)
 
 
 def check_sequence_parallel(use_remove_padding: bool, sp: SequenceParallel | None) -> None:
@@ -267,10 +274,11 @@ def compute_log_probs(
     check_share_prompts(use_remove_padding, share_prompts)
     check_share_min_saved(share_min_saved)
     sp = active(sp)
-    if check:
-        check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
-                           use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
-                           response_mask=response_mask, multi_modal_inputs=multi_modal_inputs)  # fmt: skip
+    if check:  # the checks' one host copy is the batch's host copy where the caller has none
+        checked = check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
+                                     use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
+                                     response_mask=response_mask, multi_modal_inputs=multi_modal_inputs)  # fmt: skip
+        host = checked if host is None else host
     batch = input_ids.shape[0]
     hidden, response_idx = scoring_hidden_states(
         backbone_of(model), input_ids, attention_mask, position_ids, response_length,

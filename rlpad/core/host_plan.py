@@ -17,7 +17,22 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["HostBatch", "PackedPlan", "packed_plan", "response_positions", "to_device"]
+__all__ = ["HostBatch", "PackedPlan", "host_copies", "packed_plan", "response_positions", "to_device"]
+
+
+def host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``tensors`` on the host, each with its own dtype and shape, in ONE device-to-host copy (one
+    host sync; none when they are all on the CPU already). None stays None. The copy goes through
+    fp64, which holds every bool, bf16 / fp16 / fp32 value and integer below 2^53 (token ids)
+    exactly: what the checks and :meth:`HostBatch.of` read is what the device holds."""
+    present = [t for t in tensors if t is not None]
+    if all(t.device.type == "cpu" for t in present):
+        return list(tensors)
+    if len({t.device for t in present}) > 1:  # not one batch (the checks name the problem): one copy each
+        return [None if t is None else t.cpu() for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in present]).cpu()
+    parts = iter(p.view(t.shape).to(t.dtype) for p, t in zip(flat.split([t.numel() for t in present]), present))
+    return [None if t is None else next(parts) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -35,18 +50,13 @@ class HostBatch:
     @staticmethod
     def of(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
            response_mask: torch.Tensor | None = None) -> HostBatch:
-        """The host view of a batch: the tensors themselves on the CPU, else ONE device-to-host copy.
-        ``position_ids`` None: ``clamp(cumsum(mask) - 1, 0)`` (the rollout layout's rule).
-        ``response_mask`` (B, R) travels in the same copy, left-padded with zeros to (B, S)."""
-        parts = [input_ids, attention_mask] + ([] if position_ids is None else [position_ids])
-        if response_mask is not None:
-            parts.append(torch.nn.functional.pad(response_mask.long(), (input_ids.shape[1] - response_mask.shape[1], 0)))
-        stacked = torch.stack([p.long() for p in parts])
-        if stacked.device.type != "cpu":
-            stacked = stacked.cpu()
-        ids, mask = stacked[0], stacked[1]
-        pos = stacked[2] if position_ids is not None else (mask.cumsum(1) - 1).clamp_(min=0)
-        scored = stacked[-1, :, input_ids.shape[1] - response_mask.shape[1]:] if response_mask is not None else None
+        """The host view of a batch: the tensors themselves on the CPU, else ONE device-to-host copy
+        (:func:`host_copies`). ``position_ids`` None: ``clamp(cumsum(mask) - 1, 0)`` (the rollout
+        layout's rule)."""
+        ids, mask, pos, scored = (None if t is None else t.long()
+                                  for t in host_copies(input_ids, attention_mask, position_ids, response_mask))
+        if pos is None:
+            pos = (mask.cumsum(1) - 1).clamp_(min=0)
         return HostBatch(ids, mask, pos, scored)
 
     def gather_positions(self, flat: torch.Tensor) -> torch.Tensor:

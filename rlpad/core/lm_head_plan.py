@@ -28,7 +28,7 @@ import functools
 import logging
 import math
 
-__all__ = ["DZ_BUDGET_BYTES", "GPUS", "GRID_ORDERS", "INTERPRETER_GPU", "TILE_TABLE", "Gpu", "Tiles", "choose_tiles",
+__all__ = ["DZ_BUDGET_BYTES", "GPUS", "GRID_ORDERS", "INTERPRETER_GPU", "PROMOTE", "TILE_TABLE", "Gpu", "Tiles", "choose_tiles",
            "device_gpu", "dz_columns", "forward_traffic", "head_plan", "plan_splits", "program_coords", "resident_programs"]
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,10 @@ DZ_BUDGET_BYTES = 1 << 30
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One launch configuration: tile (tokens, vocabulary, hidden), warps, pipeline stages, the
-    forward's grid order and its group (token blocks per group; None: sized to half the L2)."""
+    forward's grid order and its group (token blocks per group; None: sized to half the L2), and
+    ``promote``: every that many hidden elements (a multiple of ``block_k``; 0: never) the logits'
+    partial sums leave the tensor core's accumulator for an fp32 add that rounds to nearest
+    (:data:`PROMOTE`: why)."""
 
     block_n: int
     block_v: int
@@ -53,17 +56,21 @@ class Tiles:
     stages: int
     order: str = "vocab_fastest"
     group: int | None = None
+    promote: int = 0
 
     def __post_init__(self):
         if self.order not in GRID_ORDERS:
             raise ValueError(f"grid order must be one of {GRID_ORDERS}, got {self.order!r}")
         if min(self.block_n, self.block_v, self.block_k, self.warps, self.stages, self.group or 1) < 1 or self.group == 0:
             raise ValueError(f"tile sizes, warps, stages and group must be >= 1, got {self}")
+        if self.promote < 0 or self.promote % self.block_k:
+            raise ValueError(f"promote must be 0 or a positive multiple of block_k={self.block_k}, got {self.promote}")
 
     @property
     def name(self) -> str:
         group = "" if self.order != "grouped" else f"/{self.group or 'L2'}"
-        return f"{self.block_n}x{self.block_v}x{self.block_k} w{self.warps} s{self.stages} {self.order}{group}"
+        promote = f" p{self.promote}" if self.promote else ""
+        return f"{self.block_n}x{self.block_v}x{self.block_k} w{self.warps} s{self.stages}{promote} {self.order}{group}"
 
     def smem_bytes(self, elem: int = 2) -> int:
         """Shared memory of the pipelined operand tiles (h: BLOCK_N x BLOCK_K, W: BLOCK_K x BLOCK_V)."""
@@ -101,13 +108,24 @@ def device_gpu(device) -> tuple[Gpu, tuple[int, int], int | None]:
     return gpu, (p.major, p.minor), getattr(p, "shared_memory_per_block_optin", None)
 
 
-# Capability -> ((max tokens of the bucket or None for the rest, tiles), ...), first match wins. 9.0 above
-# 2048 tokens: the sweep's winner (`rlpad bench head --sweep`, H200, 2026-11-27, 16 of 27 configurations
-# timed): 256x128x32 w8 s4 at 4800 tokens 37.4 ms fwd+bwd (the old 128x128x64 w8 s3: 41.8) and at 19000
-# 147.6 ms (the old 128x256x64 w8 s3: 152.2). The rest: not yet measured, the sweep's starting points.
+# The tensor cores accumulate a dot's products in fp32 with truncation (round toward zero) at each step of
+# 16 products: over the 7B head's hidden 3584 (224 steps) the logits come out biased toward zero, ~2.4e-5 on
+# average, up to 6e-5: log-prob errors to 2.6e-5 on 32 of the lane's rows (4-5e-5 on its 384: the H200's
+# 5.16e-5 against the bound 5e-5), where fp32 on CUDA cores (round to nearest, torch's fp32 GEMM) reaches
+# 5e-6. Moving the partial sum out every 256 products (one fp32 add, to nearest) brings the head to 1.6e-6
+# (every 128: 1.0e-6, 512: 3.8e-6, 1024: 5.9e-6). Measured by emulating both accumulators on the CPU in
+# fp64 (docs/performance.md, "The head's rounding"). The price: a second fp32 accumulator tile in registers.
+PROMOTE = 256
+# Capability -> ((max tokens of the bucket or None for the rest, tiles), ...), first match wins. Every entry
+# promotes (PROMOTE), on tiles whose two fp32 accumulators fit the registers (<= 64 floats a thread each:
+# 128x128 on 8 warps, 64x128 on 4): not yet timed on a GPU (the sweep times them beside the unpromoted ones).
+# 9.0 before issue #54: <= 2048 tokens 64x128x64 w4 s4; above, the sweep's winner of 2026-11-27 (H200, 16 of
+# 27 configurations): 256x128x32 w8 s4, 37.4 ms fwd+bwd at 4800 tokens and 147.6 at 19000 (128x128x64 w8 s3:
+# 41.8 and 153.7), whose 128 accumulator floats a thread cannot double. 8.0: not yet measured.
 TILE_TABLE: dict[tuple[int, int], tuple[tuple[int | None, Tiles], ...]] = {
-    (9, 0): ((2048, Tiles(64, 128, 64, 4, 4)), (None, Tiles(256, 128, 32, 8, 4))),
-    (8, 0): ((2048, Tiles(64, 128, 32, 4, 4)), (8192, Tiles(128, 128, 32, 4, 4)), (None, Tiles(128, 128, 64, 8, 3))),
+    (9, 0): ((2048, Tiles(64, 128, 64, 4, 4, promote=PROMOTE)), (None, Tiles(128, 128, 64, 8, 3, promote=PROMOTE))),
+    (8, 0): ((2048, Tiles(64, 128, 32, 4, 4, promote=PROMOTE)), (8192, Tiles(128, 128, 32, 8, 4, promote=PROMOTE)),
+             (None, Tiles(128, 128, 64, 8, 3, promote=PROMOTE))),
 }
 
 

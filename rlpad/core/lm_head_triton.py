@@ -2,7 +2,8 @@
 
 Forward, one kernel (:func:`_stats_kernel`): a program owns ``BLOCK_N`` tokens and a slice of the
 vocabulary; over its V tiles it forms ``z = h @ W_tile^T (+ b) / T`` with a tensor-core dot in
-fp32 accumulation and keeps, online, ``m = max z``, ``s = sum exp(z - m)``, ``t = sum exp(z - m)
+fp32 accumulation (its partial sums moved out of the tensor core every ``Tiles.promote`` hidden
+elements: the tensor cores' accumulation truncates) and keeps, online, ``m = max z``, ``s = sum exp(z - m)``, ``t = sum exp(z - m)
 (z - m)`` (centred: its rounding scales with the entropy, not with |z|) and the label's ``z``.
 Nothing (N, V) is written: the slices' (m, s, t, z_label) are (splits, N) and merged in torch into
 ``lse = m + log s``, ``E_p[z] = m + t / s``, ``log_prob = z_label - lse``, ``entropy = log s - t / s``
@@ -42,7 +43,7 @@ from rlpad.core.lm_head_plan import (DZ_BUDGET_BYTES, GRID_ORDERS, Tiles, choose
 __all__ = ["INTERPRETER_TILES", "TritonHead", "head_stats", "launch_dz", "tiles_for",
            "triton_log_probs_and_entropy"]
 
-INTERPRETER_TILES = Tiles(32, 32, 32, 4, 1)  # Triton's interpreter (CPU tensors): warps and stages unused
+INTERPRETER_TILES = Tiles(32, 32, 32, 4, 1, promote=64)  # Triton's interpreter (CPU tensors): warps, stages unused
 ORDER_IDS = {name: i for i, name in enumerate(GRID_ORDERS)}  # the kernel's ORDER constexpr
 DZ_GROUP = 8  # _dz_kernel's grouped order: token blocks that share each W tile in L2
 
@@ -50,16 +51,29 @@ DZ_GROUP = 8  # _dz_kernel's grouped order: token blocks that share each W tile 
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, temperature,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """z (BLOCK_N, BLOCK_V) fp32 = (h[rows] @ W[cols]^T + b[cols]) / temperature."""
+                 PRECISION: tl.constexpr, PROMOTE: tl.constexpr):
+    """z (BLOCK_N, BLOCK_V) fp32 = (h[rows] @ W[cols]^T + b[cols]) / temperature. ``PROMOTE`` (K blocks; 0:
+    never): the dot accumulates that many blocks from zero into ``part``, then one fp32 add (to nearest)
+    moves ``part`` into ``acc``: the tensor core's truncating accumulation never spans the whole hidden
+    size (:data:`rlpad.core.lm_head_plan.PROMOTE`). ``part`` restarts from a loop-carried zero, not a
+    constant one: Triton folds ``acc + dot(a, b, 0)`` back into ``dot(a, b, acc)``."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
         kk = k + ks
         k_ok = kk < H
         a = tl.load(h_ptr + rows[:, None] * stride_h + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if PROMOTE == 0:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            part = tl.dot(a, b, part, input_precision=PRECISION)
+            if (k // BLOCK_K) % PROMOTE == PROMOTE - 1:
+                acc += part
+                part = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if PROMOTE != 0:
+        acc += part
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     return acc / temperature
@@ -87,7 +101,7 @@ def _program(pid, n_blocks, splits, ORDER: tl.constexpr, GROUP: tl.constexpr):
 def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, stride_h, stride_w,
                   temperature, tiles_per_split, n_blocks, splits, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, ORDER: tl.constexpr, GROUP: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PROMOTE: tl.constexpr):
     """Program (token block, split): online (m, s, t, z_label) over the split's V tiles -> [split, rows]."""
     pid_n, split = _program(tl.program_id(0), n_blocks, splits, ORDER, GROUP)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -103,7 +117,7 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
         cols = (tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_ok = cols < V
         z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, temperature,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
+                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, PROMOTE)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         scale = tl.exp(m - m_new)
@@ -125,7 +139,7 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V,
 def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr, N, v_start, VB, H,
                stride_h, stride_w, stride_dz, temperature, HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr,
                HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_N: tl.constexpr, PRECISION: tl.constexpr):
+               GROUP_N: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr):
     """Program = one (BLOCK_N, BLOCK_V) tile of dz (N, VB) for the columns v_start + [0, VB)."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_N)
@@ -141,7 +155,7 @@ def _dz_kernel(h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d
     col_ok = local < VB
     cols = v_start + local
     z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, temperature,
-                     HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION)
+                     HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, PRECISION, PROMOTE)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     p = tl.exp(z - lse[:, None])
     dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -187,8 +201,8 @@ def head_stats(hidden, weight, bias, labels, temperature, *, tiles: Tiles, split
         hidden, weight, bias if bias is not None else weight, labels, m, s, t, zl, n, v, h, hidden.stride(0),
         weight.stride(0), float(temperature), per_split, n_blocks, splits, HAS_BIAS=bias is not None,
         BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k, ORDER=ORDER_IDS[tiles.order],
-        GROUP=group if tiles.order == "grouped" else 1,
-        PRECISION=_precision(hidden.dtype), num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
+        GROUP=group if tiles.order == "grouped" else 1, PRECISION=_precision(hidden.dtype),
+        PROMOTE=tiles.promote // tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
     top = m.amax(dim=0)
     shift = m - top  # <= 0
     scale = torch.exp(shift)
@@ -211,7 +225,8 @@ def launch_dz(out, start, hidden, weight, bias, labels, lse, mean_z, grad_log_pr
         out, n, start, vb, hidden.shape[1], hidden.stride(0), weight.stride(0), out.stride(0), float(temperature),
         HAS_BIAS=bias is not None, HAS_GLP=grad_log_probs is not None, HAS_GENT=grad_entropy is not None,
         BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k, GROUP_N=DZ_GROUP,
-        PRECISION=_precision(hidden.dtype), num_warps=tiles.warps, num_stages=tiles.stages)  # fmt: skip
+        PRECISION=_precision(hidden.dtype), PROMOTE=tiles.promote // tiles.block_k, num_warps=tiles.warps,
+        num_stages=tiles.stages)  # fmt: skip
 
 
 def _unit_stride(x):

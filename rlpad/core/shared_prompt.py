@@ -181,17 +181,20 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 def _runs(runs: list[tuple[int, int]]) -> torch.Tensor:
-    """``cat(start + arange(length) for start, length in runs)`` (int64, on the host)."""
+    """``cat(start + arange(length) for start, length in runs)`` (int64, on the host), in a fixed
+    handful of ops whatever the number of runs."""
     if not runs:
         return torch.zeros(0, dtype=torch.long)
     starts, lengths = torch.tensor(runs, dtype=torch.long).unbind(1)
-    offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-    return starts.repeat_interleave(lengths) + offsets
+    shift = starts - (lengths.cumsum(0) - lengths)  # start of each run minus its offset in the output
+    return shift.repeat_interleave(lengths) + torch.arange(int(sum(n for _, n in runs)))
 
 
 def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], total: int) -> SharedSegments:
-    """Segments (host tensors) from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)]."""
-    ar = torch.arange
+    """Segments (host tensors) from ``prompts`` = [(start, length)] and ``responses`` = [(start, length, prompt id)].
+
+    Every index is a run list (Python ints) turned into a tensor by one :func:`_runs` call: a few
+    host ops per forward whatever the rows (not a few per row)."""
     # The varlen call: every run in row order, keys [its prompt (none for a prompt), itself].
     runs = sorted([(s, n, 0, 0) for s, n in prompts] + [(s, n, *prompts[p]) for s, n, p in responses])
     if sum(n for _, n, _, _ in runs) != total or any(a[0] + a[1] != b[0] for a, b in zip(runs, runs[1:])):
@@ -203,22 +206,18 @@ def _segments(prompts: list[tuple[int, int]], responses: list[tuple[int, int, in
         by_shape.setdefault((0, length), []).append((start, start))
     for start, length, p in responses:
         by_shape.setdefault((prompts[p][1], length), []).append((start, prompts[p][0]))
-    blocks, q_parts, kv_parts = [], [], []
-    for (plen, n), items in by_shape.items():
-        q_index = torch.tensor([s for s, _ in items])[:, None] + ar(n)
-        kv_index = torch.cat([torch.tensor([ps for _, ps in items])[:, None] + ar(plen), q_index], 1)
-        blocks.append((len(items), plen, n))
-        q_parts.append(q_index.flatten())
-        kv_parts.append(kv_index.flatten())
-    q_order = torch.cat(q_parts)
+    blocks = [(len(items), plen, n) for (plen, n), items in by_shape.items()]
+    q_runs = [(s, n) for (_, n), items in by_shape.items() for s, _ in items]
+    block_kv = [r for (plen, n), items in by_shape.items() for s, ps in items for r in ((ps, plen), (s, n))]
+    q_order = _runs(q_runs)
     inverse = torch.empty_like(q_order)
-    inverse[q_order] = ar(total)
+    inverse[q_order] = torch.arange(total)
     return SharedSegments(
         total=total, prompts=prompts, responses=responses,
         cu_q=_cu([n for _, n, _, _ in runs]), cu_k=_cu([pn + n for _, n, _, pn in runs]), kv_index=_runs(kv_runs),
         max_q=max(n for _, n, _, _ in runs), max_k=max(pn + n for _, n, _, pn in runs),
-        blocks=blocks, q_order=q_order, kv_order=torch.cat(kv_parts), q_sizes=[t.numel() for t in q_parts],
-        kv_sizes=[t.numel() for t in kv_parts], inverse=inverse,
+        blocks=blocks, q_order=q_order, kv_order=_runs(block_kv), q_sizes=[c * n for c, _, n in blocks],
+        kv_sizes=[c * (plen + n) for c, plen, n in blocks], inverse=inverse,
     )  # fmt: skip
 
 
@@ -239,32 +238,31 @@ def pack_shared_prompts(
     Built on the host from one read of the batch (none when it is on the CPU): the row is on the
     CPU; :meth:`SharedPromptRow.to` moves it to the device in one copy."""
     host = replace(HostBatch.of(input_ids, attention_mask, position_ids, response_mask), rope_positions=rope_positions)
-    batch, seqlen = host.input_ids.shape
+    seqlen = host.input_ids.shape[1]
     prompt_cols = seqlen - response_length
     prompt_lens = host.attention_mask[:, :prompt_cols].sum(1).tolist()
     resp_lens = host.attention_mask[:, prompt_cols:].sum(1).tolist()
-    src: list[torch.Tensor] = []  # flat (B*S) indices of the packed tokens, in packed order
+    src: list[tuple[int, int]] = []  # runs (flat B*S start, length) of the packed tokens, in packed order
     prompts: list[tuple[int, int]] = []
     responses: list[tuple[int, int, int]] = []
-    first_slot = [0] * batch  # packed slot scoring response token 0 of each row
-    resp_start = [0] * batch
+    score: list[tuple[int, int, int, int]] = []  # (row, last prompt slot, response start, length)
     cursor = 0
     if groups is None:
         groups = prompt_groups(host.input_ids, host.attention_mask, host.position_ids, response_length)
     for g, rows in enumerate(groups):
         plen = int(prompt_lens[rows[0]])
-        src.append(rows[0] * seqlen + torch.arange(prompt_cols - plen, prompt_cols))
+        src.append((rows[0] * seqlen + prompt_cols - plen, plen))
         prompts.append((cursor, plen))
         cursor += plen
         last_prompt = cursor - 1
         for r in rows:
-            first_slot[r], resp_start[r] = last_prompt, cursor
             n = int(resp_lens[r])
-            if n:
-                src.append(r * seqlen + torch.arange(prompt_cols, prompt_cols + n))
+            if n:  # response token 0 is scored by the group's last prompt token, token t > 0 by slot start + t - 1
+                src.append((r * seqlen + prompt_cols, n))
                 responses.append((cursor, n, g))
+                score.append((r, last_prompt, cursor, n))
                 cursor += n
-    flat = torch.cat(src)
+    flat = _runs(src)
     packed_ids = host.input_ids.reshape(-1).index_select(0, flat).view(1, -1)
     packed_pos = host.gather_positions(flat).unsqueeze(-2)  # (1, T) or (4, 1, T)
     pad = -cursor % pad_to
@@ -272,10 +270,7 @@ def pack_shared_prompts(
         packed_ids = torch.cat([packed_ids, packed_ids.new_zeros(1, pad)], 1)
         packed_pos = torch.cat([packed_pos, torch.arange(pad, dtype=packed_pos.dtype).expand(*packed_pos.shape[:-1], pad)], -1)
         prompts.append((cursor, pad))
-    # Response token t > 0 of row r is scored by packed slot resp_start[r] + t - 1.
-    score = [torch.cat([torch.tensor([first_slot[r]]), resp_start[r] + torch.arange(int(n) - 1)])
-             for r, n in enumerate(resp_lens) if n]  # fmt: skip
-    score_index = torch.cat(score) if score else torch.zeros(0, dtype=torch.long)
+    score_index = _runs([run for _, last, start, n in sorted(score) for run in ((last, 1), (start, n - 1))])
     response_idx = response_positions(host, response_length)[0]
     if host.response_mask is not None:  # drop the slots of tokens that are context only (tool output)
         valid = host.attention_mask[:, prompt_cols:].reshape(-1).nonzero().flatten()
