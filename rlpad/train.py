@@ -34,6 +34,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
+from rlpad.rewards.code import configure as configure_code
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.rules import reward_source_problems
 from rlpad.rewards.combine import CombinedReward, build_reward
@@ -215,6 +216,7 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
+    configure_code(config.reward.code, sources)  # the sandbox pool of code sources (rlpad.rewards.code)
     if problems := reward_source_problems(config.reward.function_spec, sources):
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
