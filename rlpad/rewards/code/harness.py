@@ -44,6 +44,9 @@ STAR_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "c
                 "statistics", "itertools", "functools", "operator", "io", "sys", "json", "builtins", "typing")
 RECURSION_LIMIT = 6 * 10 ** 5
 READY = b"ready\n"
+# what the harness writes its result with, held before the program runs (a program that patches json or os
+# breaks only its own result: the verdict is the driver's, on what arrives)
+_dumps, _write, _exit, _times = json.dumps, os.write, os._exit, os.times
 # verl's "reliability guard", applied before the program's module is built: these names set to None and
 # these modules made unimportable. It isolates nothing (a program undoes it in one line: the sandbox is
 # what isolates); it is here because it changes scores (``exit()`` fails, ``import resource`` fails, ...).
@@ -197,9 +200,9 @@ def _set_limits(limits: dict[str, int]) -> None:
 
 
 def _guard() -> None:
-    """verl's reliability guard (see GUARD_*): scores, not isolation."""
+    """verl's reliability guard (see GUARD_*): scores, not isolation. (verl also sets ``subprocess.Popen`` to
+    None; with ``subprocess`` unimportable after the guard no program sees the difference.)"""
     import shutil
-    import subprocess
 
     for name in GUARD_BUILTINS:
         setattr(builtins, name, None)
@@ -208,7 +211,6 @@ def _guard() -> None:
         setattr(os, name, None)
     for name in GUARD_SHUTIL:
         setattr(shutil, name, None)
-    subprocess.Popen = None  # type: ignore[misc]
     for name in GUARD_MODULES:
         sys.modules[name] = None  # type: ignore[assignment]
 
@@ -238,7 +240,7 @@ def _run(job: dict[str, Any], devnull: Any) -> tuple[dict[str, Any], bytes]:
             value = encode_value(method(*decode_value(job["args"])))
         except BaseException as e:  # noqa: BLE001  SystemExit included: verl's call-based cases catch Exception only
             return _failed("error", e), b""
-        blob = json.dumps(value)
+        blob = _dumps(value)
         if len(blob) > job["limits"]["output_bytes"]:
             return {"status": "output_limit", "error": f"return value of {len(blob)} bytes"}, b""
         return {"status": "ok", "value": value}, b""
@@ -286,11 +288,13 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001  a MemoryError building the result, an OutputLimit raised late
         header, stdout = _failed("error", e), b""
     header["stdout_bytes"] = len(stdout)
-    data = json.dumps(header, allow_nan=True).encode() + b"\n" + stdout
+    times = _times()  # informational (rlpad bench code): the case's CPU seconds, its children's included
+    header["cpu_s"] = times.user + times.system + times.children_user + times.children_system
+    data = _dumps(header, allow_nan=True).encode() + b"\n" + stdout
     view = memoryview(data)
     while view:
-        view = view[os.write(channel, view):]
-    os._exit(0)
+        view = view[_write(channel, view):]
+    _exit(0)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class CaseRun:
     stdout: bytes = b""
     error: str = ""
     seconds: float = 0.0
+    cpu_s: float = 0.0  # as the harness reports it (informational: a program can write anything there)
 
 
 def limits_of(cfg: CodeConfig, userns: bool) -> dict[str, int]:
@@ -343,8 +344,10 @@ class _Run:
         if not isinstance(header, dict) or not isinstance(header.get("status"), str):
             return CaseRun(self._died(), error=self.stderr_tail.decode("utf-8", "replace")[-500:], seconds=seconds)
         size = header.get("stdout_bytes", 0)
+        cpu = header.get("cpu_s")
         return CaseRun(header["status"], value=header.get("value"), stdout=rest[:size] if isinstance(size, int) else b"",
-                       error=str(header.get("error", "")), seconds=seconds)
+                       error=str(header.get("error", "")), seconds=seconds,
+                       cpu_s=float(cpu) if isinstance(cpu, (int, float)) else 0.0)
 
     def _died(self) -> str:
         """The program ended the process before the harness wrote a result: the CPU limit (SIGXCPU / the

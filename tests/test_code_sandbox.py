@@ -1,0 +1,179 @@
+"""The code sandbox against hostile programs (tests/hostile_code.py): each contained and scored with its reason,
+beside an honest program that still passes; each effect shown by a control outside the sandbox (in a
+throwaway folder); then 1000 of them through the pool at once: nothing left running, memory back,
+the canary intact. Run as root (as CI does) the sandboxes get uids of their own; as another user a
+user namespace each."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from hostile_code import (CALL_DOUBLE, DOUBLE, FORK_BOMB, HONEST, Listener, hostile_programs, run_outside,
+                          sandbox_processes)
+from rlpad.config.code import CodeConfig
+from rlpad.rewards import code
+from rlpad.rewards.code.sandbox import UID_BASE, UID_RANGE
+from rlpad.rewards.code.scorer import CodeScorer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT_FILE = os.path.join(ROOT, "pyproject.toml")
+LIMITS = dict(memory_limit_mb=512, max_processes=16, max_output_bytes=1 << 20, max_concurrent=4)
+CANARY = "the run's home must survive"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The test's throwaways: a HOME with a canary, a folder outside any sandbox, a listening server."""
+    base = tmp_path_factory.mktemp("hostile")
+    home, outside = base / "home", base / "outside"
+    home.mkdir()
+    outside.mkdir()
+    (home / "canary").write_text(CANARY)
+    listener = Listener()
+    yield {"home": str(home), "outside": str(outside / "escaped.txt"), "listener": listener,
+           "programs": hostile_programs(listener.port, str(home), PROJECT_FILE, str(outside / "escaped.txt"))}
+    listener.close()
+
+
+def untouched(world) -> None:
+    assert world["listener"].accepted == 0, "a sandboxed program reached the test's server"
+    assert open(os.path.join(world["home"], "canary")).read() == CANARY
+    assert not os.path.exists(world["outside"]), "a sandboxed program wrote outside its scratch dir"
+    assert sandbox_processes() == [], "a sandboxed process outlived its case"
+    assert not _uid_processes(), "a process of a sandbox uid is still running"
+
+
+def _uid_processes() -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            uid = int(re.search(r"^Uid:\s+(\d+)", open(f"/proc/{pid}/status").read(), re.M).group(1))
+        except (OSError, AttributeError):
+            continue
+        if UID_BASE <= uid < UID_BASE + UID_RANGE:
+            found.append(int(pid))
+    return found
+
+
+def test_the_sandbox_works_here():
+    code.configure(CodeConfig())
+    assert code.sandbox_problem() is None, code.sandbox_problem()
+
+
+def test_each_hostile_program_is_contained_and_scored_with_its_reason(world):
+    scorer = CodeScorer(CodeConfig(timeout_s=2.0, **LIMITS))
+    try:
+        hostile = world["programs"]
+        honest = f"```python\n{HONEST}```"
+        results = scorer.score([(h.response, h.ground_truth) for h in hostile] + [(honest, DOUBLE)])
+        got = {h.name: r.outcome for h, r in zip(hostile, results)}
+        assert got == {h.name: h.outcome for h in hostile}
+        assert results[-1].outcome == "pass" and results[-1].score == 1.0, "a hostile neighbour changed an honest case"
+        assert all(r.score == 0.0 for r in results[:-1])
+        untouched(world)
+        # what the fork bomb and the reader of expected outputs saw from inside
+        bomb = scorer.pool.run({"program": FORK_BOMB.format(forks=10_000, sleep=60), "fn_name": None, "input": ""})
+        forked = int(bomb.stdout.split()[1])
+        assert 0 < forked < LIMITS["max_processes"], bomb
+        untouched(world)
+    finally:
+        scorer.close()
+
+
+def test_controls_outside_the_sandbox_show_each_effect(world, tmp_path):
+    """The same programs as plain processes in a throwaway folder: each does what the sandbox stopped."""
+    by_name = {h.name: h for h in world["programs"]}
+    listener = Listener()
+    try:
+        run_outside(by_name["socket"].program.replace(str(world["listener"].port), str(listener.port)), str(tmp_path))
+        assert listener.accepted == 1
+    finally:
+        listener.close()
+    assert run_outside(by_name["read_project"].program, str(tmp_path)).stdout.strip() == str(len(open(PROJECT_FILE).read()))
+    if os.geteuid() == 0:
+        assert int(run_outside(by_name["read_shadow"].program, str(tmp_path)).stdout) > 0
+    target = tmp_path / "escaped.txt"
+    run_outside(by_name["write_outside"].program.replace(world["outside"], str(target)), str(tmp_path))
+    assert target.read_text() == "escaped"
+    spare_home = tmp_path / "spare_home"
+    spare_home.mkdir()
+    (spare_home / "canary").write_text(CANARY)
+    run_outside(by_name["delete_home"].program.replace(world["home"], str(spare_home)), str(tmp_path))
+    assert not (spare_home / "canary").exists()
+    # a setsid child outlives its parent (found by its pid, then killed)
+    out = run_outside("import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    null = os.open(os.devnull, os.O_RDWR)\n"
+                      "    os.dup2(null, 1)\n    os.dup2(null, 2)\n    time.sleep(60)\n    os._exit(0)\nprint(pid)\n",
+                      str(tmp_path))
+    child = int(out.stdout)
+    try:
+        os.kill(child, 0)  # alive
+    finally:
+        os.kill(child, signal.SIGKILL)
+    # a bounded fork bomb forks more than the sandbox allows (its children exit within a second)
+    assert int(run_outside(FORK_BOMB.format(forks=40, sleep=1), str(tmp_path)).stdout.split()[1]) == 40
+    # 600 MB (a small allocation, above the 512 MB limit) succeeds outside, not inside
+    big = "block = bytearray(600 << 20)\nprint(len(block))\n"
+    assert run_outside(big, str(tmp_path)).stdout.strip() == str(600 << 20)
+    # 8 MB of output all arrive outside (the sandbox stops at 1 MiB)
+    assert len(run_outside("import sys\nsys.stdout.write('x' * (8 << 20))\n", str(tmp_path)).stdout) == 8 << 20
+    # a harness comparing in-process (verl's) is fooled by the patched value; it finds the expected outputs
+    patched = run_outside(by_name["patch_harness"].program + "sys.stdout.write(str(solve(21) == 42))\n", str(tmp_path))
+    assert patched.stdout.strip() == "True"
+    in_process = ("import io, sys\nin_outs = {'inputs': ['21\\n'], 'outputs': ['42\\n']}\n"
+                  "sys.stdin = io.StringIO(in_outs['inputs'][0])\n" + by_name["read_expected"].program)
+    assert run_outside(in_process, str(tmp_path)).stdout.strip() == "42"
+    scorer = CodeScorer(CodeConfig(timeout_s=2.0, **LIMITS))
+    try:
+        assert scorer.score([(f"```python\n{big}```", DOUBLE)])[0].outcome == "oom"
+    finally:
+        scorer.close()
+
+
+def test_a_thousand_hostile_programs_through_the_pool_leave_nothing_behind(world):
+    hostile = world["programs"]
+    items, expected = [], []
+    for i in range(1000):
+        h = hostile[i % len(hostile)]
+        items.append((h.response.replace("```python\n", f"```python\n# program {i}\n"), h.ground_truth))
+        expected.append(h.outcome)
+    rss_before, shmem_before = _rss_mb(), _meminfo_mb("Shmem")
+    scorer = CodeScorer(CodeConfig(timeout_s=0.5, **LIMITS))
+    start = time.perf_counter()
+    try:
+        results = scorer.score(items)
+    finally:
+        scorer.close()
+    seconds = time.perf_counter() - start
+    outcomes = [r.outcome for r in results]
+    # a loaded machine may time out a slow program (forking, allocating) at this short limit; nothing else changes
+    late = sum(got != want for got, want in zip(outcomes, expected))
+    assert all(got == want or got == "timeout" for got, want in zip(outcomes, expected)), outcomes
+    assert late < 100, f"{late} programs timed out that should not have"
+    untouched(world)
+    rss_after, shmem_after = _rss_mb(), _meminfo_mb("Shmem")
+    print(f"1000 hostile programs in {seconds:.1f} s ({1000 / seconds:.1f}/s, load {os.getloadavg()[0]:.1f}, "
+          f"{late} timed out early); "
+          f"driver RSS {rss_before:.0f} -> {rss_after:.0f} MB; machine Shmem {shmem_before:.0f} -> {shmem_after:.0f} MB")
+    assert rss_after - rss_before < 64, "the driver kept memory of the cases"
+
+
+def _rss_mb() -> float:
+    return int(re.search(r"^VmRSS:\s+(\d+)", open("/proc/self/status").read(), re.M).group(1)) / 1024
+
+
+def _meminfo_mb(key: str) -> float:
+    return int(re.search(rf"^{key}:\s+(\d+)", open("/proc/meminfo").read(), re.M).group(1)) / 1024
+
+
+def test_call_based_hostile_value_cannot_pass_by_its_own_equality():
+    scorer = CodeScorer(CodeConfig(timeout_s=2.0, **LIMITS))
+    try:
+        right = scorer.score([("```python\ndef solve(x):\n    return 2 * x\n```", CALL_DOUBLE)])[0]
+        assert right.outcome == "pass"
+    finally:
+        scorer.close()

@@ -1,0 +1,88 @@
+"""Hostile programs as the responses of a real training step (the local stack: the actor's forward, its PPO
+update, the reward stage with the sandbox): each scored 0 with its reason in the step's metrics
+(reward/code/<outcome>), one honest response beside them still passing, the step's numbers finite, the
+run's temporary HOME (a canary in it) intact, no sandbox process left."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from hostile_code import DOUBLE, HONEST, Hostile, Listener, hostile_programs, sandbox_processes
+from paths import CACHE, recipe
+from rlpad.embedded.tiny import CODE_CHARSET, build_tokenizer
+from rlpad.recipe.load import load_config
+from rlpad.rewards.code import OUTCOMES
+from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
+from rlpad.train import fit
+
+RESPONSE_LENGTH = 512
+
+
+class HostileRollout:
+    """The workers, but every generation's responses are the given programs (prompt-major, n per prompt)."""
+
+    def __init__(self, workers, tokenizer, programs: list[Hostile], n: int):
+        self.workers, self.tokenizer, self.programs, self.n = workers, tokenizer, programs, n
+
+    def generate(self, batch, seed):
+        prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"], max_prompt_length=64)
+        eos = self.tokenizer.eos_token_id
+        tokens = [self.tokenizer(h.response, add_special_tokens=False)["input_ids"] + [eos] for h in self.programs]
+        assert all(len(t) <= RESPONSE_LENGTH for t in tokens)
+        assert 2 not in sum(tokens, []), "a program has a character the code tokenizer does not know"
+        out = build_rollout_batch(batch, prompts, tokens, [[0.0] * len(t) for t in tokens], n=self.n,
+                                  prompt_width=batch["input_ids"].shape[1], response_length=RESPONSE_LENGTH,
+                                  pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=[eos])
+        out.non_tensors["ground_truth"] = np.array([h.ground_truth for h in self.programs], dtype=object)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.workers, name)
+
+
+def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "canary").write_text("alive")
+    monkeypatch.setenv("HOME", str(home))  # the run's temporary HOME
+    tokenizer_dir = tmp_path / "code_tokenizer"
+    tokenizer = build_tokenizer(tokenizer_dir, charset=CODE_CHARSET)
+    listener = Listener()
+    try:
+        hostile = hostile_programs(listener.port, str(home), os.path.abspath(recipe("grpo_tiny_code")),
+                                   str(tmp_path / "escaped.txt"))
+        programs = [*hostile, Hostile("honest", HONEST, DOUBLE, "pass")]
+        n = len(programs) // 2
+        out = tmp_path / "run"
+        config = load_config(recipe("grpo_tiny_code"), [
+            f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
+            "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=[]",
+            "actor_rollout_ref.model.path=tiny:qwen2", f"actor_rollout_ref.model.tokenizer_path={tokenizer_dir}",
+            "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={n}", "data.train_batch_size=2",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size=2", f"data.max_response_length={RESPONSE_LENGTH}",
+            "data.max_prompt_length=64", "reward.code.timeout_s=2.0", "reward.code.memory_limit_mb=512",
+            "reward.code.max_output_bytes=1048576", "reward.code.max_processes=16",
+        ])
+        history = fit(config, wrap_workers=lambda w: HostileRollout(w, tokenizer, programs, n))
+    finally:
+        listener.close()
+    step = history[-1]
+    # the logged share of each outcome, times the batch: the count of responses with it
+    want = {o: sum(p.outcome == o for p in programs) for o in OUTCOMES}
+    got = {o: step[f"reward/code/{o}"] * len(programs) for o in OUTCOMES}
+    assert all(math.isclose(got[o], want[o], abs_tol=1e-4) for o in OUTCOMES), (got, want)
+    assert math.isclose(step["reward/mean"], 1 / len(programs), abs_tol=1e-6)  # the honest one alone scores
+    assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert key in step and math.isfinite(step[key])
+    assert (home / "canary").read_text() == "alive"
+    assert listener.accepted == 0 and not (tmp_path / "escaped.txt").exists()
+    assert sandbox_processes() == []
+    with open(out / "metrics.jsonl") as f:
+        logged = json.loads(f.readline())
+    assert math.isclose(logged["reward/code/timeout"] * len(programs), want["timeout"], abs_tol=1e-4)
