@@ -34,7 +34,7 @@ from rlpad.embedded.cache import cache_root
 from rlpad.embedded.tasks import TASKS, get_task
 from rlpad.lora.adapters import check_lora
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.code import configure as configure_code
+from rlpad.rewards.code.hooks import configure as configure_code
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.rules import reward_source_problems
 from rlpad.rewards.combine import CombinedReward, build_reward

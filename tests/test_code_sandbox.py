@@ -16,7 +16,7 @@ import pytest
 from hostile_code import (CALL_DOUBLE, DOUBLE, FORK_BOMB, HONEST, Listener, hostile_programs, run_outside,
                           sandbox_processes)
 from rlpad.config.code import CodeConfig
-from rlpad.rewards import code
+from rlpad.rewards.code import hooks as code
 from rlpad.rewards.code.sandbox import UID_BASE, UID_RANGE
 from rlpad.rewards.code.scorer import CodeScorer
 

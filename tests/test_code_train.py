@@ -15,7 +15,7 @@ from hostile_code import DOUBLE, HONEST, Hostile, Listener, hostile_programs, sa
 from paths import CACHE, recipe
 from rlpad.embedded.tiny import CODE_CHARSET, build_tokenizer
 from rlpad.recipe.load import load_config
-from rlpad.rewards.code import OUTCOMES
+from rlpad.rewards.code.sources import OUTCOMES
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.train import fit
 

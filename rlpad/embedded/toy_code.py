@@ -112,7 +112,7 @@ _CANONICAL = re.compile(r"f=lambda x:(\d+)\*x\+(\d+)")
 def code_scores(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
     """The warm start's check of its answers (its reported validation reward): each response's program run in
     the sandbox on the hidden cases of the problem whose :func:`canonical` program ``answer`` is, all at once."""
-    from rlpad.rewards import code
+    from rlpad.rewards.code import hooks as code
 
     truths = [ground_truth(tuple(map(int, _CANONICAL.search(a).groups()))) for a in answers]
     return [r.score for r in code.scorer().score(list(zip(responses, truths)))]

@@ -30,7 +30,9 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
-from rlpad.rewards import code, math_verifier
+from rlpad.rewards import math_verifier
+from rlpad.rewards.code import hooks as code
+from rlpad.rewards.code.sources import SCORED_SOURCES
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
 from rlpad.rewards.toys import TOY_SCORERS
 from rlpad.rewards.verl_default import compute_score as verl_compute_score
@@ -172,7 +174,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
     :func:`rlpad.rewards.math_verifier.math_verify_score`.
     """
-    if data_source in code.SCORED_SOURCES:
+    if data_source in SCORED_SOURCES:
         return code.compute_score(solution_str, ground_truth)
     scorer = _lenient_scorer(data_source)
     if scorer is None:
@@ -197,7 +199,7 @@ def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> lis
     where the sandbox does not work (rlpad.rewards.code.sandbox_problem: never run unsandboxed)."""
     data_sources = set(data_sources)
     problems = []
-    coded = sorted(data_sources & set(code.SCORED_SOURCES))
+    coded = sorted(data_sources & set(SCORED_SOURCES))
     if coded and spec in (DEFAULT_REWARD_FN, "rlpad.rewards.rules:compute_score") and code.sandbox_problem():
         problems.append(f"data_source {', '.join(map(repr, coded))}: {code.sandbox_problem()}")
     if spec != "rlpad.rewards.rules:compute_score" or math_verifier.available():

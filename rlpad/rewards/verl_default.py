@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlpad.rewards import code
+from rlpad.rewards.code.hooks import compute_score as code_score
+from rlpad.rewards.code.sources import CODE_SOURCES, SCORED_SOURCES, TOY_CODE_SOURCE
 from rlpad.rewards.toys import TOY_SCORERS
 
 __all__ = ["VERL_UNSUPPORTED", "compute_score", "dapo_score", "gsm8k_strict_score", "math_equiv_score",
@@ -259,13 +260,13 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         return dapo_score(solution_str, ground_truth)
     if data_source in TOY_SCORERS:
         return TOY_SCORERS[data_source](solution_str, ground_truth, extra_info)
-    if data_source in code.SCORED_SOURCES:
-        return code.compute_score(solution_str, ground_truth)
+    if data_source in SCORED_SOURCES:
+        return code_score(solution_str, ground_truth)
     if data_source in VERL_UNSUPPORTED:
         raise ValueError(f"data_source {data_source!r}: verl scores it with its {VERL_UNSUPPORTED[data_source]}, which "
                          "rlpad has no equal of; set reward.fn=package.module:function")
     raise ValueError(f"no default reward for data_source {data_source!r} (verl's names: "
-                     f"{', '.join(GSM8K + MATH + DAPO + code.CODE_SOURCES)}, aime*; rlpad's toys: "
-                     f"{', '.join((*TOY_SCORERS, code.TOY_CODE_SOURCE))}); set "
+                     f"{', '.join(GSM8K + MATH + DAPO + CODE_SOURCES)}, aime*; rlpad's toys: "
+                     f"{', '.join((*TOY_SCORERS, TOY_CODE_SOURCE))}); set "
                      "reward.fn=rlpad.rewards.rules:compute_score (rlpad's lenient verifier) or "
                      "package.module:function")

@@ -3,12 +3,13 @@ batch keys its outcomes ride under."""
 
 from __future__ import annotations
 
-__all__ = ["CODE_SOURCES", "CONTINUOUS_CASES", "FLAG_KEY_PREFIX", "OUTCOMES"]
+__all__ = ["CODE_SOURCES", "CONTINUOUS_CASES", "FLAG_KEY_PREFIX", "OUTCOMES", "SCORED_SOURCES", "TOY_CODE_SOURCE"]
 
 # the data sources verl 0.9.1's default_compute_score scores by running code (prime_code / sandbox_fusion)
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 # rlpad's own code task (rlpad.embedded.toy_code): scored the same way
 TOY_CODE_SOURCE = "rlpad/toy_code"
+SCORED_SOURCES = (*CODE_SOURCES, TOY_CODE_SOURCE)  # every data source scored by running code
 # verl's continuous score reads the first 10 cases of a problem ("some problems have enormous test cases")
 CONTINUOUS_CASES = 10
 # Each response gets exactly one: pass (every case run passed), else no_code (no ```python block) or the
