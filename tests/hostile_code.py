@@ -133,17 +133,21 @@ def hostile_programs(port: int, home: str, project_file: str, outside: str) -> l
     ]
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of every process on this machine running rlpad's sandbox harness (none between cases)."""
-    pids = []
+def sandbox_processes(pool) -> list[int]:
+    """Pids of every process on this machine left by ``pool``'s sandboxes (none between cases): running as one
+    of its uids (as root), or with its tag on the command line."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"/sandbox/harness.py" in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
+                tagged = pool.sandbox.tag.encode() in f.read()
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if tagged or uid in pool.uids:
+            found.append(int(pid))
+    return found
 
 
 def run_outside(program: str, cwd: str, stdin: str = "", env: dict | None = None, timeout: float = 30

@@ -17,7 +17,6 @@ from hostile_code import (CALL_DOUBLE, DOUBLE, FORK_BOMB, HONEST, Listener, host
                           sandbox_processes)
 from rlpad.config.code import CodeConfig
 from rlpad.rewards.code import hooks as code
-from rlpad.rewards.code.sandbox import UID_BASE, UID_RANGE
 from rlpad.rewards.code.scorer import CodeScorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,24 +39,13 @@ def world(tmp_path_factory):
     listener.close()
 
 
-def untouched(world) -> None:
+def untouched(world, scorer: CodeScorer) -> None:
     assert world["listener"].accepted == 0, "a sandboxed program reached the test's server"
     assert open(os.path.join(world["home"], "canary")).read() == CANARY
     assert not os.path.exists(world["outside"]), "a sandboxed program wrote outside its scratch dir"
-    assert sandbox_processes() == [], "a sandboxed process outlived its case"
-    assert not _uid_processes(), "a process of a sandbox uid is still running"
-
-
-def _uid_processes() -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            uid = int(re.search(r"^Uid:\s+(\d+)", open(f"/proc/{pid}/status").read(), re.M).group(1))
-        except (OSError, AttributeError):
-            continue
-        if UID_BASE <= uid < UID_BASE + UID_RANGE:
-            found.append(int(pid))
-    return found
+    assert sandbox_processes(scorer.pool) == [], "a sandboxed process outlived its case"
+    if os.geteuid() == 0:
+        assert len(scorer.pool.uids) == scorer.pool.workers, "as root every sandbox worker has a uid of its own"
 
 
 def test_the_sandbox_works_here():
@@ -75,12 +63,12 @@ def test_each_hostile_program_is_contained_and_scored_with_its_reason(world):
         assert got == {h.name: h.outcome for h in hostile}
         assert results[-1].outcome == "pass" and results[-1].score == 1.0, "a hostile neighbour changed an honest case"
         assert all(r.score == 0.0 for r in results[:-1])
-        untouched(world)
+        untouched(world, scorer)
         # what the fork bomb and the reader of expected outputs saw from inside
         bomb = scorer.pool.run({"program": FORK_BOMB.format(forks=10_000, sleep=60), "fn_name": None, "input": ""})
         forked = int(bomb.stdout.split()[1])
         assert 0 < forked < LIMITS["max_processes"], bomb
-        untouched(world)
+        untouched(world, scorer)
     finally:
         scorer.close()
 
@@ -146,15 +134,15 @@ def test_a_thousand_hostile_programs_through_the_pool_leave_nothing_behind(world
     start = time.perf_counter()
     try:
         results = scorer.score(items)
+        seconds = time.perf_counter() - start
+        untouched(world, scorer)
     finally:
         scorer.close()
-    seconds = time.perf_counter() - start
     outcomes = [r.outcome for r in results]
     # a loaded machine may time out a slow program (forking, allocating) at this short limit; nothing else changes
     late = sum(got != want for got, want in zip(outcomes, expected))
     assert all(got == want or got == "timeout" for got, want in zip(outcomes, expected)), outcomes
     assert late < 100, f"{late} programs timed out that should not have"
-    untouched(world)
     rss_after, shmem_after = _rss_mb(), _meminfo_mb("Shmem")
     print(f"1000 hostile programs in {seconds:.1f} s ({1000 / seconds:.1f}/s, load {os.getloadavg()[0]:.1f}, "
           f"{late} timed out early); "
@@ -177,3 +165,17 @@ def test_call_based_hostile_value_cannot_pass_by_its_own_equality():
         assert right.outcome == "pass"
     finally:
         scorer.close()
+
+
+def test_without_bubblewrap_code_sources_are_refused_at_start(monkeypatch):
+    """No sandbox, no code sources: one line at start (rlpad.train.prepare raises it), nothing run unsandboxed."""
+    from rlpad.rewards.rules import DEFAULT_REWARD_FN, reward_source_problems
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code.configure(CodeConfig(scratch_mb=63))  # a fresh scorer: its probe runs now
+    try:
+        problems = reward_source_problems(DEFAULT_REWARD_FN, {"apps", "openai/gsm8k"})
+        assert len(problems) == 1 and "data_source 'apps'" in problems[0] and "bubblewrap (bwrap) is not installed" in problems[0]
+        assert reward_source_problems(DEFAULT_REWARD_FN, {"openai/gsm8k"}) == []
+    finally:
+        code.configure(CodeConfig())

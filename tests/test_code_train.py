@@ -15,6 +15,7 @@ from hostile_code import DOUBLE, HONEST, Hostile, Listener, hostile_programs, sa
 from paths import CACHE, recipe
 from rlpad.embedded.tiny import CODE_CHARSET, build_tokenizer
 from rlpad.recipe.load import load_config
+from rlpad.rewards.code import hooks as code
 from rlpad.rewards.code.sources import OUTCOMES
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.train import fit
@@ -82,7 +83,7 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
         assert key in step and math.isfinite(step[key])
     assert (home / "canary").read_text() == "alive"
     assert listener.accepted == 0 and not (tmp_path / "escaped.txt").exists()
-    assert sandbox_processes() == []
+    assert sandbox_processes(code.scorer().pool) == []
     with open(out / "metrics.jsonl") as f:
         logged = json.loads(f.readline())
     assert math.isclose(logged["reward/code/timeout"] * len(programs), want["timeout"], abs_tol=1e-4)

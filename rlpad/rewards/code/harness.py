@@ -1,14 +1,16 @@
-"""The program's side of one test case: runs INSIDE the sandbox, as ``python -I -S harness.py FD``.
+"""The program's side of one test case: runs INSIDE the sandbox, as ``python -I -S harness.py FD TAG``.
 
 Standard library only, no rlpad import (the sandbox sees the interpreter and this file, nothing else).
 The driver imports it too, for the value codec (:func:`encode_value` / :func:`decode_value`), so the
 two sides speak one format.
 
-What it does, in order (verl 0.9.1's prime_code harness for the semantics, docs/code.md):
+``TAG`` names the pool the sandbox belongs to (for ``ps``; unused here). What it does, in order (verl 0.9.1's prime_code harness for the semantics, docs/code.md):
 
 1. reads the job (one JSON document) from fd 0, then puts /dev/null on fd 0;
-2. sets the limits (address space, CPU seconds, processes, file size, open files, no core dumps);
-3. writes ``ready`` to the result channel FD: the sandbox is up, everything after is the program's;
+2. sets the limits (address space, CPU seconds, processes, file size, open files, no core dumps) and
+   imports the header's modules;
+3. writes ``ready`` to the result channel FD: the sandbox is up, the case's clock starts, everything
+   after is the program's;
 4. applies verl's "reliability guard" (``exit``, some ``os`` functions set to None, a few modules made
    unimportable: it changes scores, it isolates nothing), builds the program's module as verl does: a fixed import header, then for call-based cases the
    program as it is, for stdin cases the program wrapped into ``def code():`` (a last
@@ -281,6 +283,8 @@ def main() -> None:
     devnull_fd = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull_fd, 0)
     _set_limits(job["limits"])
+    for name in STAR_MODULES:  # the header's imports, before the clock starts (the program's module reuses them)
+        __import__(name)
     os.write(channel, READY)
     devnull = open(devnull_fd, "w")  # noqa: SIM115  the program's prints outside the capture
     try:

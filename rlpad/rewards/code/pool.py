@@ -36,16 +36,27 @@ class SandboxPool:
         self._lock = threading.Lock()
         self.closed = False
 
+    @property
+    def uids(self) -> list[int]:
+        """The uids this pool's sandboxes run as (as root; none otherwise)."""
+        return self._uids.uids if self._uids is not None else []
+
     def run(self, job: dict[str, Any]) -> CaseRun:
         """One case now, on the calling thread (a slot taken for its duration)."""
         uid = self._slots.get()
         try:
-            result = self.sandbox.run(job, uid)
+            result = self._once(job, uid)
             if result.status == "sandbox_error":  # a transient failure (fork refused on a loaded machine): once more
-                result = self.sandbox.run(job, uid)
+                result = self._once(job, uid)
             return result
         finally:
             self._slots.put(uid)
+
+    def _once(self, job: dict[str, Any], uid: int | None) -> CaseRun:
+        try:
+            return self.sandbox.run(job, uid)
+        except OSError as e:  # no pipe, no process: this machine, not the program
+            return CaseRun("sandbox_error", error=f"{type(e).__name__}: {e}")
 
     def submit(self, job: dict[str, Any]) -> Future[CaseRun]:
         return self._executor.submit(self.run, job)

@@ -4,7 +4,7 @@ Every case is a fresh process tree::
 
     bwrap (new pid, net, ipc, uts, cgroup and mount namespaces; as non-root also a user namespace)
       [setpriv: an unprivileged uid of its own, no capabilities]      (when run as root)
-        python -I -S harness.py FD                                    (rlpad.rewards.code.harness)
+        python -I -S harness.py FD TAG                                (rlpad.rewards.code.harness)
 
 Inside: no network (a loopback nobody listens on), a read-only root holding only /usr (and the
 /bin, /lib links), the interpreter's own folder and the harness; a private /tmp (tmpfs of
@@ -136,6 +136,7 @@ class Sandbox:
     root: bool = field(default_factory=lambda: os.geteuid() == 0)
 
     def __post_init__(self) -> None:
+        self.tag = f"rlpad-{os.getpid()}-{id(self):x}"  # on each sandbox's command line: whose it is
         self.bwrap, self.setpriv = shutil.which("bwrap"), shutil.which("setpriv")
         self.python, prefix = _interpreter()
         self.binds = _system_binds(prefix)
@@ -153,7 +154,7 @@ class Sandbox:
         if self.root:
             cmd += [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                     "--bounding-set=-all", "--"]
-        return cmd + [self.python, "-I", "-S", "-B", INSIDE_HARNESS, str(channel_fd)]
+        return cmd + [self.python, "-I", "-S", "-B", INSIDE_HARNESS, str(channel_fd), self.tag]
 
     def missing(self) -> str | None:
         """Why no sandbox can start here (a tool is missing), or None."""

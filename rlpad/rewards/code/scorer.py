@@ -32,6 +32,7 @@ from rlpad.rewards.code.verdict import call_passes, stdin_passes
 __all__ = ["CodeResult", "CodeScorer", "SandboxFailure", "case_outcome"]
 
 _FAILED_TO_COMPILE = "syntax_error"  # the same for every case of the program: one run tells
+CACHE_LIMIT = 1 << 16  # results kept at most (a batch's are cleared by new_batch)
 
 
 class SandboxFailure(RuntimeError):
@@ -96,6 +97,8 @@ class CodeScorer:
     def score(self, items: Sequence[tuple[str, Any]]) -> list[CodeResult]:
         """``(response, ground_truth)`` pairs -> their results; every case of every response through the pool
         at once (cached ones and repeats of a program run once)."""
+        if len(self._cache) > CACHE_LIMIT:  # per-row calls without a batch (a custom reward function) never clear it
+            self._cache.clear()
         parsed: dict[int, CaseSet] = {}  # a ground truth object repeated over a group is parsed once
         keys, work = [], {}
         for response, truth in items:
