@@ -1,15 +1,12 @@
 """The code sandbox against hostile programs (tests/hostile_code.py): each contained and scored with its reason,
 beside an honest program that still passes; each effect shown by a control outside the sandbox (in a
-throwaway folder); then 1000 of them through the pool at once: nothing left running, memory back,
-the canary intact. Run as root (as CI does) the sandboxes get uids of their own; as another user a
+throwaway folder). 1000 of them in one training step: tests/test_code_train.py. Run as root (as CI does) the sandboxes get uids of their own; as another user a
 user namespace each."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import time
 
 import pytest
 
@@ -120,42 +117,6 @@ def test_controls_outside_the_sandbox_show_each_effect(world, tmp_path):
         assert scorer.score([(f"```python\n{big}```", DOUBLE)])[0].outcome == "oom"
     finally:
         scorer.close()
-
-
-def test_a_thousand_hostile_programs_through_the_pool_leave_nothing_behind(world):
-    hostile = world["programs"]
-    items, expected = [], []
-    for i in range(1000):
-        h = hostile[i % len(hostile)]
-        items.append((h.response.replace("```python\n", f"```python\n# program {i}\n"), h.ground_truth))
-        expected.append(h.outcome)
-    rss_before, shmem_before = _rss_mb(), _meminfo_mb("Shmem")
-    scorer = CodeScorer(CodeConfig(timeout_s=0.5, **LIMITS))
-    start = time.perf_counter()
-    try:
-        results = scorer.score(items)
-        seconds = time.perf_counter() - start
-        untouched(world, scorer)
-    finally:
-        scorer.close()
-    outcomes = [r.outcome for r in results]
-    # a loaded machine may time out a slow program (forking, allocating) at this short limit; nothing else changes
-    late = sum(got != want for got, want in zip(outcomes, expected))
-    assert all(got == want or got == "timeout" for got, want in zip(outcomes, expected)), outcomes
-    assert late < 100, f"{late} programs timed out that should not have"
-    rss_after, shmem_after = _rss_mb(), _meminfo_mb("Shmem")
-    print(f"1000 hostile programs in {seconds:.1f} s ({1000 / seconds:.1f}/s, load {os.getloadavg()[0]:.1f}, "
-          f"{late} timed out early); "
-          f"driver RSS {rss_before:.0f} -> {rss_after:.0f} MB; machine Shmem {shmem_before:.0f} -> {shmem_after:.0f} MB")
-    assert rss_after - rss_before < 64, "the driver kept memory of the cases"
-
-
-def _rss_mb() -> float:
-    return int(re.search(r"^VmRSS:\s+(\d+)", open("/proc/self/status").read(), re.M).group(1)) / 1024
-
-
-def _meminfo_mb(key: str) -> float:
-    return int(re.search(rf"^{key}:\s+(\d+)", open("/proc/meminfo").read(), re.M).group(1)) / 1024
 
 
 def test_call_based_hostile_value_cannot_pass_by_its_own_equality():

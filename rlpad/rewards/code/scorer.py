@@ -18,7 +18,7 @@ import hashlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlpad.config.code import CodeConfig
@@ -42,12 +42,13 @@ class SandboxFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class CodeResult:
-    """One response: its score, its outcome (rlpad.rewards.code.sources.OUTCOMES), cases passed / run."""
+    """One response: its score, its outcome (rlpad.rewards.code.sources.OUTCOMES), cases passed / counted / run."""
 
     score: float
     outcome: str
     passed: int
-    cases: int
+    cases: int  # the cases the score counts (the first 10 when continuous)
+    ran: int = 0  # the cases actually run (fewer after an early failure, or none for a repeated program)
 
 
 def case_outcome(run: CaseRun, cases: CaseSet, index: int) -> str:
@@ -100,7 +101,7 @@ class CodeScorer:
         if len(self._cache) > CACHE_LIMIT:  # per-row calls without a batch (a custom reward function) never clear it
             self._cache.clear()
         parsed: dict[int, CaseSet] = {}  # a ground truth object repeated over a group is parsed once
-        keys, work = [], {}
+        keys, work = [], {}  # work: the (program, case set)s to run; a repeat reads the first one's result
         for response, truth in items:
             cases = parsed.get(id(truth))
             if cases is None:
@@ -113,7 +114,12 @@ class CodeScorer:
                 work[key] = _Task(program, cases, has_code_block(response), self.cfg.continuous)
         if work:
             self._run(work)
-        return [self._cache[k] for k in keys]
+        results, seen = [], set()
+        for key in keys:  # the cases ran for the first response of a program only
+            result = self._cache[key]
+            results.append(result if key in work and key not in seen else replace(result, ran=0))
+            seen.add(key)
+        return results
 
     # ---- running the cases -----------------------------------------------------------------------
 
@@ -181,9 +187,9 @@ class _Task:
         return run.status == _FAILED_TO_COMPILE or (failed and not self.continuous)
 
     def result(self) -> CodeResult:
-        passed = sum(o == "pass" for o in self.outcomes.values())
+        passed, ran = sum(o == "pass" for o in self.outcomes.values()), len(self.outcomes)
         if passed == self.n:
-            return CodeResult(1.0, "pass", passed, self.n)
+            return CodeResult(1.0, "pass", passed, self.n, ran)
         first = next(self.outcomes[i] for i in sorted(self.outcomes) if self.outcomes[i] != "pass")
         outcome = first if self.has_code else "no_code"
-        return CodeResult(passed / self.n if self.continuous else 0.0, outcome, passed, self.n)
+        return CodeResult(passed / self.n if self.continuous else 0.0, outcome, passed, self.n, ran)
