@@ -130,6 +130,10 @@ def hostile_programs(port: int, home: str, project_file: str, outside: str) -> l
         Hostile("exit_before_tests", "import sys\nsys.exit(0)\nprint(2 * int(input()))\n", DOUBLE, "wrong"),
         Hostile("patch_harness", PATCH_HARNESS, CALL_DOUBLE, "wrong"),
         Hostile("read_expected", FIND_EXPECTED, DOUBLE, "wrong"),
+        # the result channel is the harness's argv[1]: a forged sandbox failure must not count as one (enough
+        # of them in a row would stop the run)
+        Hostile("forge_sandbox_error", "import os, sys\nos.write(int(sys.argv[1]), b'{\"status\": \"sandbox_error\"}\\n')\n"
+                "os._exit(0)\n", DOUBLE, "error"),
     ]
 
 

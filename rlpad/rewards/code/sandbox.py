@@ -19,7 +19,8 @@ limit holds; as another user, the user namespace makes it count the sandbox's pr
 The driver waits for the harness's ``ready`` line (a sandbox that never gets there is a
 ``sandbox_error``: the program never ran), then gives the case ``timeout_s`` of wall time. At the end,
 normal or not, the sandbox's pid 1 dies and the kernel kills everything left in its pid namespace
-(setsid and double-forked children included) before the run returns.
+(setsid and double-forked children included); the run returns once that pid 1 has exited (a pidfd),
+which it does only after the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import fcntl
 import json
 import math
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -48,6 +50,9 @@ STARTUP_S = 60.0  # the longest a sandbox may take to come up (a loaded machine)
 HEADER_BYTES = 1 << 16  # room for the result header on the channel, beside the captured output
 UID_BASE, UID_RANGE = 0x3F000000, 1 << 16  # where the sandboxes' uids are taken from (when run as root)
 _SIGNALLED = 128  # bwrap exits with 128 + the signal that ended the program
+# what the harness may report (the channel is the program's too: anything else reads as its error; timeout,
+# output_limit and sandbox_error are the driver's findings only)
+HARNESS_STATUSES = ("ok", "syntax_error", "compile_error", "error", "oom", "output_limit")
 
 
 @dataclass
@@ -308,14 +313,18 @@ class _Run:
                 pass
 
     def _teardown(self) -> None:
-        """Wait for bwrap (it reaps the sandbox's pid 1, which the kernel lets die only after every process
-        of its namespace); close the pipes."""
+        """Wait for bwrap, then for the sandbox's pid 1 itself: bwrap returns the program's status as soon as
+        its pid 1 reports it, while the kernel may still be killing the rest of the namespace; pid 1 exits only
+        after every other process of it is gone. Close the pipes."""
         try:
             self.proc.wait(timeout=STARTUP_S)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         if self.pidfd is not None:
+            if not select.select([self.pidfd], [], [], STARTUP_S)[0]:  # readable: it has exited
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                select.select([self.pidfd], [], [], STARTUP_S)
             os.close(self.pidfd)
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
@@ -344,9 +353,10 @@ class _Run:
             header = None
         if not isinstance(header, dict) or not isinstance(header.get("status"), str):
             return CaseRun(self._died(), error=self.stderr_tail.decode("utf-8", "replace")[-500:], seconds=seconds)
+        status = header["status"] if header["status"] in HARNESS_STATUSES else "error"  # never a forged sandbox_error
         size = header.get("stdout_bytes", 0)
         cpu = header.get("cpu_s")
-        return CaseRun(header["status"], value=header.get("value"), stdout=rest[:size] if isinstance(size, int) else b"",
+        return CaseRun(status, value=header.get("value"), stdout=rest[:size] if isinstance(size, int) else b"",
                        error=str(header.get("error", "")), seconds=seconds,
                        cpu_s=float(cpu) if isinstance(cpu, (int, float)) else 0.0)
 

@@ -54,15 +54,17 @@ class CodeResult:
 def case_outcome(run: CaseRun, cases: CaseSet, index: int) -> str:
     """A case's outcome: ``pass`` / ``wrong`` by verl's verdict on what the program produced, or why it
     produced nothing (``error`` for anything the program raised, ``timeout``, ``oom``, ...)."""
+    if run.status not in ("ok", "timeout", "oom", "output_limit", "sandbox_error"):
+        return "error"  # syntax_error, compile_error, error, or whatever else a program wrote on the channel
     if run.status != "ok":
-        return "error" if run.status in ("syntax_error", "compile_error", "error") else run.status
-    if cases.fn_name is None:
-        ok = stdin_passes(run.stdout.decode("utf-8", "surrogatepass"), cases.outputs[index])
-    else:
-        try:
+        return run.status
+    try:
+        if cases.fn_name is None:
+            ok = stdin_passes(run.stdout.decode("utf-8", "surrogatepass"), cases.outputs[index])
+        else:
             ok = call_passes(decode_value(run.value), cases.outputs[index])
-        except (ValueError, TypeError, RecursionError):  # the program wrote something else on the channel
-            return "error"
+    except Exception:  # noqa: BLE001  the program wrote something else on the channel (it is the program's)
+        return "error"
     return "pass" if ok else "wrong"
 
 
