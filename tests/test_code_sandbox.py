@@ -164,3 +164,22 @@ def test_a_case_returns_only_once_its_whole_tree_is_gone():
             assert run.status == "ok" and sandbox_processes(scorer.pool) == []
     finally:
         scorer.close()
+
+
+def test_a_failing_sandbox_stops_the_run_after_the_threshold_with_its_reason(tmp_path):
+    """Not the programs' fault: the sandbox never starts (a bwrap that exits at once). Each case is tried twice,
+    counted as sandbox_error, and max_sandbox_errors of them in a row raise with bwrap's own message."""
+    from rlpad.rewards.code.scorer import SandboxFailure
+
+    broken = tmp_path / "bwrap"
+    broken.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    scorer = CodeScorer(CodeConfig(max_sandbox_errors=3, max_concurrent=1))
+    try:
+        scorer.pool.sandbox.bwrap = str(broken)
+        one = scorer.score([(f"```python\n{HONEST}```", DOUBLE)])[0]
+        assert (one.outcome, one.score) == ("sandbox_error", 0.0)
+        with pytest.raises(SandboxFailure, match="3 cases in a row.*Creating new namespace failed"):
+            scorer.score([(f"```python\n# {i}\n{HONEST}```", DOUBLE) for i in range(5)])
+    finally:
+        scorer.close()
