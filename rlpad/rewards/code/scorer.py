@@ -130,9 +130,11 @@ class CodeScorer:
         for key, task in work.items():
             if not task.program.strip():  # nothing to run (verl: no function to call, every case fails)
                 self._cache[key] = CodeResult(0.0, "no_code" if not task.has_code else "error", 0, task.n)
-                continue
-            for i in range(task.n):
-                pending[self.pool.submit(task.job(i))] = (key, i)
+        runnable = [(key, task) for key, task in work.items() if key not in self._cache]
+        for i in range(max((task.n for _, task in runnable), default=0)):  # every program's first case first:
+            for key, task in runnable:  # a program that fails it has its later cases cancelled before they start
+                if i < task.n:
+                    pending[self.pool.submit(task.job(i))] = (key, i)
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
