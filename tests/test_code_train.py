@@ -1,9 +1,9 @@
-"""1000 hostile programs as the responses of one real training step (the local stack: the reward stage
-running them through the sandbox pool, the actor's forward and PPO update on them): each scored 0 with
-its reason in the step's metrics (reward/code/<outcome>), the honest responses among them still
-passing, the step's numbers finite; afterwards no sandbox process left, the driver's memory back where
-it was before the reward stage, the run's temporary HOME (a canary in it) intact, the test's server
-never reached."""
+"""Hostile programs as the responses of a real training step (the local stack: the reward stage running
+them in the sandbox pool, the actor's forward and PPO update on them): each scored 0 with its reason in
+the step's metrics (reward/code/<outcome>), an honest response among them still passing, the step's
+numbers finite; afterwards no sandbox process left, the driver's memory where it was before the reward
+stage, the run's temporary HOME (a canary in it) intact, the test's server never reached. (1000 through
+the pool: tests/test_code_sandbox.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.train import fit
 
 RESPONSE_LENGTH = 512
-PROMPTS, N = 125, 8  # 1000 responses
+PROMPTS, N = 3, 5  # the 14 hostile programs and an honest one
 
 
 def rss_mb() -> float:
@@ -71,11 +71,8 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
     try:
         hostile = hostile_programs(listener.port, str(home), os.path.abspath(recipe("grpo_tiny_code")),
                                    str(tmp_path / "escaped.txt"))
-        kinds = [*hostile, Hostile("honest", HONEST, DOUBLE, "pass")]
-        programs = []  # 1000 programs, each one of its own (numbered) so that none is a repeat
-        for i in range(PROMPTS * N):
-            h = kinds[i % len(kinds)]
-            programs.append(Hostile(h.name, f"# program {i}\n{h.program}", h.ground_truth, h.outcome))
+        programs = [*hostile, Hostile("honest", HONEST, DOUBLE, "pass")]
+        assert len(programs) == PROMPTS * N
         out = tmp_path / "run"
         config = load_config(recipe("grpo_tiny_code"), [
             f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
@@ -84,7 +81,7 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
             "actor_rollout_ref.model.path=tiny:qwen2", f"actor_rollout_ref.model.tokenizer_path={tokenizer_dir}",
             "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.n={N}", f"data.train_batch_size={PROMPTS}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={RESPONSE_LENGTH}",
-            "data.max_prompt_length=64", "reward.code.timeout_s=0.5", "reward.code.memory_limit_mb=512",
+            "data.max_prompt_length=64", "reward.code.timeout_s=2.0", "reward.code.memory_limit_mb=512",
             "reward.code.max_output_bytes=1048576", "reward.code.max_processes=16", "reward.code.max_concurrent=4",
         ])
         rollout = None
@@ -98,13 +95,11 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
     finally:
         listener.close()
     step = history[-1]
-    # the logged share of each outcome, times the batch: the count of responses with it (a loaded machine may
-    # time out a slow program at this short limit: counted as timeouts, nothing else moves)
+    # the logged share of each outcome, times the batch: the count of responses with it
     want = {o: sum(p.outcome == o for p in programs) for o in OUTCOMES}
     got = {o: round(step[f"reward/code/{o}"] * len(programs)) for o in OUTCOMES}
-    late = got["timeout"] - want["timeout"]
-    assert sum(got.values()) == len(programs) and 0 <= late < 100, (got, want)
-    assert all(0 <= want[o] - got[o] for o in OUTCOMES if o != "timeout"), (got, want)
+    assert got == want
+    assert math.isclose(step["reward/mean"], 1 / len(programs), abs_tol=1e-6)  # the honest one alone scores
     assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
     for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean"):
         assert key in step and math.isfinite(step[key])
@@ -112,10 +107,9 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
     assert listener.accepted == 0 and not (tmp_path / "escaped.txt").exists()
     assert sandbox_processes(code.scorer().pool) == []
     before, after = rollout.rss
-    print(f"1000 hostile responses: reward stage {step['timing_s/reward']:.1f} s "
-          f"({1000 / step['timing_s/reward']:.1f} programs/s, load {os.getloadavg()[0]:.1f}, {late} late timeouts); "
-          f"driver RSS {before:.0f} -> {after:.0f} MB across it; step {step['timing_s/step']:.1f} s")
+    print(f"hostile responses: driver RSS {before:.0f} -> {after:.0f} MB across the reward stage; "
+          f"{ {k: round(v, 1) for k, v in step.items() if k.startswith('timing_s/')} }")
     assert after - before < 64, "the reward stage kept memory"
     with open(out / "metrics.jsonl") as f:
         logged = json.loads(f.readline())
-    assert round(logged["reward/code/wrong"] * len(programs)) == got["wrong"]
+    assert round(logged["reward/code/timeout"] * len(programs)) == want["timeout"] == 1
