@@ -2,11 +2,12 @@
 code data sources): every recorded response of scripts/verl_code_parity.py (correct, wrong, partly
 right, runtime error, timeout, syntax error, no code block, call-based, and verl's parsing and
 comparison rules), from tests/fixtures/verl_code_parity.json always, and live where verl is installed
-(``$RLPAD_VERL_PYTHON``, or /work/verl-venv). The scores are compared exactly (they are ratios of
+(``$RLPAD_VERL_PYTHON`` names a Python with verl, or verl is importable here). The scores are compared exactly (they are ratios of
 small integers in both)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,17 +24,15 @@ from rlpad.rewards.code import hooks as code
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "verl_code_parity.json"
 RECORDER = ROOT / "scripts" / "verl_code_parity.py"
-VERL_VENV_PYTHON = "/work/verl-venv/bin/python"
 # the recorded timeouts are verl's 5 s / 10 s alarms; a program that never ends fails under any limit
 SETTINGS = CodeConfig(timeout_s=2.0, memory_limit_mb=512)
 
 
 def _verl_python() -> str | None:
-    candidates = [os.environ.get("RLPAD_VERL_PYTHON"), VERL_VENV_PYTHON]
-    for python in filter(None, candidates):
-        if os.path.isfile(python) and subprocess.run([python, "-c", "import verl"], capture_output=True).returncode == 0:
-            return python
-    return None
+    """A Python with verl (as tests/test_verl_parity.py finds one): $RLPAD_VERL_PYTHON, or this one if it has verl."""
+    if os.environ.get("RLPAD_VERL_PYTHON"):
+        return os.environ["RLPAD_VERL_PYTHON"]
+    return sys.executable if importlib.util.find_spec("verl") is not None else None
 
 
 @cache

@@ -1,4 +1,4 @@
-"""One test case in its own bubblewrap sandbox: the command line, the run, the kill, the probe.
+"""One test case in its own bubblewrap sandbox: the command line, the run, the kill.
 
 Every case is a fresh process tree::
 
@@ -124,7 +124,7 @@ def _system_binds(prefix: str) -> list[str]:
             args += ["--ro-bind", top, top]
     if os.path.isfile("/etc/ld.so.cache"):
         args += ["--perms", "0755", "--dir", "/etc", "--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    if not prefix.startswith("/usr/"):
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
         parts = prefix.strip("/").split("/")
         for i in range(1, len(parts)):  # bwrap would create them 0700: the sandbox's uid could not pass
             args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
