@@ -113,7 +113,7 @@ class CodeScorer:
                 "utf-8", "surrogatepass")).hexdigest()
             keys.append(key)
             if key not in self._cache and key not in work:
-                work[key] = _Task(program, cases, has_code_block(response), self.cfg.continuous)
+                work[key] = _Task(program, cases, has_code_block(response), self.cfg)
         if work:
             self._run(work)
         results, seen = [], set()
@@ -172,9 +172,9 @@ class CodeScorer:
 class _Task:
     """One (program, case set): the cases to run and their outcomes so far."""
 
-    def __init__(self, program: str, cases: CaseSet, has_code: bool, continuous: bool):
-        self.program, self.cases, self.has_code, self.continuous = program, cases, has_code, continuous
-        self.n = min(len(cases), CONTINUOUS_CASES) if continuous else len(cases)
+    def __init__(self, program: str, cases: CaseSet, has_code: bool, cfg: CodeConfig):
+        self.program, self.cases, self.has_code, self.continuous = program, cases, has_code, cfg.continuous
+        self.n = min(len(cases), CONTINUOUS_CASES) if self.continuous else len(cases)
         self.outcomes: dict[int, str] = {}
 
     def job(self, i: int) -> dict[str, Any]:
