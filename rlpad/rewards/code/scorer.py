@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlpad.config.code import CodeConfig
+from rlpad.errors import WorkerFailed
 from rlpad.rewards.code.harness import decode_value, encode_value
 from rlpad.rewards.code.pool import SandboxPool
 from rlpad.rewards.code.program import CaseSet, extract_program, has_code_block, parse_cases
@@ -35,9 +36,10 @@ _FAILED_TO_COMPILE = "syntax_error"  # the same for every case of the program: o
 CACHE_LIMIT = 1 << 16  # results kept at most (a batch's are cleared by new_batch)
 
 
-class SandboxFailure(RuntimeError):
+class SandboxFailure(WorkerFailed):
     """The sandbox itself failed ``reward.code.max_sandbox_errors`` cases in a row: the run stops (scoring
-    every response 0 would teach the policy that everything fails)."""
+    every response 0 would teach the policy that everything fails), and, as for a failed worker, the
+    trainer names the checkpoint to resume from once the machine is fixed."""
 
 
 @dataclass(frozen=True)
