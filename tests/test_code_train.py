@@ -16,6 +16,7 @@ import numpy as np
 
 from hostile_code import DOUBLE, HONEST, Hostile, Listener, hostile_programs, sandbox_processes
 from paths import CACHE, recipe
+from rlpad.config.code import CodeConfig
 from rlpad.embedded.tiny import CODE_CHARSET, build_tokenizer
 from rlpad.recipe.load import load_config
 from rlpad.rewards.code import hooks as code
@@ -92,8 +93,10 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
             return rollout
 
         history = fit(config, wrap_workers=wrap)
+        left = sandbox_processes(code.scorer().pool)  # its uids and tag, before the scorer is reset below
     finally:
         listener.close()
+        code.configure(CodeConfig())  # the process's scorer as a fresh process has it (no code sources)
     step = history[-1]
     # the logged share of each outcome, times the batch: the count of responses with it
     want = {o: sum(p.outcome == o for p in programs) for o in OUTCOMES}
@@ -105,7 +108,7 @@ def test_hostile_responses_in_a_training_step(tmp_path, monkeypatch):
         assert key in step and math.isfinite(step[key])
     assert (home / "canary").read_text() == "alive"
     assert listener.accepted == 0 and not (tmp_path / "escaped.txt").exists()
-    assert sandbox_processes(code.scorer().pool) == []
+    assert left == []
     before, after = rollout.rss
     print(f"hostile responses: driver RSS {before:.0f} -> {after:.0f} MB across the reward stage; "
           f"{ {k: round(v, 1) for k, v in step.items() if k.startswith('timing_s/')} }")
