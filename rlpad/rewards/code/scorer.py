@@ -77,6 +77,7 @@ class CodeScorer:
         self.cfg = cfg or CodeConfig()
         self._pool: SandboxPool | None = None
         self._cache: dict[str, CodeResult] = {}
+        self._parsed: dict[str, CaseSet] = {}
         self._lock = threading.Lock()
         self.sandbox_errors_in_a_row = 0
         self.probe: str | None = None  # rlpad.rewards.code.sandbox_problem's verdict ("" : the sandbox works)
@@ -96,20 +97,28 @@ class CodeScorer:
                 self._pool = None
 
     def new_batch(self) -> None:
-        """Forget the cached results (called for each batch: the cache lives within a step)."""
+        """Forget the cached results and parsed ground truths (called for each batch: they live within a step)."""
         self._cache.clear()
+        self._parsed.clear()
+
+    def _cases(self, truth: Any) -> CaseSet:
+        """The test cases of a ground truth; a JSON text is parsed once per batch (a group repeats it, and the
+        per-row calls after :func:`rlpad.rewards.code.hooks.prefetch` read it again)."""
+        if not isinstance(truth, str):
+            return parse_cases(truth)
+        cases = self._parsed.get(truth)
+        if cases is None:
+            cases = self._parsed[truth] = parse_cases(truth)
+        return cases
 
     def score(self, items: Sequence[tuple[str, Any]]) -> list[CodeResult]:
         """``(response, ground_truth)`` pairs -> their results; every case of every response through the pool
         at once (cached ones and repeats of a program run once)."""
-        if len(self._cache) > CACHE_LIMIT:  # per-row calls without a batch (a custom reward function) never clear it
-            self._cache.clear()
-        parsed: dict[int, CaseSet] = {}  # a ground truth object repeated over a group is parsed once
+        if len(self._cache) + len(self._parsed) > CACHE_LIMIT:  # per-row calls without a batch never clear them
+            self.new_batch()
         keys, work = [], {}  # work: the (program, case set)s to run; a repeat reads the first one's result
         for response, truth in items:
-            cases = parsed.get(id(truth))
-            if cases is None:
-                cases = parsed[id(truth)] = parse_cases(truth)
+            cases = self._cases(truth)
             program = extract_program(response)
             key = hashlib.sha256(f"{cases.digest}\0{self.cfg.continuous}\0{program}".encode(
                 "utf-8", "surrogatepass")).hexdigest()
