@@ -174,6 +174,12 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         result = run_export_bench((args.models or ["qwen2.5-0.5b"])[0], reps=args.reps)
         report("export", tables(result))
         write_json(result, args.out or "results/bench_export.json")
+    elif args.what == "code":
+        from rlpad.bench.code import run_code_bench, tables
+
+        result = run_code_bench(reps=max(args.reps, 10))
+        report("code", tables(result))
+        write_json(result, args.out or "results/bench_code.json")
     elif args.what == "sync":
         from rlpad.bench.sync import SYNC_MODELS, run_sync_bench, tables  # Ray through workers/
 
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON (all: + Markdown and PNG); "
                            "--markdown PATH writes the table into a doc")
     bench.add_argument("what", nargs="?", default="all", choices=["all", "logprob", "prefix", "workers", "rollout", "sync",
-                                                                   "e2e", "sp", "head", "lora", "rm", "export", "host"])
+                                                                   "e2e", "sp", "head", "lora", "rm", "export", "host", "code"])
     bench.add_argument("--models", nargs="*", default=None,
                        help="rows of rlpad/bench/models.py; logprob: sizes (tiny 40m; --device cuda: shapes of "
                             "rlpad/bench/logprob_cuda.py, qwen2.5-0.5b 7b-layers); prefix, workers: one size; "

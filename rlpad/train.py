@@ -38,6 +38,7 @@ from rlpad.multimodal.checks import vl_config_problems
 from rlpad.multimodal.processor import load_vl_processor
 from rlpad.multimodal.prompts import PromptImages
 from rlpad.training.metrics import cpu_kernels
+from rlpad.rewards.code.hooks import configure as configure_code
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.combine import CombinedReward, build_reward
 from rlpad.rewards.settings import reward_notices
@@ -226,6 +227,7 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools, images)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
+    configure_code(config.reward.code, sources)  # the sandbox pool of code sources (rlpad.rewards.code)
     if problems := data_source_problems(config.reward, sources):  # the rule and source_weights against the data
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process

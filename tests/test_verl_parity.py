@@ -204,7 +204,7 @@ def test_negative_control_the_lenient_verifier_differs_from_verl():
 
 
 def test_names_verl_scores_otherwise_are_refused_by_name():
-    for name in ("numina_olympiads", "codecontests", "hiyouga/geometry3k", "searchR1_nq"):
+    for name in ("numina_olympiads", "hiyouga/geometry3k", "searchR1_nq"):  # code sources run: test_code_parity.py
         with pytest.raises(ValueError, match=f"data_source '{name}': verl scores it with its"):
             verl_default.compute_score(name, "x", "y")
     with pytest.raises(ValueError, match="no default reward for data_source 'gsm8k'.*rules:compute_score"):

@@ -1,5 +1,5 @@
 """Every config key with its value, type and meaning, read from the comments of the schema (rlpad/config/:
-schema.py, rewards.py, distillation.py, checkpoint.py, vision.py).
+schema.py, rewards.py, code.py, distillation.py, checkpoint.py, vision.py).
 
 The dataclasses are the one source: a field's meaning is its trailing ``# ...`` comment and/or the
 comment lines right above it, a section's meaning is its class docstring (parsed with ``ast`` and
@@ -23,6 +23,7 @@ from functools import cache
 from typing import Any
 
 import rlpad.config.checkpoint
+import rlpad.config.code
 import rlpad.config.distillation
 import rlpad.config.rewards
 import rlpad.config.schema
@@ -57,8 +58,8 @@ class Section:
 
 
 # The modules whose dataclasses make up the schema: their comments are the keys' meanings.
-SCHEMA_MODULES = (rlpad.config.schema, rlpad.config.rewards, rlpad.config.distillation, rlpad.config.checkpoint,
-                  rlpad.config.vision)
+SCHEMA_MODULES = (rlpad.config.schema, rlpad.config.rewards, rlpad.config.code, rlpad.config.distillation,
+                  rlpad.config.checkpoint, rlpad.config.vision)
 
 
 def _one_line(text: str) -> str:

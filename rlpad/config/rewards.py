@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlpad.config.code import CodeConfig
+
 __all__ = [
     "CustomRewardFunctionConfig", "JudgeConfig", "JudgeRolloutConfig", "OverlongBufferConfig", "RewardConfig", "RewardManagerConfig",
     "RewardModelConfig", "RewardModelScoringConfig", "RewardModelServingConfig",
@@ -108,6 +110,7 @@ class RewardConfig:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_model: RewardModelScoringConfig = field(default_factory=RewardModelScoringConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # a generative judge (an LLM on vLLM), the "judge" part
+    code: CodeConfig = field(default_factory=CodeConfig)  # verl's code sources: programs run in a sandbox (docs/code.md)
     # Combining (rlpad/rewards/combine.py): each response's reward is the weighted sum of its parts: "rule" (the
     # reward function), "reward_model" and "judge" (when enabled) and each name of extra_fns; in training a part is
     # computed only for the rows it weighs (weight != 0), validation reports every part.

@@ -50,6 +50,8 @@ LEGACY_KEYS = {
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
 }
+_SANDBOX = ("verl's sandbox_fusion service: rlpad runs code sources in its own sandbox, set by reward.code.* "
+            "(memory_limit_mb, max_concurrent: verl's names; docs/code.md); delete the key")
 # verl's legacy reward keys (and those of its 0.9 reward loop) that mean nothing in rlpad: a recipe or
 # override setting one (or a key under one) fails at load with this note, in one line.
 LEGACY_REFUSED = {
@@ -66,7 +68,7 @@ LEGACY_REFUSED = {
     "reward_model.micro_batch_size": "verl's deprecated global micro-batch: delete the key",
     "reward_model.launch_reward_fn_async": "rlpad scores rule functions in the driver between the rollout and the "
                                            "log-probs; delete the key",
-    "reward_model.sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
-    "sandbox_fusion": "verl's sandbox_fusion code runner: rlpad has none; score code with reward.fn",
+    "reward_model.sandbox_fusion": _SANDBOX,
+    "sandbox_fusion": _SANDBOX,
     "custom_reward_function.reward_kwargs": "use reward.reward_kwargs (keyword arguments of every reward call)",
 }

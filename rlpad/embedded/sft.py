@@ -201,6 +201,8 @@ def val_score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: S
     examples = spec.val_examples(cfg)
     model.eval()
     answers = greedy_answers(model, tokenizer, [p for p, _ in examples], spec.max_answer_tokens)
+    if spec.score_all is not None:
+        return sum(spec.score_all(answers, [want for _, want in examples])) / len(examples)
     return sum(spec.score(got, want) for got, (_, want) in zip(answers, examples)) / len(examples)
 
 
@@ -210,7 +212,7 @@ def val_score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: S
 def _settings(cfg: SFTConfig, seed: int, dims: dict[str, Any], task: str = "toy") -> dict[str, Any]:
     config = tiny_config(ARCH, **dims).to_dict()
     config.pop("transformers_version", None)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(charset=get_task(task).charset)
     sft = {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}
     out = {"version": SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
            "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template}
@@ -260,7 +262,7 @@ def warm_start(
     key = cache_key(cfg, seed=seed, task=task, **dims)
 
     def build(folder: str) -> dict[str, Any]:
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(charset=spec.charset)
         model = tiny_model(ARCH, seed=seed, **dims)
         every = max(1, cfg.steps // 10)
         log = None

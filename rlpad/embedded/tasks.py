@@ -2,7 +2,8 @@
 
 ``toy`` is small-number addition (:mod:`rlpad.embedded.toy`, short sequences); ``toy_long`` is
 an alphabet run (:mod:`rlpad.embedded.toy_long`, responses of 2-53 tokens, a padding-heavy batch);
-``toy_tools`` is two-digit addition with a calculator tool (:mod:`rlpad.embedded.toy_tools`, multi-turn).
+``toy_tools`` is two-digit addition with a calculator tool (:mod:`rlpad.embedded.toy_tools`, multi-turn);
+``toy_code`` asks for a program (:mod:`rlpad.embedded.toy_code`, run against hidden cases in the sandbox).
 :data:`VL_TASKS` holds the vision-language ones (``vl_shapes``: questions about squares on 56x56 images,
 :mod:`rlpad.embedded.vl_shapes`), each with its own warm start of a tiny VL model.
 A recipe names a task through ``actor_rollout_ref.model.path: embedded:<task>`` and
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpad.config.schema import SFTConfig
-from rlpad.embedded import toy, toy_long, toy_tools
+from rlpad.embedded import toy, toy_code, toy_long, toy_tools
+from rlpad.embedded.tiny import CHARSET, CODE_CHARSET
 
 __all__ = ["TASKS", "VL_TASKS", "EmbeddedTask", "EmbeddedVLTask", "dataset_spec", "get_task"]
 
@@ -37,6 +39,9 @@ class EmbeddedTask:
     score: Callable[[str, str], float]  # the task's reward of a response given the answer
     max_answer_tokens: int  # longest answer + EOS (greedy decoding stops there)
     version: str | None  # enters the warm-start cache key (None: the key the default always had)
+    charset: str = CHARSET  # the characters of the task's tokenizer (rlpad.embedded.tiny.build_tokenizer)
+    # (responses, answers) -> their rewards at once (a task whose check runs programs); None: ``score`` each
+    score_all: Callable[[list[str], list[str]], list[float]] | None = None
 
 
 def _toy_val(cfg: SFTConfig) -> list[Example]:
@@ -85,6 +90,21 @@ TASKS: dict[str, EmbeddedTask] = {
         score=toy_long.run_score,
         max_answer_tokens=toy_long.MAX_RESPONSE_TOKENS,
         version="toy_long-alphabet-1",
+    ),
+    "toy_code": EmbeddedTask(
+        name="toy_code",
+        sft_examples=lambda cfg, n: toy_code.sft_examples(n, seed=cfg.data_seed, n_val=cfg.n_val),
+        val_examples=lambda cfg: [(toy_code.prompt_of(p), toy_code.canonical(p))
+                                  for p in toy_code.split_problems(cfg.n_val, cfg.data_seed)[1]],
+        probe_examples=lambda cfg: [(toy_code.prompt_of(p), toy_code.canonical(p))
+                                    for p in toy_code.split_problems(cfg.n_val, cfg.data_seed)[0][:100]],
+        write_dataset=lambda out, cfg: toy_code.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
+        dataset_tag=lambda cfg: f"toy_code-{cfg.data_seed}-{cfg.n_val}",
+        score=toy_code.code_score,
+        max_answer_tokens=toy_code.MAX_RESPONSE_TOKENS,
+        version="toy_code-lambda-1",
+        charset=CODE_CHARSET,
+        score_all=toy_code.code_scores,
     ),
 }
 

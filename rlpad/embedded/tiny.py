@@ -18,9 +18,12 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from rlpad.core.models import ModelSource, register_model_source
 from rlpad.embedded.shapes import ARCHITECTURES, TINY_DEFAULTS, TINY_PREFIX, VL_ARCHITECTURES, VL_TOKEN_IDS, tiny_heads
 
-__all__ = ["ARCHITECTURES", "CHARSET", "VISION_TOKENS", "VL_CHAT_TEMPLATE", "build_tokenizer", "tiny_config", "tiny_model", "tiny_reward_model"]
+__all__ = ["ARCHITECTURES", "CHARSET", "CODE_CHARSET", "VISION_TOKENS", "VL_CHAT_TEMPLATE", "build_tokenizer", "tiny_config",
+           "tiny_model", "tiny_reward_model"]
 
 CHARSET = "0123456789+-*/=?#:.,()[] abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# every printable ASCII character, newline and tab: what programs are written in (rlpad.embedded.toy_code)
+CODE_CHARSET = CHARSET + "".join(sorted(set(map(chr, range(32, 127))) - set(CHARSET))) + "\n\t"
 SPECIAL_TOKENS = {"pad": "<|pad|>", "eos": "<|endoftext|>", "unk": "<|unk|>"}
 # Qwen's vision special tokens (the VL tokenizer's, at the ids of shapes.VL_TOKEN_IDS), by their key there.
 VISION_TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
@@ -141,21 +144,24 @@ def tiny_reward_model(
     return model.eval()
 
 
-def build_tokenizer(save_dir: str | os.PathLike | None = None, *, vision: bool = False) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over :data:`CHARSET` with pad/eos/unk and a chat template.
+def build_tokenizer(save_dir: str | os.PathLike | None = None, charset: str = CHARSET, *,
+                    vision: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``charset`` (:data:`CHARSET`; :data:`CODE_CHARSET` for programs) with
+    pad/eos/unk and a chat template.
 
-    Ids: 0 pad, 1 eos, 2 unk, then one id per character; ``vision``: then the vision special tokens
-    (:data:`VISION_TOKENS` at the ids of :data:`rlpad.embedded.shapes.VL_TOKEN_IDS`) and
-    :data:`VL_CHAT_TEMPLATE`. Saved with ``save_pretrained`` when ``save_dir`` is given, which vLLM and
-    ``AutoTokenizer`` load offline.
+    Ids: 0 pad, 1 eos, 2 unk, then one id per character (a charset extending another keeps its ids);
+    ``vision``: then the vision special tokens (:data:`VISION_TOKENS` at the ids of
+    :data:`rlpad.embedded.shapes.VL_TOKEN_IDS`) and :data:`VL_CHAT_TEMPLATE`. Saved with ``save_pretrained``
+    when ``save_dir`` is given, which vLLM and ``AutoTokenizer`` load offline.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {SPECIAL_TOKENS["pad"]: 0, SPECIAL_TOKENS["eos"]: 1, SPECIAL_TOKENS["unk"]: 2}
-    for ch in CHARSET:
+    for ch in charset:
         vocab[ch] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk"]))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # one piece per character (Oniguruma's "(?m)": a newline too, when the charset has one)
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)." if "\n" in charset else "."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlpad.algorithms.advantages import ESTIMATORS
+from rlpad.config.code import code_problems
 from rlpad.config.doc import format_value
 from rlpad.config.choices import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES,
@@ -166,6 +167,7 @@ def validate_config(config: Config) -> Config:
     for name in trainer.logger:
         one_of("trainer.logger[]", name, LOGGERS)
     problems += reward_problems(config)
+    problems += code_problems(config.reward.code)
     problems += multi_turn_problems(rollout.multi_turn)
 
     # sizes

@@ -31,6 +31,8 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards import math_verifier
+from rlpad.rewards.code import hooks as code
+from rlpad.rewards.code.sources import SCORED_SOURCES
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
 from rlpad.rewards.toys import TOY_SCORERS
 from rlpad.rewards.verl_default import compute_score as verl_compute_score
@@ -168,11 +170,14 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """rlpad's lenient reward: the scorer registered for ``data_source`` (see ``SCORERS``).
+    """rlpad's lenient reward: the scorer registered for ``data_source`` (see ``SCORERS``); code sources run
+    their programs as the default reward does (rlpad.rewards.code).
 
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
     :func:`rlpad.rewards.math_verifier.math_verify_score`.
     """
+    if data_source in SCORED_SOURCES:
+        return code.compute_score(solution_str, ground_truth)
     scorer = _lenient_scorer(data_source)
     if scorer is None:
         raise ValueError(f"no rule-based reward for data_source {data_source!r}; known: {sorted(SCORERS)} "
@@ -192,13 +197,19 @@ def _lenient_scorer(data_source: str) -> Callable[[str, Any, Any], float] | None
 
 def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> list[str]:
     """Config problems of scoring ``data_sources`` with ``reward.fn=spec``: the lenient reward on a math
-    source without math-verify installed (it would score every response by the fall-back)."""
+    source without math-verify installed (it would score every response by the fall-back); code sources
+    where the sandbox does not work (rlpad.rewards.code.sandbox_problem: never run unsandboxed)."""
+    data_sources = set(data_sources)
+    problems = []
+    coded = sorted(data_sources & set(SCORED_SOURCES))
+    if coded and spec in (DEFAULT_REWARD_FN, "rlpad.rewards.rules:compute_score") and code.sandbox_problem():
+        problems.append(f"data_source {', '.join(map(repr, coded))}: {code.sandbox_problem()}")
     if spec != "rlpad.rewards.rules:compute_score" or math_verifier.available():
-        return []
+        return problems
     needs = sorted({ds for ds in data_sources if _lenient_scorer(ds) is math_verify_score})
-    return [f"reward.fn={spec} scores data_source {ds!r} with math-verify, which is not installed "
-            "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn"
-            for ds in needs]
+    return problems + [f"reward.fn={spec} scores data_source {ds!r} with math-verify, which is not installed "
+                       "(pip install math-verify; it is in rlpad's cpu / gpu extras), or use the default reward.fn"
+                       for ds in needs]
 
 
 # ----------------------------------------------------------------------------- custom functions
@@ -281,11 +292,22 @@ def score_responses(
     returns a dict holding one, else the score); ValueError naming the row on NaN/inf. ``returned``: a
     list extended with each row's :func:`reward_extra_info`.
     """
-    reward_fn = reward_fn or verl_compute_score
     texts = decode_responses(tokenizer, responses, response_mask)
+    return _score_texts(texts, response_mask, data_sources, ground_truths, extra_infos, reward_fn, returned)[:3]
+
+
+def _score_texts(texts: list[str], response_mask: torch.Tensor, data_sources: Sequence[str],
+                 ground_truths: Sequence[Any], extra_infos: Sequence[Any] | None, reward_fn: RewardFn | None,
+                 returned: list[dict[str, Any]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`score_responses` on decoded texts, plus each code row's outcome flags (``reward_flags/code/*``)."""
+    reward_fn = reward_fn or verl_compute_score
     if not len(data_sources) == len(ground_truths) == len(texts):
         raise ValueError(f"{len(texts)} responses, {len(data_sources)} data_sources, {len(ground_truths)} ground_truths")
     extra_infos = [None] * len(texts) if extra_infos is None else extra_infos
+    flags: dict[str, Any] = {}
+    if getattr(reward_fn, "func", reward_fn) in (verl_compute_score, compute_score):  # they route code sources
+        flags = code.prefetch(texts, data_sources, ground_truths)  # every program at once; the calls read the results
     values = [reward_fn(data_source=ds, solution_str=text, ground_truth=gt, extra_info=ei)
               for text, ds, gt, ei in zip(texts, data_sources, ground_truths, extra_infos)]
     results = [_as_score(value, i, ds) for i, (value, ds) in enumerate(zip(values, data_sources))]
@@ -293,19 +315,23 @@ def score_responses(
         returned.extend(reward_extra_info(value) for value in values)
     seq = torch.tensor([r[0] for r in results], dtype=torch.float32).reshape(-1)
     acc = torch.tensor([r[1] for r in results], dtype=torch.float32).reshape(-1)
-    return place_scores(seq, response_mask), seq, acc
+    return place_scores(seq, response_mask), seq, acc, {k: torch.tensor(v) for k, v in flags.items()}
 
 
 def score_batch(batch: Batch, tokenizer: Any, reward_fn: RewardFn | None = None, *,
                 keep_extra_info: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`score_responses` on a rollout batch (``responses``, ``response_mask``, ``data_source``,
     ``ground_truth``, optional ``extra_info``); with ``keep_extra_info``, each row's :func:`reward_extra_info`
-    goes into the batch as ``REWARD_EXTRA_INFO`` (what validation reports; no worker reads it)."""
+    goes into the batch as ``REWARD_EXTRA_INFO`` (what validation reports; no worker reads it); code rows leave
+    their outcomes in the batch (``reward_flags/code/<outcome>``, logged as ``reward/code/<outcome>``)."""
     batch.require("responses", "response_mask", "data_source", "ground_truth", who="reward")
     extra = batch["extra_info"] if "extra_info" in batch else None
+    texts = decode_responses(tokenizer, batch["responses"], batch["response_mask"])
     returned: list[dict[str, Any]] | None = [] if keep_extra_info else None
-    out = score_responses(tokenizer, batch["responses"], batch["response_mask"], batch["data_source"],
-                          batch["ground_truth"], extra, reward_fn, returned)
+    *scores, flags = _score_texts(texts, batch["response_mask"], batch["data_source"], batch["ground_truth"], extra,
+                                  reward_fn, returned)
+    for key, values in flags.items():
+        batch[key] = values
     if returned is not None:
         batch[REWARD_EXTRA_INFO] = returned
-    return out
+    return scores[0], scores[1], scores[2]

@@ -13,9 +13,12 @@ rules, not imported: verl is no dependency.
 * ``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``: DAPO's scorer on the last 300
   characters: the last ``Answer: ...`` line (Minerva normalisation), else the last ``\\boxed{}`` of
   the last 100 characters compared verbatim; ``{"score": 1.0 | -1.0, "acc": 1.0 | 0.0, "pred": str}``.
-* The other names verl lists (``numina_*``: its prime_math grader; code sets: a sandbox; geometry3k;
-  search-R1) have no equal here: they are refused, naming the data source.
-* rlpad's own toy tasks (``rlpad/toy_*``): their scorers (verl does not name them).
+* ``codecontests``, ``apps``, ``codeforces``, ``taco``: verl's prime_code (continuous): the program of the
+  last ```` ```python```` block run on the test cases in rlpad's sandbox (rlpad.rewards.code, docs/code.md).
+* The other names verl lists (``numina_*``: its prime_math grader; geometry3k; search-R1) have no equal
+  here: they are refused, naming the data source.
+* rlpad's own toy tasks (``rlpad/toy_*``): their scorers (verl does not name them); ``rlpad/toy_code``
+  is scored as the code sources are.
 
 rlpad's lenient verifier (numbers by value, math-verify) is :func:`rlpad.rewards.rules.compute_score`,
 chosen with ``reward.fn: rlpad.rewards.rules:compute_score``.
@@ -26,6 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rlpad.rewards.code.hooks import compute_score as code_score
+from rlpad.rewards.code.sources import CODE_SOURCES, SCORED_SOURCES, TOY_CODE_SOURCE
 from rlpad.rewards.toys import TOY_SCORERS
 
 __all__ = ["VERL_UNSUPPORTED", "compute_score", "dapo_score", "gsm8k_strict_score", "math_equiv_score",
@@ -38,7 +43,6 @@ DAPO = ("math_dapo", "math", "math_dapo_reasoning")  # and every name starting w
 VERL_UNSUPPORTED = {
     **{f"numina_{n}": "prime_math" for n in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12",
                                                "olympiads")},
-    **{n: "prime_code / sandbox_fusion (runs code)" for n in ("codecontests", "apps", "codeforces", "taco")},
     "hiyouga/geometry3k": "geo3k (mathruler)",
     **{f"searchR1_{n}": "search_r1_like_qa_em" for n in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
                                                           "musique", "bamboogle")},
@@ -262,10 +266,13 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         return dapo_score(solution_str, ground_truth)
     if data_source in TOY_SCORERS:
         return TOY_SCORERS[data_source](solution_str, ground_truth, extra_info)
+    if data_source in SCORED_SOURCES:
+        return code_score(solution_str, ground_truth)
     if data_source in VERL_UNSUPPORTED:
         raise ValueError(f"data_source {data_source!r}: verl scores it with its {VERL_UNSUPPORTED[data_source]}, which "
                          "rlpad has no equal of; set reward.fn=package.module:function")
     raise ValueError(f"no default reward for data_source {data_source!r} (verl's names: "
-                     f"{', '.join(GSM8K + MATH + DAPO)}, aime*; rlpad's toys: {', '.join(TOY_SCORERS)}); set "
+                     f"{', '.join(GSM8K + MATH + DAPO + CODE_SOURCES)}, aime*; rlpad's toys: "
+                     f"{', '.join((*TOY_SCORERS, TOY_CODE_SOURCE))}); set "
                      "reward.fn=rlpad.rewards.rules:compute_score (rlpad's lenient verifier) or "
                      "package.module:function")

@@ -1,0 +1,117 @@
+"""rlpad's sandboxed code scores against verl 0.9.1's own prime_code (its default_compute_score on verl's
+code data sources): every recorded response of scripts/verl_code_parity.py (correct, wrong, partly
+right, runtime error, timeout, syntax error, no code block, call-based, and verl's parsing and
+comparison rules), from tests/fixtures/verl_code_parity.json always, and live where verl is installed
+(``$RLPAD_VERL_PYTHON`` names a Python with verl, or verl is importable here). The scores are compared exactly (they are ratios of
+small integers in both)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from rlpad.config.code import CodeConfig
+from rlpad.rewards import rules, verl_default
+from rlpad.rewards.code import hooks as code
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "verl_code_parity.json"
+RECORDER = ROOT / "scripts" / "verl_code_parity.py"
+# the recorded timeouts are verl's 5 s / 10 s alarms; a program that never ends fails under any limit
+SETTINGS = CodeConfig(timeout_s=2.0, memory_limit_mb=512)
+
+
+def _verl_python() -> str | None:
+    """A Python with verl (as tests/test_verl_parity.py finds one): $RLPAD_VERL_PYTHON, or this one if it has verl."""
+    if os.environ.get("RLPAD_VERL_PYTHON"):
+        return os.environ["RLPAD_VERL_PYTHON"]
+    return sys.executable if importlib.util.find_spec("verl") is not None else None
+
+
+@cache
+def recorded() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+@cache
+def live() -> dict:
+    out = subprocess.run([_verl_python(), str(RECORDER)], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@cache
+def rlpad_scores(source: str) -> dict[str, float]:
+    """rlpad's score of every case of the record, the whole batch through the reward stage's hook at once
+    (then each row through verl_default.compute_score, as the reward function is called)."""
+    cases = (recorded() if source == "recorded" else live())["cases"]
+    code.configure(SETTINGS)
+    code.prefetch([c["response"] for c in cases], [c["data_source"] for c in cases], [c["ground_truth"] for c in cases])
+    return {c["name"]: verl_default.compute_score(c["data_source"], c["response"], c["ground_truth"]) for c in cases}
+
+
+def sources() -> list:
+    live_mark = pytest.mark.skipif(_verl_python() is None, reason="verl is not installed (the recorded file is compared)")
+    return ["recorded", pytest.param("live", marks=live_mark)]
+
+
+@pytest.mark.parametrize("source", sources())
+def test_every_recorded_response_scores_as_verl(source):
+    cases = (recorded() if source == "recorded" else live())["cases"]
+    ours = rlpad_scores(source)
+    wrong = {c["name"]: (ours[c["name"]], c["score"]) for c in cases if ours[c["name"]] != c["score"]}
+    assert not wrong, f"rlpad vs verl differ on (rlpad, verl): {wrong}"
+
+
+def test_the_record_covers_verl_outcome_kinds_and_names_its_generator():
+    rec = recorded()
+    assert rec["verl"] == "0.9.1" and rec["generator"] == "scripts/verl_code_parity.py"
+    names = {c["name"] for c in rec["cases"]}
+    for kind in ("correct", "wrong_answer", "partly_right", "runtime_error", "timeout", "syntax_error",
+                 "no_code_block_prose", "call_correct", "call_class_solution"):
+        assert kind in names
+    scores = {c["score"] for c in rec["cases"]}
+    assert {0.0, 1.0} < scores and any(0 < s < 1 for s in scores), "the record holds passes, failures and fractions"
+
+
+def test_negative_control_all_or_nothing_differs_from_verls_continuous_score():
+    """reward.code.continuous=false (pass = every case) must disagree with verl's recorded continuous scores
+    exactly where those are fractions, and nowhere else: the comparison above can see a wrong rule."""
+    # the fractions, the case past the first 10, and a pass and a failure of each kind of case
+    cases = [c for c in recorded()["cases"] if 0 < c["score"] < 1 or c["name"] in (
+        "twelve_cases_wrong_at_the_last", "correct", "wrong_answer", "call_correct", "call_wrong")]
+    code.configure(CodeConfig(timeout_s=2.0, memory_limit_mb=512, continuous=False))
+    try:
+        texts, srcs, gts = ([c[k] for c in cases] for k in ("response", "data_source", "ground_truth"))
+        code.prefetch(texts, srcs, gts)
+        strict = {c["name"]: verl_default.compute_score(c["data_source"], c["response"], c["ground_truth"]) for c in cases}
+    finally:
+        code.configure(SETTINGS)
+    differ = {c["name"] for c in cases if strict[c["name"]] != c["score"]}
+    fractions = {c["name"] for c in cases if 0 < c["score"] < 1}
+    # twelve_cases_wrong_at_the_last: verl's continuous score reads the first 10 cases only (1.0); all 12: 0.0
+    assert differ == fractions | {"twelve_cases_wrong_at_the_last"}
+
+
+def test_the_lenient_reward_routes_code_sources_to_the_same_scores():
+    cases = recorded()["cases"][:4]
+    ours = rlpad_scores("recorded")
+    for c in cases:
+        assert rules.compute_score(c["data_source"], c["response"], c["ground_truth"]) == ours[c["name"]]
+
+
+def test_a_malformed_ground_truth_is_an_error_naming_the_problem():
+    with pytest.raises(ValueError, match="no test cases"):
+        code.compute_score("```python\nprint(1)\n```", {"inputs": [], "outputs": []})
+    with pytest.raises(ValueError, match="3 inputs and 2 outputs"):
+        code.compute_score("print(1)", json.dumps({"inputs": ["1", "2", "3"], "outputs": ["1", "2"]}))
+    with pytest.raises(ValueError, match="not JSON"):
+        code.compute_score("print(1)", "{inputs: [")
