@@ -113,6 +113,23 @@ def _finite(name: str, scores: torch.Tensor, rows: Sequence[int], sources: Seque
         raise ValueError(f"reward part {name!r} scored {len(bad)} row(s) non-finite ({where}); rewards must be finite")
 
 
+def _rows_back(batch: Batch, part: Batch, rows: Sequence[int]) -> None:
+    """What scoring ``part`` (``batch``'s ``rows``) left beside its scores, onto ``batch``: the rule's reward
+    infos (``{}`` on the other rows) and flags a scorer wrote itself (``reward_flags/...``, e.g. the code
+    outcomes; NaN on the other rows)."""
+    n = len(batch)
+    if REWARD_EXTRA_INFO in part:
+        infos = [{} for _ in range(n)]
+        for i, info in zip(rows, part[REWARD_EXTRA_INFO]):
+            infos[i] = info
+        batch[REWARD_EXTRA_INFO] = infos
+    index = torch.tensor(list(rows))
+    for key in part.tensors:
+        if key.startswith(FLAG_PREFIX) and key not in batch:
+            full = torch.full((n,), math.nan)
+            full[index] = part.tensors[key].float()
+            batch[key] = full
+
 class CombinedReward:
     """The reward stage's scorer: the rule function, the optional reward model and judge, and the extra rule
     functions, combined as the module docstring says. ``model_scorer`` may be attached after the workers
@@ -199,11 +216,8 @@ class CombinedReward:
                 index = torch.tensor(rows)
                 part_batch = batch if len(rows) == n else batch.index(rows)
                 scores, part_flags, part_acc = self._score_part(name, part_batch, tokenizer)
-                if part_batch is not batch and REWARD_EXTRA_INFO in part_batch:  # the rule's infos, on every row
-                    infos = [{} for _ in range(n)]
-                    for i, info in zip(rows, part_batch[REWARD_EXTRA_INFO]):
-                        infos[i] = info
-                    batch[REWARD_EXTRA_INFO] = infos
+                if part_batch is not batch:
+                    _rows_back(batch, part_batch, rows)
                 _finite(name, scores, rows, sources)
                 raw[index] = scores.float()
                 for flag, values in part_flags.items():
