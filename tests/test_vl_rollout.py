@@ -32,10 +32,10 @@ def prompt_batch(folder, tmp_path, swap: bool = False):
     """Five prompts: the task's (one image, two images, text only) and a long-text one; with ``swap``
     prompts 0 and 1 exchange their images (same sizes, other squares)."""
     problems = {p.kind: p for p in split_problems(40, seed=3, n_train=0)[1]}
-    first, second = (problems["count"], problems["where"]) if swap else (problems["where"], problems["count"])
+    first, second = (problems["count"], problems["red"]) if swap else (problems["red"], problems["count"])
     rows = []
-    for text, problem in (("<image>where is red?", first), ("<image>how many?", second),
-                          ("<image><image>which is red?", problems["which"]), ("2+3=", None),
+    for text, problem in (("<image>red?", first), ("<image>how many?", second),
+                          ("<image><image>how many?", problems["count2"]), ("2+3=", None),
                           ("a longer question about <image> this", first)):
         images = [{"bytes": png(im), "path": None} for im in images_of(problem)][: text.count("<image>")] if problem else []
         rows.append({"prompt": [{"role": "user", "content": text}], "images": images, "data_source": "x",

@@ -38,10 +38,10 @@ from rlpad.multimodal.generate import generate_image_inputs
 
 __all__ = ["ARCH", "VL_SFT_VERSION", "greedy", "vl_cache_key", "vl_warm_start", "vl_val_score"]
 
-VL_SFT_VERSION = "rlpad-vl-sft-1"  # bump when the recipe changes in a way the key cannot see
+VL_SFT_VERSION = "rlpad-vl-sft-2"  # bump when the recipe changes in a way the key cannot see
 ARCH = "qwen2_5_vl"
 INFO_FILE = "rlpad_sft.json"
-MAX_ANSWER_TOKENS = 3  # one digit + EOS, with a spare
+MAX_ANSWER_TOKENS = 3  # one character + EOS, with a spare
 
 
 def _processor(tokenizer: Any) -> VLProcessor:
