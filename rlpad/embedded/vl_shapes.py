@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["DATA_SOURCE", "KINDS", "SIZE", "Problem", "images_of", "main", "make_problems", "png", "problem_row", "render",
+__all__ = ["DATA_SOURCE", "KINDS", "VERSION", "SIZE", "Problem", "images_of", "main", "make_problems", "png", "problem_row", "render",
            "shapes_score", "split_problems", "write_dataset"]
 
 DATA_SOURCE = "rlpad/vl_shapes"
+VERSION = "vl_shapes-2"  # bump when the problems change: it names the cached dataset and enters the warm start's key
 SIZE = 56  # pixels per side: 2x2 image tokens of 28x28 pixels
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220)}
 BACKGROUND = (236, 236, 230)
