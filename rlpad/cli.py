@@ -58,7 +58,12 @@ def _bench(args: argparse.Namespace, command: str) -> int:
                   file=sys.stderr)
             return 2
         try:
-            if args.what == "logprob":
+            if args.what == "logprob" and args.vl:
+                from rlpad.bench.logprob_vl import run_vl, vl_tables
+
+                result = run_vl(args.models, reps=args.reps, dry_run=args.dry_run, device="cuda")
+                tables = vl_tables(result)
+            elif args.what == "logprob":
                 from rlpad.bench.logprob_cuda import cuda_tables, run_cuda
 
                 out = args.out or f"results/bench_{args.what}_cuda.json"
@@ -79,12 +84,19 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         except ValueError as e:  # no CUDA device, or bad sizes: one line, before any compute
             print(f"error: {e}", file=sys.stderr)
             return 2
-        report(f"{args.what} cuda", tables)
-        write_json(result, args.out or f"results/bench_{args.what}_cuda.json")
+        name = f"{args.what}{'_vl' if args.vl else ''}"
+        report(f"{name} cuda", tables)
+        write_json(result, args.out or f"results/bench_{name}_cuda.json")
     elif args.what == "all":
         from rlpad.bench.report import run_all
 
         run_all(args.out or "results", reps=args.reps, markdown=args.markdown, command=command, load=load)
+    elif args.what == "logprob" and args.vl:
+        from rlpad.bench.logprob_vl import run_vl, vl_tables
+
+        result = run_vl(args.models, reps=args.reps, device="cpu")
+        report("logprob vl", vl_tables(result))
+        write_json(result, args.out or "results/bench_logprob_vl.json")
     elif args.what == "logprob":
         from rlpad.bench.logprob import run, tables
 
@@ -212,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--reps", type=int, default=3)
     bench.add_argument("--groups", type=int, default=8, help="prefix: prompt groups per batch (x n=8 rows)")
     bench.add_argument("--no-memory", action="store_true", help="logprob: skip the LM-head memory part")
+    bench.add_argument("--vl", action="store_true",
+                       help="logprob: a vision-language batch (rlpad/bench/logprob_vl.py: padded / rmpad / shared "
+                            "prompts with images, the vision tower's share; CPU tiny-vl, --device cuda 7b-vl-layers)")
     bench.add_argument("--out", default=None, help="JSON path (all: output folder, default results/)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                        help="logprob, prefix: cuda runs the bf16 GPU benchmarks (logprob: qwen2.5-0.5b and "

@@ -26,9 +26,10 @@ from typing import Any
 TABLES = {"head_sweep": "rlpad.bench.head_sweep:sweep_tables", "head": "rlpad.bench.head:tables",
           "logprob": "rlpad.bench.logprob_cuda:cuda_tables", "prefix": "rlpad.bench.prefix:tables",
           "compiled": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_compiled, a step of its own
-          "flex": "rlpad.bench.logprob_cuda:cuda_tables"}  # logprob's rmpad + packed_flex, likewise
+          "flex": "rlpad.bench.logprob_cuda:cuda_tables",  # logprob's rmpad + packed_flex, likewise
+          "logprob_vl": "rlpad.bench.logprob_vl:vl_tables"}  # a VL batch: Qwen2.5-VL-7B's shape, its vision tower
 COMMANDS = {"head_sweep": "head --sweep", "compiled": "logprob --columns compiled",  # name -> `rlpad bench` args
-            "flex": "logprob --columns flex"}
+            "flex": "logprob --columns flex", "logprob_vl": "logprob --vl"}
 ERROR_KEYS = ("lp_max", "lp_mean", "ent_max", "ent_mean", "grad_rel", "grad_cos_min")
 
 

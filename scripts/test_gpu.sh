@@ -8,7 +8,8 @@
 #      fallback, the LM head (19000 tokens vs fp64 included), FSDP2 on nccl + offload, 20 steps of the
 #      default GRPO job;
 #   2. rlpad bench head --sweep --device cuda at 4800 and 19000 tokens (the tile table's candidates);
-#   3. rlpad bench head|logprob|prefix --device cuda, every peer column;
+#   3. rlpad bench head|logprob|prefix --device cuda, every peer column; logprob --vl (Qwen2.5-VL-7B's language
+#      shape, 4 layers, + its 32-block vision tower: padded / rmpad / shared prompts with images, the tower's share);
 #   4. one report: DIR/report.md + report.json (scripts/gpu_report.py): GPU, versions, every figure
 #      beside its target (issue #34) and the 2026-11-24 baseline (rlpad/bench/gpu_targets.py).
 # DIR defaults to $RLPAD_GPU_OUT or results/gpu. Exits non-zero if a test or a benchmark failed; without a
@@ -26,7 +27,8 @@ DRY=${RLPAD_GPU_DRY_RUN:-0}
 # Time limits (s) of the steps (each overridable: RLPAD_GPU_TEST_S ...), against what the H200 of 2026-11-27 took:
 # install 30 (19), tests 110 (51-68), sweep 80 with a 50 s budget (65: 16 of its 27 configurations), head 30 (17),
 # logprob's four peer columns 150 (not measured: two runs with packed_flex among them wrote nothing in 120 and 180 s),
-# prefix 45 (28), compiled 110 (99, 63 of it inductor), flex 120 (not measured): 675 s at most, ~300 s measured
+# prefix 45 (28), compiled 110 (99, 63 of it inductor), flex 120 (not measured), logprob --vl 90 (not measured): 765 s
+# at most, ~300 s measured
 # plus the two unmeasured steps. The sweep starts no configuration after SWEEP_BUDGET_S, so its JSON is written
 # inside its limit; logprob writes its JSON after each shape.
 TEST_S=${RLPAD_GPU_TEST_S:-110}
@@ -37,9 +39,10 @@ LOGPROB_S=${RLPAD_GPU_LOGPROB_S:-150}
 BENCH_S=${RLPAD_GPU_BENCH_S:-45}
 COMPILED_S=${RLPAD_GPU_COMPILED_S:-110}
 FLEX_S=${RLPAD_GPU_FLEX_S:-120}
+VL_S=${RLPAD_GPU_VL_S:-90}  # not measured: a 2.7B-parameter random model, 32 rows with images, 3 paths
 
 if [ "$DRY" = 1 ]; then  # a shared CPU, not the GPU's budget: each step gets 10 minutes
-    TEST_S=600 SWEEP_S=600 HEAD_S=600 LOGPROB_S=600 BENCH_S=600 COMPILED_S=600 FLEX_S=600
+    TEST_S=600 SWEEP_S=600 HEAD_S=600 LOGPROB_S=600 BENCH_S=600 COMPILED_S=600 FLEX_S=600 VL_S=600
     SIDE=${RLPAD_TRITON_INTERPRETER:-$($PY -c 'import sys; print(sys.prefix)')/triton-interpreter}
     BENCH=(--dry-run --reps 1)
     HEAD_SIZES=(--tokens 16 40 --hidden 32 --vocab 101)
@@ -101,6 +104,11 @@ lp_rc=$?
 # shellcheck disable=SC2086
 step bench_prefix "$BENCH_S" $PY -m rlpad.cli bench prefix --device cuda "${BENCH[@]}" --out "$OUT/bench_prefix.json"
 prefix_rc=$?
+# a vision-language batch (issue #53): before the compiled / flex steps, whose compilation time is unmeasured
+# shellcheck disable=SC2086
+step bench_logprob_vl "$VL_S" $PY -m rlpad.cli bench logprob --vl --device cuda "${BENCH[@]}" --no-memory \
+    --out "$OUT/bench_logprob_vl.json"
+vl_rc=$?
 # decoder layers under torch.compile (issue #47): rmpad vs packed_compiled, compile time apart; last, in its own
 # limit, so a slow or failing compilation costs no other figure
 # shellcheck disable=SC2086
@@ -117,6 +125,6 @@ dry=()
 # shellcheck disable=SC2086
 $PY scripts/gpu_report.py "$OUT" --wall-s "$(( $(date +%s) - start ))" "${dry[@]}"
 report_rc=$?
-for rc in $tests_rc $sweep_rc $head_rc $lp_rc $prefix_rc $compiled_rc $flex_rc $report_rc; do
+for rc in $tests_rc $sweep_rc $head_rc $lp_rc $prefix_rc $vl_rc $compiled_rc $flex_rc $report_rc; do
     [ "$rc" -eq 0 ] || exit 1
 done

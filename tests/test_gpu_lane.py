@@ -183,15 +183,17 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert [(s[0], s[1]) for s in steps] == [(n, "0") for n in ("tests", "bench_head_sweep", "bench_head",
-                                                                 "bench_logprob", "bench_prefix", "bench_compiled",
-                                                                 "bench_flex")]
+                                                                 "bench_logprob", "bench_prefix", "bench_logprob_vl",
+                                                                 "bench_compiled", "bench_flex")]
     md = (out / "report.md").read_text()
     assert "**DRY RUN on the CPU**" in md and "## Targets (issue #34)" in md
     for t in TARGETS:
         assert f"| {t.name} |" in md, t.name
-    for bench in ("head --sweep", "head", "logprob", "prefix", "logprob --columns compiled", "logprob --columns flex"):
+    for bench in ("head --sweep", "head", "logprob", "prefix", "logprob --columns compiled", "logprob --columns flex",
+                  "logprob --vl"):
         assert f"### rlpad bench {bench} --device cuda: exit 0" in md, bench
     assert "| packed_compiled" in md and "packed_compiled: decoder layers under torch.compile" in md
+    assert "VL log-prob + entropy, tiny-vl on cpu" in md and "| shared" in md  # the VL step's own table
     assert "LM head tile sweep" in md and "HBM model per grid order" in md and "| packed_sdpa" in md.replace(" ", " ")
     report = json.loads((out / "report.json").read_text())
     sweep = report["bench"]["head_sweep"]["json"]

@@ -10,11 +10,11 @@ from rlpad.batching.micro_batches import micro_batches, row_tokens
 from rlpad.config.schema import ActorRolloutRefConfig
 from rlpad.core.vision import MM_KEY
 from rlpad.embedded.exactness import FP32_GRAD_REL
+from rlpad.embedded.shapes import VL_TOKEN_IDS
 from rlpad.embedded.vl_synthetic import vl_ppo_batch
-from rlpad.lora.adapters import decoder_linear_names
-from rlpad.lora.rules import LoraSpec
 from rlpad.core.models import load_causal_lm
-from rlpad.lora.adapters import apply_lora
+from rlpad.lora.adapters import apply_lora, decoder_linear_names
+from rlpad.lora.rules import LoraSpec
 from spawn_ranks import spawn_ranks
 from workers.actor import ActorWorker
 from workers.net import free_port
@@ -158,3 +158,31 @@ def test_lora_adapts_the_language_model_only():
     trained = [n for n, p in peft.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n and ".visual." not in n for n in trained)
     assert MM_KEY == "multi_modal_inputs"
+
+
+def test_pixel_rows_travel_with_their_row(tmp_path):
+    """Shuffles, concatenation, micro-batches and a checkpoint's torch.save keep each row's images with it:
+    every row's image-pad tokens still match its own grids afterwards (the core checks that per row)."""
+    from rlpad.batch import Batch
+
+    b = batch()
+    order = torch.randperm(len(b), generator=torch.Generator().manual_seed(0))
+    moved = Batch.concat([b.index(order[:3]), b.index(order[3:])])
+    torch.save(moved, tmp_path / "in_flight.pt")
+    moved = torch.load(tmp_path / "in_flight.pt", weights_only=False)
+    for part in micro_batches(moved, None, 80):
+        piece = moved.index(part)
+        for row, mm in zip(piece["input_ids"], piece[MM_KEY]):
+            tokens = int((row == VL_TOKEN_IDS["image_pad"]).sum())
+            assert tokens == (int(mm["image_grid_thw"].prod(-1).sum()) // 4 if mm else 0)
+    for i, j in enumerate(order.tolist()):
+        assert torch.equal(moved["input_ids"][i], b["input_ids"][j])
+        assert (not b[MM_KEY][j]) or torch.equal(moved[MM_KEY][i]["pixel_values"], b[MM_KEY][j]["pixel_values"])
+
+
+def test_sequence_parallelism_with_images_is_refused_at_config_load():
+    from rlpad.recipe.load import config_from_dict
+
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2: sequence parallelism with images is not built"):
+        config_from_dict({}, ["actor_rollout_ref.model.path=tiny:qwen2_5_vl", "trainer.n_gpus_per_node=2",
+                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])

@@ -39,7 +39,7 @@ import torch
 from transformers import PretrainedConfig
 
 __all__ = ["AttentionBlock", "ForwardWork", "forward_flops", "packed_peer_work", "packed_work",
-           "padded_and_packed_flops", "padded_work", "shared_prompt_work"]
+           "padded_and_packed_flops", "padded_work", "shared_prompt_work", "vision_flops"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,33 @@ def padded_and_packed_flops(
     """:func:`forward_flops` of the padded and of the remove-padding path on one batch."""
     return (forward_flops(config, padded_work(attention_mask, response_length)),
             forward_flops(config, packed_work(attention_mask, response_length)))
+
+
+def vision_flops(vision_config: PretrainedConfig, grids: torch.Tensor) -> dict[str, float]:
+    """``{"linear", "attention", "total"}``: forward matmul FLOPs of a Qwen2(.5)-VL vision tower on the
+    images of ``grids (n, 3)`` (t, h, w patches), counted as :func:`forward_flops` counts the decoder:
+    the patch embedding, per block qkv + proj + MLP on every patch and bidirectional attention over each
+    image frame (Qwen2.5-VL: over each window in the blocks outside ``fullatt_block_indexes``, the
+    windows of transformers' ``get_vision_window_index``), the patch merger on every merged token."""
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = grids.reshape(-1, 3).long()
+    c = vision_config
+    width = getattr(c, "embed_dim", None) or c.hidden_size  # Qwen2-VL names the tower's width embed_dim
+    out = getattr(c, "out_hidden_size", None) or c.hidden_size
+    mlp = 3 * width * c.intermediate_size if hasattr(c, "out_hidden_size") else 2 * width * c.mlp_ratio * width
+    patches = int(grids.prod(-1).sum())
+    frames = (grids[:, 1] * grids[:, 2]).repeat_interleave(grids[:, 0])
+    full_pairs = int((frames**2).sum())
+    depth, windowed = c.depth, []
+    if hasattr(c, "fullatt_block_indexes"):  # Qwen2.5-VL: windowed blocks attend within windows
+        _, cu = get_vision_window_index(grids, c.spatial_merge_size, c.window_size, c.patch_size)
+        windowed = [b for b in range(depth) if b not in c.fullatt_block_indexes]
+        window_pairs = int(((cu[1:] - cu[:-1]).long() ** 2).sum())
+    pairs = full_pairs * (depth - len(windowed)) + (window_pairs * len(windowed) if windowed else 0)
+    embed = 2 * patches * c.in_channels * c.temporal_patch_size * c.patch_size**2 * width
+    merge = c.spatial_merge_size**2
+    merger = 2 * (patches // merge) * (merge * width) * (merge * width + out)
+    linear = embed + 2 * patches * (4 * width * width + mlp) * depth + merger
+    attention = 2 * 2 * pairs * width
+    return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}

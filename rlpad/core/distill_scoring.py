@@ -54,7 +54,8 @@ def _hidden(model, input_ids, attention_mask, position_ids, response_length, che
     if check:
         check_model_inputs(model, input_ids, attention_mask, position_ids, response_length,
                            use_remove_padding=kw["use_remove_padding"], share_prompts=kw.get("share_prompts", False),
-                           sp=kw.get("sp"), response_mask=kw.get("response_mask"))  # fmt: skip
+                           sp=kw.get("sp"), response_mask=kw.get("response_mask"),
+                           multi_modal_inputs=kw.get("multi_modal_inputs"))  # fmt: skip
     return scoring_hidden_states(backbone_of(model), input_ids, attention_mask, position_ids, response_length, **kw)
 
 

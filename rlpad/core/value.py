@@ -50,7 +50,7 @@ def compute_values(
     if check:
         check_model_inputs(backbone, input_ids, attention_mask, position_ids, response_length,
                            use_remove_padding=use_remove_padding, share_prompts=share_prompts, sp=sp,
-                           response_mask=response_mask)  # fmt: skip
+                           response_mask=response_mask, multi_modal_inputs=multi_modal_inputs)  # fmt: skip
     hidden, response_idx = scoring_hidden_states(
         backbone, input_ids, attention_mask, position_ids, response_length, use_remove_padding=use_remove_padding,
         share_prompts=share_prompts, sp=sp, share_min_saved=share_min_saved, response_mask=response_mask, host=host,

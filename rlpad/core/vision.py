@@ -26,10 +26,10 @@ from torch import nn
 from rlpad.config.choices import VL_MODEL_TYPES  # the VL architectures the scoring core runs
 from rlpad.core.mrope import lm_positions, mrope_positions
 
-__all__ = ["MM_KEY", "VL_MODEL_TYPES", "RowImages", "image_features", "is_vl", "is_vl_config", "language_model",
-           "padded_positions", "row_images", "run_backbone", "split_groups_by_images", "vision_attention",
-           "vision_tower", "vl_attn_implementation", "vl_rope_positions", "with_images", "check_images",
-           "freeze_vision_tower"]
+__all__ = ["MM_KEY", "RowImages", "VL_MODEL_TYPES", "check_images", "freeze_vision_tower", "image_features", "is_vl",
+           "is_vl_config", "language_model", "padded_positions", "row_images", "run_backbone",
+           "split_groups_by_images", "vision_attention", "vision_tower", "vl_attn_implementation",
+           "vl_rope_positions", "with_images"]
 
 MM_KEY = "multi_modal_inputs"  # the per-row non-tensor field (verl's name)
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"

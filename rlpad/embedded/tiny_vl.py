@@ -30,15 +30,18 @@ def tiny_vl_config(
     head_dim: int = TINY_DEFAULTS["head_dim"],
     intermediate_size: int | None = None,
     max_position_embeddings: int = TINY_DEFAULTS["max_position_embeddings"],
+    num_key_value_heads: int = 1,
     vision_depth: int = VL_VISION["depth"],
     vision_width: int = VL_VISION["width"],
     mrope_section: list[int] | None = None,
+    vision: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> PretrainedConfig:
     """The config of a tiny ``arch`` (one of :data:`~rlpad.embedded.shapes.VL_ARCHITECTURES`) VL model.
 
-    ``mrope_section`` (t, h, w frequencies) must sum to ``head_dim // 2``; the default scales
-    [4, 6, 6] to the head size. ``overrides`` go to the top-level config (text keys reach the text config)."""
+    Query heads: ``hidden_size // head_dim``. ``mrope_section`` (t, h, w frequencies) must sum to
+    ``head_dim // 2``; the default scales [4, 6, 6] to the head size. ``vision``: vision-config keys
+    over the tiny tower's (a benchmark's real shape). ``overrides`` go to the top-level config."""
     if arch not in VL_ARCHITECTURES:
         raise ValueError(f"unknown tiny VL architecture {arch!r}; choose one of {sorted(VL_ARCHITECTURES)}")
     if hidden_size % head_dim:
@@ -53,7 +56,7 @@ def tiny_vl_config(
     spec = VL_ARCHITECTURES[arch]
     text = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=hidden_size // head_dim, num_key_value_heads=1,
+        num_attention_heads=hidden_size // head_dim, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6, attention_dropout=0.0, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section)},
@@ -64,12 +67,13 @@ def tiny_vl_config(
                   temporal_patch_size=VL_VISION["temporal_patch_size"],
                   spatial_merge_size=VL_VISION["spatial_merge_size"])  # fmt: skip
     if arch == "qwen2_5_vl":
-        vision = dict(common, hidden_size=vision_width, intermediate_size=2 * vision_width, out_hidden_size=hidden_size,
+        vision_config = dict(common, hidden_size=vision_width, intermediate_size=2 * vision_width, out_hidden_size=hidden_size,
                       window_size=VL_VISION["window_size"], fullatt_block_indexes=list(VL_VISION["fullatt_block_indexes"]))
     else:  # Qwen2-VL: embed_dim is the tower's width, hidden_size its output (the text width)
-        vision = dict(common, embed_dim=vision_width, hidden_size=hidden_size, mlp_ratio=2)
+        vision_config = dict(common, embed_dim=vision_width, hidden_size=hidden_size, mlp_ratio=2)
+    vision_config.update(vision or {})
     fields = dict(
-        text_config=text, vision_config=vision, tie_word_embeddings=spec["tied"],
+        text_config=text, vision_config=vision_config, tie_word_embeddings=spec["tied"],
         image_token_id=VL_TOKEN_IDS["image_pad"], video_token_id=VL_TOKEN_IDS["video_pad"],
         vision_start_token_id=VL_TOKEN_IDS["vision_start"], vision_end_token_id=VL_TOKEN_IDS["vision_end"],
         pad_token_id=0, eos_token_id=1,
