@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from rlpad.config.schema import DataConfig
 from rlpad.core.models import VISION_LOGIT_BIAS, load_causal_lm, load_tokenizer
 from rlpad.data import PromptDataset, write_rows
 from rlpad.embedded.vl_processor import save_vl_folder
