@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from rlpad.config.schema import DataConfig
 from rlpad.core.models import VISION_LOGIT_BIAS, load_causal_lm, load_tokenizer
 from rlpad.data import PromptDataset, write_rows
 from rlpad.embedded.vl_processor import save_vl_folder
@@ -209,5 +208,5 @@ def test_task_is_deterministic_and_scored_exactly():
     train, val = split_problems(20, seed=0, n_train=50)
     again_train, again_val = split_problems(20, seed=0, n_train=50)
     assert train == again_train and val == again_val and not {p.seed for p in train} & {p.seed for p in val}
-    assert {p.kind for p in train + val} == {"where", "count", "which", "sum"}
+    assert {p.kind for p in train + val} == {"colour", "red", "count", "count2", "sum"}
     assert shapes_score("3", "3") == 1.0 and shapes_score("3 ", "3") == 0.0 and shapes_score("2", "3") == 0.0

@@ -6,11 +6,10 @@ reaches the vision tower."""
 
 from __future__ import annotations
 
-import io
+import os
 
 import pytest
 import torch
-from PIL import Image
 
 from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.core.forward import compute_log_probs
@@ -32,10 +31,10 @@ def prompt_batch(folder, tmp_path, swap: bool = False):
     """Five prompts: the task's (one image, two images, text only) and a long-text one; with ``swap``
     prompts 0 and 1 exchange their images (same sizes, other squares)."""
     problems = {p.kind: p for p in split_problems(40, seed=3, n_train=0)[1]}
-    first, second = (problems["count"], problems["where"]) if swap else (problems["where"], problems["count"])
+    first, second = (problems["count"], problems["red"]) if swap else (problems["red"], problems["count"])
     rows = []
-    for text, problem in (("<image>where is red?", first), ("<image>how many?", second),
-                          ("<image><image>which is red?", problems["which"]), ("2+3=", None),
+    for text, problem in (("<image>red?", first), ("<image>how many?", second),
+                          ("<image><image>how many?", problems["count2"]), ("2+3=", None),
                           ("a longer question about <image> this", first)):
         images = [{"bytes": png(im), "path": None} for im in images_of(problem)][: text.count("<image>")] if problem else []
         rows.append({"prompt": [{"role": "user", "content": text}], "images": images, "data_source": "x",
@@ -104,3 +103,46 @@ def test_weight_sync_reaches_the_vision_tower(folder, tmp_path):
     assert visual and not any(".language_model." in k for k in visual)
     rollout.update_weights(visual)
     assert scored(actor, rollout.generate(batch, seed=5)) <= ENGINE_LOGPROB_TOL
+
+
+def test_multi_turn_with_images_a_tool_returns_text(folder, tmp_path, monkeypatch):
+    """The agent loop with image prompts: every turn is generated with the prompt's pixels, the tool's text
+    output is context (response_mask 0, rollout log-prob 0), and the generated tokens after it are still the
+    actor's log-probs. The first turn is made to call the tool by a forced prefix (as in
+    tests/test_multi_turn_rollout.py)."""
+    from dataclasses import replace
+
+    from rlpad.config.schema import MultiTurnConfig
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # mt_tools
+    width = 24
+    rollout = RolloutConfig(name="hf", n=2, temperature=1.0, multi_turn=MultiTurnConfig(
+        enable=True, format="bracket", max_assistant_turns=2, tools=["mt_tools:calc"]))
+    backend = HFRollout(folder, rollout, DataConfig(max_prompt_length=48, max_response_length=width))
+    script = backend.tokenizer.encode("[calc(2+3)]")
+    real, turns = backend._sample_each, []
+
+    def steer(contexts, sampling, seeds, images=None):
+        turns.append(images)
+        if len(turns) == 1:
+            toks, lps = real([c + script for c in contexts], replace(sampling, max_tokens=sampling.max_tokens - len(script)),
+                             seeds, images)
+            return [script + t for t in toks], [[0.0] * len(script) + lp for lp in lps]
+        return real(contexts, sampling, seeds, images)
+
+    monkeypatch.setattr(backend, "_sample_each", steer)
+    try:
+        out = backend.generate(prompt_batch(folder, tmp_path), seed=3)
+    finally:
+        backend.shutdown()
+    assert out["tool_calls"].tolist() == [1] * 10 and int(out["tool_errors"].sum()) == 0
+    assert len(turns) == 2 and [bool(m) for m in turns[0]] == [True] * 6 + [False] * 2 + [True] * 2
+    tool = out["attention_mask"][:, 48:].bool() & ~out["response_mask"].bool()
+    assert (tool.sum(1) == 1).all() and (out["rollout_log_probs"][tool] == 0).all()
+    actor = load_causal_lm(folder)
+    lp, _ = compute_log_probs(actor, out["input_ids"], out["attention_mask"], out["position_ids"], width,
+                              use_remove_padding=True, response_mask=out["response_mask"],
+                              multi_modal_inputs=list(out["multi_modal_inputs"]))
+    after = out["response_mask"].bool() & (torch.arange(width) >= len(script) + 1)  # generated after the tool's text
+    assert int(after.sum()) > 10
+    assert (lp - out["rollout_log_probs"])[after].abs().max().item() <= ENGINE_LOGPROB_TOL

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpad.config.schema import SFTConfig
-from rlpad.embedded import toy, toy_code, toy_long, toy_tools
+from rlpad.embedded import toy, toy_code, toy_long, toy_tools, vl_shapes
 from rlpad.embedded.tiny import CHARSET, CODE_CHARSET
 
 __all__ = ["TASKS", "VL_TASKS", "EmbeddedTask", "EmbeddedVLTask", "dataset_spec", "get_task"]
@@ -133,7 +133,7 @@ def _vl_shapes_dataset(out: str, cfg: SFTConfig) -> tuple[str, str]:
 
 VL_TASKS: dict[str, EmbeddedVLTask] = {
     "vl_shapes": EmbeddedVLTask(name="vl_shapes", warm_start=_vl_shapes_warm_start, write_dataset=_vl_shapes_dataset,
-                                dataset_tag=lambda cfg: f"vl_shapes-{cfg.data_seed}-{cfg.n_val}"),
+                                dataset_tag=lambda cfg: f"{vl_shapes.VERSION}-{cfg.data_seed}-{cfg.n_val}"),
 }
 
 

@@ -32,16 +32,16 @@ from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.embedded.tiny_vl import tiny_vl_config, tiny_vl_model
 from rlpad.embedded.vl_processor import build_image_processor, save_vl_folder
-from rlpad.embedded.vl_shapes import Problem, images_of, shapes_score, split_problems
+from rlpad.embedded.vl_shapes import VERSION, Problem, images_of, shapes_score, split_problems
 from rlpad.multimodal.processor import VLProcessor, load_vl_processor
 from rlpad.multimodal.generate import generate_image_inputs
 
 __all__ = ["ARCH", "VL_SFT_VERSION", "greedy", "vl_cache_key", "vl_warm_start", "vl_val_score"]
 
-VL_SFT_VERSION = "rlpad-vl-sft-1"  # bump when the recipe changes in a way the key cannot see
+VL_SFT_VERSION = "rlpad-vl-sft-2"  # bump when the recipe changes in a way the key cannot see
 ARCH = "qwen2_5_vl"
 INFO_FILE = "rlpad_sft.json"
-MAX_ANSWER_TOKENS = 3  # one digit + EOS, with a spare
+MAX_ANSWER_TOKENS = 3  # one character + EOS, with a spare
 
 
 def _processor(tokenizer: Any) -> VLProcessor:
@@ -109,7 +109,7 @@ def _settings(cfg: SFTConfig, seed: int) -> dict[str, Any]:
     tokenizer = build_tokenizer(vision=True)
     sft = {k: v for k, v in asdict(cfg).items() if k in ("steps", "lr", "batch_size", "weight_decay", "n_val",
                                                           "data_seed", "target_accuracy", "eval_every")}
-    return {"version": VL_SFT_VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
+    return {"version": VL_SFT_VERSION, "task": VERSION, "arch": ARCH, "config": config, "sft": sft, "seed": seed,
             "vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template,
             "image_processor": build_image_processor().to_dict()}
 

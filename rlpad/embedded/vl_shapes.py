@@ -1,13 +1,18 @@
 """The embedded vision-language task: questions about coloured squares on synthetic 56x56 images.
 
 Each image is a light background split into four 28x28 quadrants (one image token each after the
-2x2 merge), numbered 1 2 / 3 4; some quadrants hold a square (8-14 px, anywhere inside its quadrant)
-of red, green or blue. Four kinds of prompt, answered by a digit then EOS:
+2x2 merge); some quadrants hold a square (8-14 px, anywhere inside its quadrant) of red, green or blue.
+Five kinds of prompt, answered by one character then EOS:
 
-- ``<image>where is red?``: the quadrant of the only red square (1-4);
+- ``<image>colour?``: the colour of the image's only square (r, g or b);
+- ``<image>red?``: whether one of its 1-3 squares is red (y or n);
 - ``<image>how many?``: how many squares (1-4);
-- ``<image><image>which is red?``: which of two images holds a red square (1 or 2);
+- ``<image><image>how many?``: how many squares in the two images together (2-4);
 - ``a+b=`` (text only, a, b in 0..4): the sum (a row without images in the same batch).
+
+The questions are about what the images hold, not where: a rotary position moves attention scores,
+not the values a token passes on, and a 2-layer model did not learn "which quadrant" from the
+warm start's few hundred steps (measured: 0.2, chance, after 500 steps) while it learns colours.
 
 Everything is generated from a seed (no download); the problems are dealt into a training pool and a
 held-out validation set by their seeds, so the warm start never sees a validation image. The reward
@@ -30,15 +35,17 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-__all__ = ["DATA_SOURCE", "KINDS", "SIZE", "Problem", "images_of", "main", "make_problems", "png", "problem_row", "render",
+__all__ = ["DATA_SOURCE", "KINDS", "VERSION", "SIZE", "Problem", "images_of", "main", "make_problems", "png", "problem_row", "render",
            "shapes_score", "split_problems", "write_dataset"]
 
 DATA_SOURCE = "rlpad/vl_shapes"
+VERSION = "vl_shapes-2"  # bump when the problems change: it names the cached dataset and enters the warm start's key
 SIZE = 56  # pixels per side: 2x2 image tokens of 28x28 pixels
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220)}
 BACKGROUND = (236, 236, 230)
+SIDE = (18, 26)  # a square's side in pixels (a quadrant is 28)
 # (prompt kind, its share of the problems)
-KINDS = (("where", 0.4), ("count", 0.3), ("which", 0.15), ("sum", 0.15))
+KINDS = (("colour", 0.3), ("red", 0.25), ("count", 0.2), ("count2", 0.1), ("sum", 0.15))
 N_TRAIN, N_VAL = 4000, 200
 
 
@@ -61,7 +68,7 @@ def render(scene: Sequence[tuple[int, str]], seed: int) -> Image.Image:
     pixels[:] = BACKGROUND
     half = SIZE // 2
     for quadrant, colour in scene:
-        side = rng.randint(8, 14)
+        side = rng.randint(*SIDE)
         top = (quadrant // 2) * half + rng.randint(0, half - side)
         left = (quadrant % 2) * half + rng.randint(0, half - side)
         pixels[top:top + side, left:left + side] = COLOURS[colour]
@@ -77,6 +84,7 @@ def png(image: Image.Image) -> bytes:
 
 def _scene(rng: random.Random, *, red: bool, count: int | None = None) -> tuple[tuple[int, str], ...]:
     count = count if count is not None else rng.randint(1, 3)
+    count = max(count, int(red))
     quadrants = rng.sample(range(4), count)
     colours = ["red"] * red + [rng.choice(("green", "blue")) for _ in range(count - red)]
     return tuple(sorted(zip(quadrants, colours)))
@@ -85,17 +93,18 @@ def _scene(rng: random.Random, *, red: bool, count: int | None = None) -> tuple[
 def _problem(seed: int) -> Problem:
     rng = random.Random(seed)
     kind = rng.choices([k for k, _ in KINDS], [w for _, w in KINDS])[0]
-    if kind == "where":
-        scene = _scene(rng, red=True)
-        answer = str(next(q for q, c in scene if c == "red") + 1)
-        return Problem(kind, "<image>where is red?", answer, (scene,), seed)
+    if kind == "colour":
+        colour = rng.choice(sorted(COLOURS))
+        return Problem(kind, "<image>colour?", colour[0], (((rng.randrange(4), colour),),), seed)
+    if kind == "red":
+        red = rng.random() < 0.5
+        return Problem(kind, "<image>red?", "y" if red else "n", (_scene(rng, red=red),), seed)
     if kind == "count":
         scene = _scene(rng, red=rng.random() < 0.5, count=rng.randint(1, 4))
         return Problem(kind, "<image>how many?", str(len(scene)), (scene,), seed)
-    if kind == "which":
-        first = rng.random() < 0.5
-        scenes = (_scene(rng, red=first), _scene(rng, red=not first))
-        return Problem(kind, "<image><image>which is red?", "1" if first else "2", scenes, seed)
+    if kind == "count2":
+        scenes = tuple(_scene(rng, red=rng.random() < 0.5, count=rng.randint(1, 2)) for _ in range(2))
+        return Problem(kind, "<image><image>how many?", str(sum(map(len, scenes))), scenes, seed)
     a, b = rng.randint(0, 4), rng.randint(0, 4)
     return Problem(kind, f"{a}+{b}=", str(a + b), (), seed)
 

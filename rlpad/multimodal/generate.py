@@ -1,6 +1,6 @@
-"""A VL rollout's images, shaped for generation: the rows' ``multi_modal_inputs`` (one mapping per row,
+"""A VL batch's images, shaped for generation: the rows' ``multi_modal_inputs`` (one mapping per row,
 ``{}`` for a text-only row) as the keyword arguments transformers' Qwen2(.5)-VL ``generate`` takes, and
-the check that each row's image-pad tokens match its grids."""
+the check that each row's image-pad tokens match its grids (the HF rollout, the warm start's greedy check)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["generate_image_inputs", "image_count"]
-
-
-def image_count(mm: Mapping[str, Any] | None) -> int:
-    """Images of one row's ``multi_modal_inputs``."""
-    return 0 if not mm else int(torch.as_tensor(mm["image_grid_thw"]).reshape(-1, 3).shape[0])
+__all__ = ["generate_image_inputs"]
 
 
 def generate_image_inputs(input_ids: torch.Tensor, rows: Sequence[Mapping[str, Any]], config: Any,
