@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from rlpad.config.rewards import RewardConfig
 from rlpad.rewards import rules, verl_default
+from rlpad.rewards.code.sources import SCORED_SOURCES
 from rlpad.rewards.settings import RULE, part_weight
 
 __all__ = ["LENIENT_FN", "data_source_problems", "rule_scores_source"]
@@ -28,7 +29,7 @@ def rule_scores_source(spec: str, data_source: str) -> bool:
     if spec == RewardConfig.fn:
         return verl_default.scores_source(data_source)
     if spec == LENIENT_FN:
-        return rules._lenient_scorer(data_source) is not None
+        return data_source in SCORED_SOURCES or rules._lenient_scorer(data_source) is not None
     return True
 
 

@@ -252,7 +252,7 @@ def dapo_score(solution_str: str, ground_truth: str) -> dict[str, Any]:
 def scores_source(data_source: str) -> bool:
     """:func:`compute_score` has a reward for ``data_source`` (else it raises, naming it)."""
     return (data_source in GSM8K or data_source in MATH or data_source in DAPO or str(data_source).startswith("aime")
-            or data_source in TOY_SCORERS)
+            or data_source in TOY_SCORERS or data_source in SCORED_SOURCES)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
