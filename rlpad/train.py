@@ -38,11 +38,12 @@ from rlpad.multimodal.checks import vl_config_problems
 from rlpad.multimodal.processor import load_vl_processor
 from rlpad.multimodal.prompts import PromptImages
 from rlpad.training.metrics import cpu_kernels
-from rlpad.rewards.code.hooks import configure as configure_code
+from rlpad.code.hooks import configure as configure_code
 from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.rewards.combine import CombinedReward, build_reward
 from rlpad.rewards.settings import reward_notices
 from rlpad.rewards.sources import data_source_problems
+from rlpad.rollout import backend_class
 from rlpad.rollout.tools import tool_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -227,7 +228,7 @@ def prepare(config: Config) -> Prepared:
     tools = tool_schemas(mt.tools) if mt.enable and mt.advertise_tools else None  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools, images)
     sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
-    configure_code(config.reward.code, sources)  # the sandbox pool of code sources (rlpad.rewards.code)
+    configure_code(config.reward.code, sources)  # the sandbox pool of code sources (rlpad.code)
     if problems := data_source_problems(config.reward, sources):  # the rule and source_weights against the data
         raise ValueError("invalid config:\n  " + "\n  ".join(problems))
     drain_fallbacks()  # a run's first step counts its own fall-backs, not an earlier run's in this process
@@ -241,7 +242,8 @@ def _vl_inputs(config: Config, tokenizer: Any) -> tuple[Any, PromptImages]:
     after the recipe's VL checks (rlpad.multimodal.checks)."""
     model, data = config.actor_rollout_ref.model, config.data
     processor = load_vl_processor(model.path, tokenizer, data.mm_processor_kwargs)
-    if problems := vl_config_problems(config, processor is not None):
+    rollout_images = backend_class(config.actor_rollout_ref.rollout.name).image_support()
+    if problems := vl_config_problems(config, processor is not None, rollout_images):
         raise ValueError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
     return processor, PromptImages(processor, image_key=data.image_key, video_key=data.video_key,
                                    limit_images=config.actor_rollout_ref.rollout.limit_images, model_path=model.path)

@@ -9,7 +9,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 # rlpad's extras: cpu,dev for `make setup` and CI; docker/Dockerfile.cpu's runtime image takes cpu.
 EXTRAS=${RLPAD_EXTRAS:-cpu,dev}
 
-# bubblewrap: the sandbox code rewards run programs in (rlpad/rewards/code, docs/code.md). A system package:
+# bubblewrap: the sandbox code rewards run programs in (rlpad/code, docs/code.md). A system package:
 # installed here when missing and this runs as root with apt (CI, `make setup` as root); otherwise said once.
 if ! command -v bwrap >/dev/null; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then

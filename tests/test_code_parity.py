@@ -19,7 +19,7 @@ import pytest
 
 from rlpad.config.code import CodeConfig
 from rlpad.rewards import rules, verl_default
-from rlpad.rewards.code import hooks as code
+from rlpad.code import hooks as code
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "verl_code_parity.json"

@@ -16,8 +16,8 @@ import pytest
 from hostile_code import (CALL_DOUBLE, DOUBLE, FORK_BOMB, HONEST, Listener, hostile_programs, run_outside,
                           sandbox_processes)
 from rlpad.config.code import CodeConfig
-from rlpad.rewards.code import hooks as code
-from rlpad.rewards.code.scorer import CodeScorer
+from rlpad.code import hooks as code
+from rlpad.code.scorer import CodeScorer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_FILE = os.path.join(ROOT, "pyproject.toml")
@@ -205,7 +205,7 @@ def test_a_case_returns_only_once_its_whole_tree_is_gone():
 def test_a_failing_sandbox_stops_the_run_after_the_threshold_with_its_reason(tmp_path):
     """Not the programs' fault: the sandbox never starts (a bwrap that exits at once). Each case is tried twice,
     counted as sandbox_error, and max_sandbox_errors of them in a row raise with bwrap's own message."""
-    from rlpad.rewards.code.scorer import SandboxFailure
+    from rlpad.code.scorer import SandboxFailure
 
     broken = tmp_path / "bwrap"
     broken.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")

@@ -19,8 +19,8 @@ from paths import CACHE, recipe
 from rlpad.config.code import CodeConfig
 from rlpad.embedded.tiny import CODE_CHARSET, build_tokenizer
 from rlpad.recipe.load import load_config
-from rlpad.rewards.code import hooks as code
-from rlpad.rewards.code.sources import OUTCOMES
+from rlpad.code import hooks as code
+from rlpad.code.sources import OUTCOMES
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.train import fit
 

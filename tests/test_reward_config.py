@@ -194,9 +194,9 @@ def test_the_docs_name_the_default_function_and_what_verls_serving_keys_do():
 
 @pytest.mark.parametrize("fn", [RewardConfig.fn, "rlpad.rewards.rules:compute_score"])
 def test_the_rule_scores_the_code_sources_in_set_up(fn):
-    """Both built-in functions run code sources' programs (rlpad.rewards.code): set-up must not refuse them as
+    """Both built-in functions run code sources' programs (rlpad.code): set-up must not refuse them as
     unknown sources; an unknown source still is."""
-    from rlpad.rewards.code.sources import SCORED_SOURCES
+    from rlpad.code.sources import SCORED_SOURCES
     from rlpad.rewards.sources import rule_scores_source
 
     assert all(rule_scores_source(fn, s) for s in SCORED_SOURCES)

@@ -17,10 +17,10 @@ from typing import Any
 
 from rlpad.bench.table import Table
 from rlpad.config.code import CodeConfig
-from rlpad.rewards.code.harness import READY
-from rlpad.rewards.code.pool import default_workers
-from rlpad.rewards.code.sandbox import HARNESS, Sandbox, limits_of
-from rlpad.rewards.code.scorer import CodeScorer
+from rlpad.code.harness import READY
+from rlpad.code.pool import default_workers
+from rlpad.code.sandbox import HARNESS, Sandbox, limits_of
+from rlpad.code.scorer import CodeScorer
 
 __all__ = ["run_code_bench", "tables"]
 

@@ -1,5 +1,5 @@
 """The ``reward.code`` section of the schema: how the policy's programs run against their test cases for
-verl's code data sources (rlpad.rewards.code, docs/code.md). verl's names where it has them
+verl's code data sources (rlpad.code, docs/code.md). verl's names where it has them
 (``memory_limit_mb``, ``max_concurrent``: its sandbox_fusion keys; ``continuous``: prime_code's argument).
 """
 

@@ -4,7 +4,7 @@ defining ``f`` (a line ``f(x) = a*x + b``), run against hidden test cases in the
 A response is verl's shape of a code answer (the policy's text, the program in its last ```` ```python````
 block) and the ground truth verl's call-based format: ``fn_name`` ``f`` and the hidden cases ``x`` in
 :data:`HIDDEN_X` with their values (``rlpad/toy_code`` is scored as verl's code sources are:
-rlpad.rewards.code). Slopes ``1..19``, intercepts ``0..29``: 570 problems, the validation ones held out
+rlpad.code). Slopes ``1..19``, intercepts ``0..29``: 570 problems, the validation ones held out
 as in :mod:`rlpad.embedded.toy`. Two programs answer a problem::
 
     ```python                     ```python
@@ -112,7 +112,7 @@ _CANONICAL = re.compile(r"f=lambda x:(\d+)\*x\+(\d+)")
 def code_scores(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
     """The warm start's check of its answers (its reported validation reward): each response's program run in
     the sandbox on the hidden cases of the problem whose :func:`canonical` program ``answer`` is, all at once."""
-    from rlpad.rewards.code import hooks as code
+    from rlpad.code import hooks as code
 
     truths = [ground_truth(tuple(map(int, _CANONICAL.search(a).groups()))) for a in answers]
     return [r.score for r in code.scorer().score(list(zip(responses, truths)))]

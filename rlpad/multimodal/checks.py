@@ -13,10 +13,9 @@ _VL_ONLY = (("actor_rollout_ref.rollout.limit_images", lambda c: c.actor_rollout
             ("data.mm_processor_kwargs", lambda c: bool(c.data.mm_processor_kwargs)))
 
 
-def vl_config_problems(config: Any, is_vl: bool) -> list[str]:
-    """What is wrong with ``config`` for its model (a vision-language one when ``is_vl``), one line each."""
-    from rlpad.rollout import backend_class
-
+def vl_config_problems(config: Any, is_vl: bool, rollout_images: str | None) -> list[str]:
+    """What is wrong with ``config`` for its model (a vision-language one when ``is_vl``), one line each;
+    ``rollout_images``: why the recipe's rollout backend cannot take images (its ``image_support()``), or None."""
     arr, path = config.actor_rollout_ref, config.actor_rollout_ref.model.path
     if not is_vl:
         return [f"{key} is set but model {path!r} is text-only (a vision-language key)"
@@ -28,8 +27,7 @@ def vl_config_problems(config: Any, is_vl: bool) -> list[str]:
     limit = arr.rollout.limit_images
     if limit is not None and limit < 0:
         problems.append(f"actor_rollout_ref.rollout.limit_images={limit} must be >= 0 or null")
-    why = backend_class(arr.rollout.name).image_support()
-    if why is not None:
-        problems.append(f"actor_rollout_ref.rollout.name={arr.rollout.name}: {why}, and model {path!r} is a "
+    if rollout_images is not None:
+        problems.append(f"actor_rollout_ref.rollout.name={arr.rollout.name}: {rollout_images}, and model {path!r} is a "
                         "vision-language model; use actor_rollout_ref.rollout.name=hf")
     return problems

@@ -31,8 +31,8 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig
 from rlpad.functions import load_function
 from rlpad.rewards import math_verifier
-from rlpad.rewards.code import hooks as code
-from rlpad.rewards.code.sources import SCORED_SOURCES
+from rlpad.code import hooks as code
+from rlpad.code.sources import SCORED_SOURCES
 from rlpad.rewards.math_verifier import TIMEOUT_S, verify_answer
 from rlpad.rewards.toys import TOY_SCORERS
 from rlpad.rewards.verl_default import compute_score as verl_compute_score
@@ -171,7 +171,7 @@ SCORERS: dict[str, Callable[[str, Any, Any], float]] = {
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """rlpad's lenient reward: the scorer registered for ``data_source`` (see ``SCORERS``); code sources run
-    their programs as the default reward does (rlpad.rewards.code).
+    their programs as the default reward does (rlpad.code).
 
     Unlisted sources whose name contains ``gsm8k`` use :func:`gsm8k_score`, ``math`` or ``aime``
     :func:`rlpad.rewards.math_verifier.math_verify_score`.
@@ -198,7 +198,7 @@ def _lenient_scorer(data_source: str) -> Callable[[str, Any, Any], float] | None
 def reward_source_problems(spec: str | None, data_sources: Iterable[str]) -> list[str]:
     """Config problems of scoring ``data_sources`` with ``reward.fn=spec``: the lenient reward on a math
     source without math-verify installed (it would score every response by the fall-back); code sources
-    where the sandbox does not work (rlpad.rewards.code.sandbox_problem: never run unsandboxed)."""
+    where the sandbox does not work (rlpad.code.sandbox_problem: never run unsandboxed)."""
     data_sources = set(data_sources)
     problems = []
     coded = sorted(data_sources & set(SCORED_SOURCES))

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from rlpad.config.rewards import RewardConfig
 from rlpad.rewards import rules, verl_default
-from rlpad.rewards.code.sources import SCORED_SOURCES
+from rlpad.code.sources import SCORED_SOURCES
 from rlpad.rewards.settings import RULE, part_weight
 
 __all__ = ["LENIENT_FN", "data_source_problems", "rule_scores_source"]

@@ -14,7 +14,7 @@ rules, not imported: verl is no dependency.
   characters: the last ``Answer: ...`` line (Minerva normalisation), else the last ``\\boxed{}`` of
   the last 100 characters compared verbatim; ``{"score": 1.0 | -1.0, "acc": 1.0 | 0.0, "pred": str}``.
 * ``codecontests``, ``apps``, ``codeforces``, ``taco``: verl's prime_code (continuous): the program of the
-  last ```` ```python```` block run on the test cases in rlpad's sandbox (rlpad.rewards.code, docs/code.md).
+  last ```` ```python```` block run on the test cases in rlpad's sandbox (rlpad.code, docs/code.md).
 * The other names verl lists (``numina_*``: its prime_math grader; geometry3k; search-R1) have no equal
   here: they are refused, naming the data source.
 * rlpad's own toy tasks (``rlpad/toy_*``): their scorers (verl does not name them); ``rlpad/toy_code``
@@ -29,8 +29,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlpad.rewards.code.hooks import compute_score as code_score
-from rlpad.rewards.code.sources import CODE_SOURCES, SCORED_SOURCES, TOY_CODE_SOURCE
+from rlpad.code.hooks import compute_score as code_score
+from rlpad.code.sources import CODE_SOURCES, SCORED_SOURCES, TOY_CODE_SOURCE
 from rlpad.rewards.toys import TOY_SCORERS
 
 __all__ = ["VERL_UNSUPPORTED", "compute_score", "dapo_score", "gsm8k_strict_score", "math_equiv_score",

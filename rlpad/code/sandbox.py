@@ -4,7 +4,7 @@ Every case is a fresh process tree::
 
     bwrap (new pid, net, ipc, uts, cgroup and mount namespaces; as non-root also a user namespace)
       [setpriv: an unprivileged uid of its own, no capabilities]      (when run as root)
-        python -I -S harness.py FD TAG                                (rlpad.rewards.code.harness)
+        python -I -S harness.py FD TAG                                (rlpad.code.harness)
 
 Inside: no network (a loopback nobody listens on), a read-only root holding only /usr (and the
 /bin, /lib links), the interpreter's own folder and the harness; a private /tmp (tmpfs of

@@ -24,7 +24,7 @@ two sides speak one format.
 Statuses: ``ok``, ``syntax_error`` (the module does not compile: the same for every case),
 ``compile_error`` (its top level or the function lookup raised), ``error`` (the case raised),
 ``oom`` (MemoryError), ``output_limit``. The expected output never enters the sandbox: the verdict is
-the driver's (rlpad.rewards.code.verdict).
+the driver's (rlpad.code.verdict).
 """
 
 from __future__ import annotations

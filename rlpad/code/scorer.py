@@ -23,12 +23,12 @@ from typing import Any
 
 from rlpad.config.code import CodeConfig
 from rlpad.errors import WorkerFailed
-from rlpad.rewards.code.harness import decode_value, encode_value
-from rlpad.rewards.code.pool import SandboxPool
-from rlpad.rewards.code.program import CaseSet, extract_program, has_code_block, parse_cases
-from rlpad.rewards.code.sandbox import CaseRun
-from rlpad.rewards.code.sources import CONTINUOUS_CASES
-from rlpad.rewards.code.verdict import call_passes, stdin_passes
+from rlpad.code.harness import decode_value, encode_value
+from rlpad.code.pool import SandboxPool
+from rlpad.code.program import CaseSet, extract_program, has_code_block, parse_cases
+from rlpad.code.sandbox import CaseRun
+from rlpad.code.sources import CONTINUOUS_CASES
+from rlpad.code.verdict import call_passes, stdin_passes
 
 __all__ = ["CodeResult", "CodeScorer", "SandboxFailure", "case_outcome"]
 
@@ -44,7 +44,7 @@ class SandboxFailure(WorkerFailed):
 
 @dataclass(frozen=True)
 class CodeResult:
-    """One response: its score, its outcome (rlpad.rewards.code.sources.OUTCOMES), cases passed / counted / run."""
+    """One response: its score, its outcome (rlpad.code.sources.OUTCOMES), cases passed / counted / run."""
 
     score: float
     outcome: str
@@ -80,7 +80,7 @@ class CodeScorer:
         self._parsed: dict[str, CaseSet] = {}
         self._lock = threading.Lock()
         self.sandbox_errors_in_a_row = 0
-        self.probe: str | None = None  # rlpad.rewards.code.sandbox_problem's verdict ("" : the sandbox works)
+        self.probe: str | None = None  # rlpad.code.sandbox_problem's verdict ("" : the sandbox works)
         self.flag_every_batch = False  # the run has code sources: every batch gets the outcome flags
 
     @property
@@ -103,7 +103,7 @@ class CodeScorer:
 
     def _cases(self, truth: Any) -> CaseSet:
         """The test cases of a ground truth; a JSON text is parsed once per batch (a group repeats it, and the
-        per-row calls after :func:`rlpad.rewards.code.hooks.prefetch` read it again)."""
+        per-row calls after :func:`rlpad.code.hooks.prefetch` read it again)."""
         if not isinstance(truth, str):
             return parse_cases(truth)
         cases = self._parsed.get(truth)

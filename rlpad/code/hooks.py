@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlpad.config.code import CodeConfig
-from rlpad.rewards.code.harness import decode_value, encode_value
-from rlpad.rewards.code.sandbox import Sandbox
-from rlpad.rewards.code.scorer import CodeScorer
-from rlpad.rewards.code.sources import FLAG_KEY_PREFIX, OUTCOMES, SCORED_SOURCES
+from rlpad.code.harness import decode_value, encode_value
+from rlpad.code.sandbox import Sandbox
+from rlpad.code.scorer import CodeScorer
+from rlpad.code.sources import FLAG_KEY_PREFIX, OUTCOMES, SCORED_SOURCES
 
 __all__ = ["compute_score", "configure", "prefetch", "sandbox_problem", "scorer"]
 
@@ -49,7 +49,7 @@ def _close() -> None:
 
 
 def compute_score(solution_str: str, ground_truth: Any) -> float:
-    """verl's prime_code score of one response (module rlpad.rewards.code.scorer): the share of the first 10
+    """verl's prime_code score of one response (module rlpad.code.scorer): the share of the first 10
     cases passed, or all-or-nothing with ``reward.code.continuous=false``."""
     return scorer().score([(solution_str, ground_truth)])[0].score
 

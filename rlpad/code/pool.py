@@ -1,6 +1,6 @@
 """The sandbox workers: ``reward.code.max_concurrent`` threads (default: the CPUs this process may use),
 each starting one sandbox at a time (the sandboxes are processes: the threads only wait on them). As
-root every worker owns a uid of its own for its sandboxes (rlpad.rewards.code.sandbox.UidSlots)."""
+root every worker owns a uid of its own for its sandboxes (rlpad.code.sandbox.UidSlots)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rlpad.config.code import CodeConfig
-from rlpad.rewards.code.sandbox import CaseRun, Sandbox, UidSlots
+from rlpad.code.sandbox import CaseRun, Sandbox, UidSlots
 
 __all__ = ["SandboxPool", "default_workers"]
 
