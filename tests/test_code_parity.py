@@ -7,45 +7,20 @@ small integers in both)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from functools import cache
-from pathlib import Path
 
 import pytest
 
 from rlpad.config.code import CodeConfig
 from rlpad.rewards import rules, verl_default
 from rlpad.code import hooks as code
+from verl_peer import RecordedPeer
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "verl_code_parity.json"
-RECORDER = ROOT / "scripts" / "verl_code_parity.py"
+PEER = RecordedPeer("verl_code_parity.json", "verl_code_parity.py")
+recorded, live, sources = PEER.recorded, PEER.live, PEER.sources
 # the recorded timeouts are verl's 5 s / 10 s alarms; a program that never ends fails under any limit
 SETTINGS = CodeConfig(timeout_s=2.0, memory_limit_mb=512)
-
-
-def _verl_python() -> str | None:
-    """A Python with verl (as tests/test_verl_parity.py finds one): $RLPAD_VERL_PYTHON, or this one if it has verl."""
-    if os.environ.get("RLPAD_VERL_PYTHON"):
-        return os.environ["RLPAD_VERL_PYTHON"]
-    return sys.executable if importlib.util.find_spec("verl") is not None else None
-
-
-@cache
-def recorded() -> dict:
-    return json.loads(FIXTURE.read_text())
-
-
-@cache
-def live() -> dict:
-    out = subprocess.run([_verl_python(), str(RECORDER)], capture_output=True, text=True, timeout=600,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
 
 
 @cache
@@ -56,11 +31,6 @@ def rlpad_scores(source: str) -> dict[str, float]:
     code.configure(SETTINGS)
     code.prefetch([c["response"] for c in cases], [c["data_source"] for c in cases], [c["ground_truth"] for c in cases])
     return {c["name"]: verl_default.compute_score(c["data_source"], c["response"], c["ground_truth"]) for c in cases}
-
-
-def sources() -> list:
-    live_mark = pytest.mark.skipif(_verl_python() is None, reason="verl is not installed (the recorded file is compared)")
-    return ["recorded", pytest.param("live", marks=live_mark)]
 
 
 @pytest.mark.parametrize("source", sources())

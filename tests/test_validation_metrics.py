@@ -12,12 +12,8 @@ changed seed and a changed tie rule.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
 from collections import Counter
-from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,28 +24,11 @@ from rlpad.rewards.rules import REWARD_EXTRA_INFO, score_batch
 from rlpad.training.validation_metrics import (ALL_SOURCES, ValidationRows, _draws, majority_values, metric_keys,
                                                per_source_metrics, prompt_metrics, subset_sizes, validation_report,
                                                vote_picks)
-from test_verl_parity import _verl_python
+from verl_peer import RecordedPeer
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "verl_val_metrics.json"
-RECORDER = ROOT / "scripts" / "verl_val_parity.py"
+PEER = RecordedPeer("verl_val_metrics.json", "verl_val_parity.py")
+recorded, live, sources = PEER.recorded, PEER.live, PEER.sources
 BOUND = 1e-12
-
-
-@cache
-def recorded() -> dict:
-    return json.loads(FIXTURE.read_text())
-
-
-@cache
-def live() -> dict:
-    out = subprocess.run([_verl_python(), str(RECORDER)], capture_output=True, text=True, timeout=600, cwd=ROOT / "tests")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
-
-
-def sources() -> list[str]:
-    return ["recorded"] + (["live"] if _verl_python() else [])
 
 
 def assert_same(ours: dict, theirs: dict, where: str) -> int:

@@ -10,13 +10,6 @@ test is skipped, the recorded one still runs).
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,39 +18,13 @@ from rlpad.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
 from rlpad.config.schema import ActorConfig, BypassCorrectionConfig, PolicyLossConfig
 from rlpad.rewards import rules, verl_default
 from rlpad.rewards.rules import load_reward_fn
+from verl_peer import RecordedPeer
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "verl_parity.json"
-RECORDER = ROOT / "scripts" / "verl_parity.py"
 BOUND = 1e-12
 
 
-def _verl_python() -> str | None:
-    if os.environ.get("RLPAD_VERL_PYTHON"):
-        return os.environ["RLPAD_VERL_PYTHON"]
-    return sys.executable if importlib.util.find_spec("verl") is not None else None
-
-
-@cache
-def recorded() -> dict:
-    return json.loads(FIXTURE.read_text())
-
-
-@cache
-def live() -> dict:
-    """scripts/verl_parity.py's output from verl itself (in a subprocess, its own interpreter)."""
-    out = subprocess.run([_verl_python(), str(RECORDER)], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT / "tests", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
-
-
-def sources() -> list[str]:
-    return ["recorded"] + (["live"] if _verl_python() else [])
-
-
-def record(source: str) -> dict:
-    return recorded() if source == "recorded" else live()
+PEER = RecordedPeer("verl_parity.json", "verl_parity.py")
+record, recorded, sources = PEER.record, PEER.recorded, PEER.sources
 
 
 # ----------------------------------------------------------------------------- policy losses
@@ -216,5 +183,5 @@ def test_names_verl_scores_otherwise_are_refused_by_name():
 
 def test_the_record_names_its_generator_and_verl_version():
     rec = recorded()
-    assert rec["generator"] == "scripts/verl_parity.py" and RECORDER.is_file()
+    assert rec["generator"] == "scripts/verl_parity.py" and PEER.recorder.is_file()
     assert rec["verl_version"] == "0.9.1" and rec["torch_version"].startswith("2.13")
