@@ -38,7 +38,7 @@ from rlpad.config.schema import SFTConfig
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.reward_model import compute_scores
 from rlpad.embedded.cache import build_cached, cache_root
-from rlpad.embedded.sft import cache_key, embedded_teacher, encode, warm_start
+from rlpad.embedded.sft import cache_key, embedded_teacher, encode, optimizer_step, warm_start
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.progress import Progress
@@ -222,12 +222,7 @@ def _train_steps(policy: str, backbone: str, cfg: SFTConfig, settings: dict[str,
         if per:
             idx = [(step * per + j) % len(examples) for j in range(per)]
             loss = loss + _listwise_loss(model, tokenizer, [examples[i] for i in idx], [sampled[i] for i in idx], numbers)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, loss))
         if progress is not None:
             progress.on_step(step, losses[-1])
         elif (step + 1) % max(1, steps // 10) == 0:

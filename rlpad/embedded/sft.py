@@ -45,7 +45,7 @@ from rlpad.progress import Progress
 __all__ = [
     "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "embedded_teacher", "encode",
     "greedy_answers", "main",
-    "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
+    "optimizer_step", "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
 ]
 
 SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
@@ -102,6 +102,17 @@ def sft_loss(model: PreTrainedModel, batch: dict[str, Any]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- train / evaluate
 
 
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, loss: torch.Tensor) -> float:
+    """One step of a warm start (this one, the VL one, the reward model's): the gradients of ``loss``,
+    clipped to norm 1, applied; the schedule advanced. Returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def _lr_factor(step: int, total: int) -> float:
     """Linear warm-up over the first 5% of steps, then constant.
 
@@ -138,13 +149,7 @@ def train_sft(
     for step in range(cfg.steps):
         model.train()
         batch = encode(tokenizer, examples[step * cfg.batch_size:(step + 1) * cfg.batch_size])
-        loss = sft_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, sft_loss(model, batch)))
         if callback is not None:
             callback(step, losses[-1])
         if probe and (step + 1) % cfg.eval_every == 0 and \

@@ -29,6 +29,7 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import left_pad, position_ids_from_mask
 from rlpad.core.models import mask_vision_logits
 from rlpad.embedded.cache import build_cached, cache_root
+from rlpad.embedded.sft import optimizer_step
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.embedded.tiny_vl import tiny_vl_config, tiny_vl_model
 from rlpad.embedded.vl_processor import build_image_processor, save_vl_folder
@@ -129,13 +130,7 @@ def _train(model: Any, processor: VLProcessor, cfg: SFTConfig, train: list[Probl
     losses: list[float] = []
     for step in range(cfg.steps):
         model.train()
-        loss = _loss(model, _encode(processor, rng.sample(train, cfg.batch_size)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, _loss(model, _encode(processor, rng.sample(train, cfg.batch_size)))))
         if callback is not None:
             callback(step, losses[-1])
         if cfg.target_accuracy is not None and (step + 1) % cfg.eval_every == 0 and \
