@@ -38,7 +38,8 @@ from rlpad.config.schema import SFTConfig
 from rlpad.core.attention import VARLEN_ATTENTION
 from rlpad.core.reward_model import compute_scores
 from rlpad.embedded.cache import build_cached, cache_root
-from rlpad.embedded.sft import cache_key, embedded_teacher, encode, optimizer_step, warm_start
+from rlpad.embedded.optim_step import optimizer_step
+from rlpad.embedded.sft import cache_key, embedded_teacher, encode, warm_start
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.progress import Progress

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlpad.config.schema import SFTConfig
 from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import position_ids_from_mask
+from rlpad.embedded.optim_step import optimizer_step
 from rlpad.embedded.cache import build_cached, cache_root
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.shapes import WARM_START_DIMS
@@ -45,7 +46,7 @@ from rlpad.progress import Progress
 __all__ = [
     "DEFAULT_DIMS", "SFT_VERSION", "accuracy", "cache_key", "check_vllm_shape", "embedded_teacher", "encode",
     "greedy_answers", "main",
-    "optimizer_step", "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
+    "read_info", "sft_loss", "train_sft", "val_accuracy", "val_score", "warm_start",
 ]
 
 SFT_VERSION = "rlpad-sft-1"  # bump when the training recipe changes in a way the key cannot see
@@ -100,17 +101,6 @@ def sft_loss(model: PreTrainedModel, batch: dict[str, Any]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- train / evaluate
-
-
-def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, loss: torch.Tensor) -> float:
-    """One step of a warm start (this one, the VL one, the reward model's): the gradients of ``loss``,
-    clipped to norm 1, applied; the schedule advanced. Returns the loss."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
-    return loss.item()
 
 
 def _lr_factor(step: int, total: int) -> float:

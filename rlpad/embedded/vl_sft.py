@@ -29,7 +29,7 @@ from rlpad.core.forward import compute_log_probs
 from rlpad.core.layout import left_pad, position_ids_from_mask
 from rlpad.core.models import mask_vision_logits
 from rlpad.embedded.cache import build_cached, cache_root
-from rlpad.embedded.sft import optimizer_step
+from rlpad.embedded.optim_step import optimizer_step
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.embedded.tiny_vl import tiny_vl_config, tiny_vl_model
 from rlpad.embedded.vl_processor import build_image_processor, save_vl_folder
