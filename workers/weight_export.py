@@ -102,24 +102,28 @@ class WeightExportMixin:
         for name, key in self._hf_sources():
             yield name, self._full(state, name, key, merges)
 
-    def _bucket_plan(self, bucket_bytes: int) -> list[list[str]]:
-        """HF names per weight-sync bucket (the same on every rank: from the state dict's metadata)."""
+    def _bucket_plan(self, bucket_bytes: int) -> tuple[list[list[str]], dict[str, str]]:
+        """``(HF names per weight-sync bucket, HF name -> state-dict key of each tensor a sync sends)``: the same
+        on every rank (from the state dict's metadata)."""
         sources = self._sync_sources()
         state = self.root.state_dict()
         sizes = [(name, state[key].numel() * state[key].element_size()) for name, key in sources]
-        return plan_buckets(sizes, bucket_bytes)
+        return plan_buckets(sizes, bucket_bytes), dict(sources)
 
-    def iter_weight_buckets(self, bucket_bytes: int, keep: bool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets).
+    def iter_weight_buckets(self, bucket_bytes: int, keep: bool | None = None,
+                            plan: tuple[list[list[str]], dict[str, str]] | None = None
+                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors (HF names, on CPU) in buckets of whole units (rlpad.rollout.buckets); ``plan``: this
+        sync's :meth:`_bucket_plan` where the caller has it already.
 
         A collective: every rank gathers every tensor (FSDP2 all-gathers) and must iterate to the
         end; only the ranks that ``keep`` them (default: rank 0) fill the buckets, the others yield
         empty ones. At most one bucket is held at a time by this generator.
         """
         keep = self.rank == 0 if keep is None else keep
-        plan = self._bucket_plan(bucket_bytes)
-        state, sources, merges = self.root.state_dict(), dict(self._sync_sources()), self._lora_merges()
-        for names in plan:
+        buckets, sources = plan or self._bucket_plan(bucket_bytes)
+        state, merges = self.root.state_dict(), self._lora_merges()
+        for names in buckets:
             bucket = []
             for name in names:
                 full = self._full(state, name, sources[name], merges)
@@ -149,14 +153,15 @@ class WeightExportMixin:
             raise ValueError(f"push_weights targets must give each of the {len(replicas)} replicas to exactly one of "
                              f"the {self.world_size} ranks, got {targets}")
         mine = [replicas[i] for i in targets[self.rank]]
-        buckets = self.iter_weight_buckets(bucket_bytes, keep=bool(mine))
+        plan = self._bucket_plan(bucket_bytes)
+        buckets = self.iter_weight_buckets(bucket_bytes, keep=bool(mine), plan=plan)
         if not mine:
             for _ in buckets:
                 pass
             return None
         from workers.weight_push import push_weight_buckets  # imports ray: only in a Ray worker
 
-        partial = len(self._bucket_plan(bucket_bytes)) > 1 or len(self._sync_sources()) < len(self._hf_sources())
+        partial = len(plan[0]) > 1 or len(plan[1]) < len(self._hf_sources())  # a frozen tower left out counts
         return push_weight_buckets(buckets, mine, max_in_flight=max_in_flight, partial=partial)
 
     def push_lora_adapter(self, replicas: list[Any]) -> dict[str, float] | None:
