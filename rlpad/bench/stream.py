@@ -15,8 +15,12 @@ wait share where the loop measures them (streaming: ``stream/*``; the lock-step 
 is its generation, ``timing_s/gen``, or ``timing_s/wait_rollout`` at k = 1, over the step). The ideal:
 a lock-step batch lasts as long as its longest response, so its engines do the work of the mean length in
 the time of the longest; streaming removes that, at most (longest / mean) = 1 / (1 - lockstep idle share)
-faster in generation (rlpad.embedded.toy_tail's length distribution). The load average is reported: on a
-shared machine the figures mean little.
+faster in generation (rlpad.embedded.toy_tail's length distribution). That ideal counts engine slots, as on
+a GPU, where a decode step costs about the same with 8 or 64 sequences; on a CPU a step's cost grows with
+its sequences, so an idle slot costs nothing and the bound that matters is the cores: each mode's CPU
+core-seconds per trained sample (its process tree, :mod:`rlpad.bench.cpu_meter`) and ``cores x wall / CPU``,
+the most any overlap of the sync loop's work could give. The load average is reported: on a shared
+machine the figures mean little.
 
 ``dry_run``: the configs of the four modes loaded and checked (the refusals included), and the summary and
 table computed from :func:`dry_history` records (no Ray, no engines; the code path only).
@@ -24,15 +28,18 @@ table computed from :func:`dry_history` records (no Ray, no engines; the code pa
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from rlpad.bench.stream_timeline import complement, draw, stream_lanes, sync_lanes
 from rlpad.bench.table import Table, write_json
 
-__all__ = ["MODES", "dry_history", "ideal", "run_stream_bench", "summarize", "tables"]
+__all__ = ["MODES", "cpu_figures", "draw_timeline", "dry_cpu", "dry_history", "dry_timeline", "ideal", "run_stream_bench",
+           "summarize", "tables"]
 
 RECIPE = "recipes/grpo_tiny_stream.yaml"
 COMMON = ("data.val_files=[]", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
@@ -85,6 +92,22 @@ def dry_history(mode: str, steps: int) -> list[dict[str, Any]]:
     return [{"step": s + 1, **record} for s in range(steps)]
 
 
+def dry_cpu(steps: int) -> tuple[int, float, float]:
+    """A :class:`~rlpad.bench.cpu_meter.StepCPU` window shaped as a real one (the dry run's input)."""
+    return steps, 1.0 * steps, 1.5 * steps
+
+
+def cpu_figures(window: tuple[int, float, float], samples_per_step: int) -> dict[str, float]:
+    """The run's CPU core-seconds per trained sample, its cores' busy share, and the most any overlap of the same
+    work could speed it up on this machine: ``cores x wall / cpu`` (1.0: every core already busy)."""
+    from rlpad.bench.cpu_meter import usable_cores
+
+    steps, wall, cpu = window
+    cores = usable_cores()
+    return {"cpu_s_per_sample": cpu / (steps * samples_per_step), "cpu_busy_share": cpu / (cores * wall),
+            "overlap_bound": cores * wall / cpu, "cores": cores}
+
+
 def run_stream_bench(steps: int = 8, skip: int = 2, modes: Sequence[str] = tuple(MODES), overrides: Sequence[str] = (),
                      out: str | None = None, dry_run: bool = False) -> dict[str, Any]:
     """One run per mode (``sync`` first: the reference); writes JSON to ``out`` (:func:`tables` formats it)."""
@@ -96,6 +119,8 @@ def run_stream_bench(steps: int = 8, skip: int = 2, modes: Sequence[str] = tuple
     if steps <= skip:
         raise ValueError(f"steps={steps}: need more than the {skip} steps skipped at the start")
     results: dict[str, Any] = {}
+    histories: dict[str, list[dict[str, Any]]] = {}
+    timeline: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="rlpad-bench-stream-") as tmp:
         configs = {m: load_config(RECIPE, [*COMMON, *MODES[m], *overrides, f"trainer.total_training_steps={steps}",
                                            f"trainer.default_local_dir={os.path.join(tmp, m)}"])
@@ -103,19 +128,49 @@ def run_stream_bench(steps: int = 8, skip: int = 2, modes: Sequence[str] = tuple
         for m, config in configs.items():
             samples = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
             if dry_run:
-                history = dry_history(m, steps)
+                history, cpu = dry_history(m, steps), dry_cpu(steps - skip)
             else:
+                from rlpad.bench.cpu_meter import StepCPU
                 from rlpad.train import fit
 
-                history = fit(config)
-            results[m] = summarize(history, samples, skip)
+                with StepCPU(os.path.join(config.trainer.default_local_dir, "metrics.jsonl")) as meter:
+                    history = fit(config)
+                cpu = meter.window(skip)
+                if m == "stream":
+                    with open(os.path.join(config.trainer.default_local_dir, "stream_timeline.json")) as f:
+                        timeline = json.load(f)
+            histories[m] = history
+            results[m] = summarize(history, samples, skip) | cpu_figures(cpu, samples)
+    if dry_run and "stream" in modes:
+        timeline = dry_timeline(steps)
     for m in modes:
         results[m]["vs_sync"] = results[m]["samples_per_s"] / results["sync"]["samples_per_s"]
     result = {"recipe": RECIPE, "steps": steps, "skip": skip, "dry_run": dry_run, "overrides": list(overrides),
               "load_avg": list(os.getloadavg()), "ideal": ideal(), "modes": results}
     if out:
+        if timeline is not None:
+            result["timeline"] = draw_timeline(os.path.splitext(out)[0] + "_timeline.png", histories["sync"], timeline,
+                                               configs["sync"].actor_rollout_ref.rollout.num_replicas, skip)
         write_json(result, out)
     return result
+
+
+def dry_timeline(steps: int) -> dict[str, Any]:
+    """A streaming timeline shaped as the trainer writes it (the dry run's input): 1 s steps, engines busy but
+    for each load's 0.1 s, the trainer waiting 0.25 s of each step."""
+    ends = [float(s + 1) for s in range(steps)]
+    loads = [[e - 0.1, e] for e in ends[:-1]]
+    engines = [complement(loads, 0.0, ends[-1]) for _ in range(2)]
+    return {"engines": engines, "trainer_wait": [[e - 1.0, e - 0.75] for e in ends], "loads": loads, "step_ends": ends}
+
+
+def draw_timeline(path: str, sync_history: list[dict[str, Any]], timeline: dict[str, Any], engines: int,
+                  skip: int) -> str | None:
+    """The sync loop's and streaming's lanes after ``skip`` steps, on the shorter run's span (a PNG at ``path``)."""
+    sync, sync_span = sync_lanes(sync_history, engines, skip)
+    stream, stream_span, loads = stream_lanes(timeline, skip)
+    return draw(path, [("sync: each step's generation (every engine), then the trainer", sync, sync_span, []),
+                       ("streaming, partial rollouts", stream, stream_span, loads)], min(sync_span, stream_span))
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
@@ -127,13 +182,18 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
     rows = [[m, f"{r['samples_per_s']:.2f}", f"{r['vs_sync']:.2f}x",
              f"{r['samples_per_s'] / modes['k1']['samples_per_s']:.2f}x" if "k1" in modes else "-",
-             f"{r['tokens_per_s']:.1f}", share(r["engine_idle_share"]), share(r["trainer_wait_share"])]
+             f"{r['tokens_per_s']:.1f}", share(r["engine_idle_share"]), share(r["trainer_wait_share"]),
+             f"{1000 * r['cpu_s_per_sample']:.1f}", share(r["cpu_busy_share"]), f"{r['overlap_bound']:.2f}x"]
             for m, r in modes.items()]
     i, load = result["ideal"], result["load_avg"]
     notes = [f"ideal: a lock-step batch leaves {i['lockstep_idle_share']:.0%} of engine slot-steps idle on toy_tail; "
              f"streaming generates at most {i['ideal_gen_speedup']:.2f}x faster",
+             f"CPU: core-ms per trained sample of the run's processes (driver and descendants), the busy share of "
+             f"its {modes['sync']['cores']} cores, and the most any overlap of the same work could give "
+             f"(cores x wall / CPU s)",
              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
              + (" (dry run: no timing meaning)" if result["dry_run"] else "")]
     title = f"{result['recipe']}: {result['steps']} steps per mode, the first {result['skip']} not counted"
-    return [Table(["mode", "samples/s", "vs sync", "vs k1", "tokens/s", "engine idle", "trainer wait"], rows,
+    return [Table(["mode", "samples/s", "vs sync", "vs k1", "tokens/s", "engine idle", "trainer wait", "CPU ms/sample",
+                   "CPU busy", "overlap bound"], rows,
                   title=title, notes=notes)]

@@ -51,7 +51,8 @@ class AsyncVLLMClient(EngineClient):
             logging.getLogger(name).addFilter(quiet)
         args = engine_kwargs(model_path, rollout, data, tokenizer_path=tokenizer_path,
                              trust_remote_code=trust_remote_code)
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        # no per-step Prometheus stats (vllm.LLM's default; AsyncLLM's costs ~3% of its process's CPU here)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         hf_config = self.engine.model_config.hf_config
         self.tokenizer = tokenizer = self.engine.tokenizer
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -70,9 +71,10 @@ class AsyncVLLMClient(EngineClient):
             self._labelled = True
 
     async def generate(self, prompt_ids, sampling, seed, *, request_id=None, images=None, partial=None):
+        """The whole response in one output (vLLM's FINAL_ONLY: no per-step output objects; an abort's output
+        holds every token sampled before it)."""
         final = None
-        async for delta in self.stream(prompt_ids, sampling, seed, request_id=request_id, images=images,
-                                       partial=partial):
+        async for delta in self._request(prompt_ids, sampling, seed, request_id, images, partial, final_only=True):
             final = delta.generation
         assert final is not None
         return final
@@ -80,6 +82,12 @@ class AsyncVLLMClient(EngineClient):
     async def stream(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, *,
                      request_id: str | None = None, images: Any = None,
                      partial: Generation | None = None) -> AsyncIterator[Delta]:
+        async for delta in self._request(prompt_ids, sampling, seed, request_id, images, partial, final_only=False):
+            yield delta
+
+    async def _request(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, request_id: str | None,
+                       images: Any, partial: Generation | None, final_only: bool) -> AsyncIterator[Delta]:
+        """One request's deltas (each step's new tokens; ``final_only``: one delta with all of them)."""
         from vllm.sampling_params import RequestOutputKind
 
         who = type(self).__name__
@@ -96,8 +104,8 @@ class AsyncVLLMClient(EngineClient):
             return
         if partial is not None and seed is not None:
             seed = continuation_seed(seed, resubmits)
-        params = sampling_params(replace(sampling, max_tokens=budget), self.eos_token_ids, seed,
-                                 output_kind=RequestOutputKind.DELTA)
+        kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        params = sampling_params(replace(sampling, max_tokens=budget), self.eos_token_ids, seed, output_kind=kind)
         prompt = {"prompt_token_ids": list(prompt_ids) + list(done.token_ids), "cache_salt": f"rlpad-v{self.version}"}
         all_tokens, all_log_probs = list(done.token_ids), list(done.log_probs)  # the partial's first
         async for out in self.engine.generate(prompt, params, rid):

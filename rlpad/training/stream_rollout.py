@@ -97,6 +97,7 @@ class StreamRollout:
         self.open.set()
         self.changed = asyncio.Event()  # a response finished (or the stream ran dry)
         self.trainer_wait: list[tuple[float, float]] = []
+        self.loads: list[tuple[float, float]] = []  # each weight load: engines paused .. resumed
         self.errors: list[BaseException] = []
         self._ids = itertools.count()
 
@@ -175,18 +176,18 @@ class StreamRollout:
             if e.busy_since is not None:
                 e.busy.append((e.busy_since, start))
                 e.busy_since = None
-            await e.client.pause(clear_cache=True)
+        # each phase on every engine at once (the engines are separate processes); the next phase after all of them
+        await asyncio.gather(*[e.client.pause(clear_cache=True) for e in self.engines])
         restart = [r for r in self.requests.values()
                    if self.rule.must_restart(r.started_version, version)]
         for r in restart:
             r.response.restart()
             self.regenerated += 1
-            await self.engines[r.engine].client.abort(r.request_id)
-        for e in self.engines:
-            await e.client.load_weights(named_tensors, version)
-        for e in self.engines:
-            await e.client.resume()
+        await asyncio.gather(*[self.engines[r.engine].client.abort(r.request_id) for r in restart])
+        await asyncio.gather(*[e.client.load_weights(named_tensors, version) for e in self.engines])
+        await asyncio.gather(*[e.client.resume() for e in self.engines])
         now = time.perf_counter()
+        self.loads.append((start, now))
         for e in self.engines:
             if e.in_flight:
                 e.busy_since = now
@@ -231,6 +232,15 @@ class StreamRollout:
         """Each engine's busy intervals so far (an open one closed at ``now``)."""
         now = time.perf_counter() if now is None else now
         return [e.busy + ([(e.busy_since, now)] if e.busy_since is not None else []) for e in self.engines]
+
+    def timeline(self, t0: float, now: float | None = None) -> dict[str, Any]:
+        """Seconds since ``t0``: each engine's busy intervals, the trainer's waits and the weight loads (a JSON-ready
+        dict; rlpad.bench.stream_timeline draws it)."""
+        def rel(spans: Sequence[tuple[float, float]]) -> list[list[float]]:
+            return [[round(a - t0, 4), round(b - t0, 4)] for a, b in spans]
+
+        return {"engines": [rel(b) for b in self.busy_intervals(now)], "trainer_wait": rel(self.trainer_wait),
+                "loads": rel(self.loads)}
 
     async def close(self) -> None:
         """Abort what is in flight and wait for the requests' tasks."""

@@ -19,6 +19,8 @@ deterministic (which tokens land before a load depends on timing; item 5 of issu
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -114,6 +116,7 @@ class StreamTrainer(Trainer):
         stream = self.stream = StreamRollout(
             self.workers.engine_clients(), self._prompts(), n=self.n, sampling=self.sampling, rule=self.rule,
             buffer=GroupBuffer(self.n), slots_per_engine=self.slots, on_group=self._score_group)
+        t0, step_ends = time.perf_counter(), []
         try:
             while self.step < self.total_steps:
                 start = time.perf_counter()
@@ -137,13 +140,18 @@ class StreamTrainer(Trainer):
                 metrics.update(staleness_metrics(groups, self.step - 1))
                 metrics.update(buffer_metrics(stream.buffer, stream.regenerated, depth))
                 metrics.update(time_shares(stream.busy_intervals(end), stream.trainer_wait, start, end))
+                step_ends.append(round(end - t0, 4))
                 self.history.append({"step": self.step, **metrics})
                 logger.log(self.step, metrics)
                 self._flush_warnings(logger)
                 if self.hf_folders.roles and self.step == self.total_steps:
                     await asyncio.to_thread(self.hf_folders.save, self.workers, self.step)
         finally:
+            timeline = stream.timeline(t0) | {"step_ends": step_ends}
             await stream.close()
+        os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)  # for rlpad.bench.stream_timeline
+        with open(os.path.join(self.config.trainer.default_local_dir, "stream_timeline.json"), "w") as f:
+            json.dump(timeline, f)
 
     def train_groups(self, groups: list[Group], wait_s: float) -> dict[str, float]:
         """One update on ``groups`` (their scored rows, groups then samples): the trainer's stages from the old
