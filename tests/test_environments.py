@@ -13,8 +13,9 @@ from rlpad.algorithms.estimators import compute_gae_advantages
 from rlpad.batch import Batch
 from rlpad.config.schema import AgentConfig, DataConfig, MultiTurnConfig, RolloutConfig
 from rlpad.embedded.tiny import build_tokenizer
-from rlpad.rewards.combine import score_rewards, validation_scores
-from rlpad.rewards.rules import place_scores
+from rlpad.config.rewards import RewardConfig
+from rlpad.rewards.combine import PART_PREFIX, CombinedReward, part_metrics, score_rewards, validation_scores
+from rlpad.rewards.rules import REWARD_EXTRA_INFO, place_scores
 from rlpad.rollout.environments import environment_problems
 from rlpad.rollout.hf import HFRollout
 from processes import alive
@@ -127,6 +128,20 @@ def test_env_loop_rewards_on_each_turns_last_token_and_masks(folder):
     assert torch.equal(acc, seq)
     task, trained = validation_scores(out, TOK, reward_fn)
     assert torch.equal(task, seq) and trained is None
+    # the rows without an environment get the reward function's extras (infos, parts) as a batch without
+    # environments has them; the environment's rows {} and NaN (not scored)
+    plain_rows = out.index((~rows).nonzero().flatten())
+    plain_rows.tensors.pop("env_rows"), plain_rows.tensors.pop("env_scores")
+    combined = CombinedReward(RewardConfig(weights={"rule": 2.0}), lambda **kw: {"score": 0.5, "tag": kw["extra_info"]["tag"]})
+    alone = combined.score(plain_rows, TOK)
+    mixed = score_rewards(out, TOK, combined)
+    infos = list(out[REWARD_EXTRA_INFO])
+    assert [infos[k] for k in range(12) if not rows[k]] == list(plain_rows[REWARD_EXTRA_INFO]) == [{"score": 0.5, "tag": "plain"}] * 2
+    assert all(infos[k] == {} for k in range(12) if rows[k])
+    part = out[PART_PREFIX + "rule"]
+    assert torch.equal(part[~rows], plain_rows[PART_PREFIX + "rule"]) and part[rows].isnan().all()
+    assert torch.equal(mixed[1][~rows], alone[1]) and (alone[1] == 1.0).all()
+    assert part_metrics(out) == part_metrics(plain_rows) == {"reward/rule/mean": 0.5}
     # GAE (gamma = lam = 1, values 0) sees each turn's reward: a generated token's return is the rewards from it on
     _, returns = compute_gae_advantages(token, torch.zeros_like(token), mask, 1.0, 1.0)
     after = expected.flip(-1).cumsum(-1).flip(-1) * mask

@@ -113,10 +113,12 @@ def _finite(name: str, scores: torch.Tensor, rows: Sequence[int], sources: Seque
         raise ValueError(f"reward part {name!r} scored {len(bad)} row(s) non-finite ({where}); rewards must be finite")
 
 
-def _rows_back(batch: Batch, part: Batch, rows: Sequence[int]) -> None:
+def _rows_back(batch: Batch, part: Batch, rows: Sequence[int], *, keys: tuple[str, ...] = (FLAG_PREFIX,),
+               replace: bool = False) -> None:
     """What scoring ``part`` (``batch``'s ``rows``) left beside its scores, onto ``batch``: the rule's reward
-    infos (``{}`` on the other rows) and flags a scorer wrote itself (``reward_flags/...``, e.g. the code
-    outcomes; NaN on the other rows)."""
+    infos (``{}`` on the other rows) and the (B,) tensors under ``keys`` prefixes a scorer wrote itself
+    (``reward_flags/...``, e.g. the code outcomes; the parts' scores too for :func:`_env_rule`; NaN on the
+    other rows): only those ``batch`` lacks, unless ``replace``."""
     n = len(batch)
     if REWARD_EXTRA_INFO in part:
         infos = [{} for _ in range(n)]
@@ -125,10 +127,11 @@ def _rows_back(batch: Batch, part: Batch, rows: Sequence[int]) -> None:
         batch[REWARD_EXTRA_INFO] = infos
     index = torch.tensor(list(rows))
     for key in part.tensors:
-        if key.startswith(FLAG_PREFIX) and key not in batch:
+        if key.startswith(keys) and (replace or key not in batch):
             full = torch.full((n,), math.nan)
             full[index] = part.tensors[key].float()
             batch[key] = full
+
 
 class CombinedReward:
     """The reward stage's scorer: the rule function, the optional reward model and judge, and the extra rule
@@ -314,7 +317,11 @@ def _env_rule(batch: Batch, score: Callable[[Batch], tuple[torch.Tensor, ...]]) 
     seq = env.sum(-1)
     others = (~rows).nonzero().flatten()
     if len(others):
-        scored = score(batch.index(others))
+        sub = batch.index(others)
+        scored = score(sub)
+        # the other rows' reward infos, flags and parts as a batch without environments has them (the
+        # environment's rows: {} and NaN, not scored)
+        _rows_back(batch, sub, others.tolist(), keys=(FLAG_PREFIX, PART_PREFIX), replace=True)
         out = [torch.zeros_like(env) if s.dim() == 2 else seq.clone() for s in scored]
         for o, s in zip(out, scored):
             o[others] = s.to(o.dtype)
