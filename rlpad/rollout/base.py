@@ -26,6 +26,7 @@ from rlpad.rollout.agent_loops import AgentContext, default_loop, load_agent_loo
 from rlpad.rollout.env_loop import EnvSetup
 from rlpad.rollout.environments import EnvRunner, observation_renderer
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
+from rlpad.rollout.interactions import load_interaction_config
 from rlpad.rollout.stateful_tools import StatefulTools, advertised_schemas, load_tool_config
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import ToolSet
@@ -266,12 +267,13 @@ class RolloutBackend(ABC):
         return self.tools, self._tool_renderer
 
     def _env_setup(self) -> EnvSetup:
-        """env_agent's environment processes and renderer (rollout.agent.environment / env_timeout / env_workers),
-        built at first use."""
+        """env_agent's environment processes and renderer (rollout.agent.environment / env_timeout / env_workers,
+        multi_turn.interaction_config_path's interactions), built at first use."""
         if self._env is None:
-            agent = self.rollout.agent
+            agent, path = self.rollout.agent, self.rollout.multi_turn.interaction_config_path
             self._env = EnvSetup(EnvRunner(timeout=agent.env_timeout, workers=agent.env_workers),
-                                 observation_renderer(self.tokenizer), agent.environment)
+                                 observation_renderer(self.tokenizer), agent.environment,
+                                 interactions=load_interaction_config(path) if path else {})
         return self._env
 
     def close_tools(self) -> None:
