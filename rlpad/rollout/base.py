@@ -27,7 +27,8 @@ from rlpad.rollout.env_loop import EnvSetup
 from rlpad.rollout.environments import EnvRunner, observation_renderer
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
 from rlpad.rollout.interactions import load_interaction_config
-from rlpad.rollout.stateful_tools import StatefulTools, advertised_schemas, load_tool_config
+from rlpad.rollout.stateful_tools import (TOOL_REWARD_SCORES, TOOL_STEP_REWARDS, StatefulTools, advertised_schemas,
+                                          load_tool_config)
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import ToolSet
 
@@ -200,6 +201,10 @@ class RolloutBackend(ABC):
             out["tool_error"] = [t.errors[0] if t.errors else "" for t in trajs]  # each row's first failure
         if env is not None:  # the environments' per-turn rewards: the reward stage's scores of those rows
             out["env_scores"], out["env_rows"] = env
+        if trajs is not None and self.stateful is not None:  # the stateful tools' rewards (verl's columns), every
+            # row of every slice ({} / [] where none ran): the reward stage hands them to the reward function
+            out[TOOL_REWARD_SCORES] = [dict(t.tool_rewards or {}) for t in trajs]
+            out[TOOL_STEP_REWARDS] = [list(t.tool_step_rewards or []) for t in trajs]
         out.meta.update(temperature=sampling.logprob_temperature, rollout_gen_s=seconds,
                         rollout_response_tokens=int(out["response_mask"].sum()))
         return out
