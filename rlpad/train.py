@@ -31,7 +31,7 @@ from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets, data_sources_of
 from rlpad.embedded.cache import cache_root
-from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_spec
+from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_folder, dataset_spec
 from rlpad.lora.adapters import check_lora
 from rlpad.parallel import sp_size
 from rlpad.multimodal.checks import vl_config_problems
@@ -138,7 +138,7 @@ def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
 def _embedded_dataset(task: str, sft: SFTConfig) -> str:
     """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
     spec = dataset_spec(task)
-    out = os.path.join(cache_root(sft), spec.dataset_tag(sft))
+    out = os.path.join(cache_root(sft), dataset_folder(spec, sft))
     if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
         tmp = f"{out}.tmp-{os.getpid()}"
         spec.write_dataset(tmp, sft)

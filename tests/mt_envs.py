@@ -37,3 +37,38 @@ class HangingEnv(TurnEnv):
             f.write(f"{os.getpid()}\n")
         time.sleep(300)
         return super().step(text)
+
+
+class GuessInteraction:
+    """verl's BaseInteraction shape, duck-typed (async, imports nothing of verl): the guess is the turn's length
+    in characters; replies higher / lower / right; turn t's score ``config["scale"] * (len(messages) + len(text)
+    / 100)`` (the conversation so far: the test recomputes it); ends the episode after ``config["stop_after"]``
+    turns or a right guess; finalize_interaction writes the instance id to ``config["log"]``."""
+
+    def __init__(self, config):
+        self.config, self.name, self._instances = config, config["name"], {}
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        self._instances[instance_id] = {"secret": kwargs["secret"], "turns": 0}
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        state = self._instances[instance_id]
+        state["turns"] += 1
+        text = messages[-1]["content"]
+        guess, secret = len(text), state["secret"]
+        reply = "higher" if guess < secret else "lower" if guess > secret else "right"
+        done = reply == "right" or state["turns"] == self.config["stop_after"]
+        return done, reply, self.config["scale"] * (len(messages) + len(text) / 100), {"guess": guess}
+
+    async def calculate_score(self, instance_id, **kwargs):
+        return 0.0
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        with open(self.config["log"], "a") as f:
+            f.write(f"{instance_id}\n")
+        del self._instances[instance_id]
+
+
+class Gsm8kInteraction(GuessInteraction):
+    """A stand-in for verl's example class of the same name (what its YAML names once class_name is changed)."""

@@ -13,8 +13,9 @@ from rlpad.algorithms.estimators import compute_gae_advantages
 from rlpad.batch import Batch
 from rlpad.config.schema import AgentConfig, DataConfig, MultiTurnConfig, RolloutConfig
 from rlpad.embedded.tiny import build_tokenizer
-from rlpad.rewards.combine import score_rewards, validation_scores
-from rlpad.rewards.rules import place_scores
+from rlpad.config.rewards import RewardConfig
+from rlpad.rewards.combine import PART_PREFIX, CombinedReward, part_metrics, score_rewards, validation_scores
+from rlpad.rewards.rules import REWARD_EXTRA_INFO, place_scores
 from rlpad.rollout.environments import environment_problems
 from rlpad.rollout.hf import HFRollout
 from processes import alive
@@ -127,6 +128,20 @@ def test_env_loop_rewards_on_each_turns_last_token_and_masks(folder):
     assert torch.equal(acc, seq)
     task, trained = validation_scores(out, TOK, reward_fn)
     assert torch.equal(task, seq) and trained is None
+    # the rows without an environment get the reward function's extras (infos, parts) as a batch without
+    # environments has them; the environment's rows {} and NaN (not scored)
+    plain_rows = out.index((~rows).nonzero().flatten())
+    plain_rows.tensors.pop("env_rows"), plain_rows.tensors.pop("env_scores")
+    combined = CombinedReward(RewardConfig(weights={"rule": 2.0}), lambda **kw: {"score": 0.5, "tag": kw["extra_info"]["tag"]})
+    alone = combined.score(plain_rows, TOK)
+    mixed = score_rewards(out, TOK, combined)
+    infos = list(out[REWARD_EXTRA_INFO])
+    assert [infos[k] for k in range(12) if not rows[k]] == list(plain_rows[REWARD_EXTRA_INFO]) == [{"score": 0.5, "tag": "plain"}] * 2
+    assert all(infos[k] == {} for k in range(12) if rows[k])
+    part = out[PART_PREFIX + "rule"]
+    assert torch.equal(part[~rows], plain_rows[PART_PREFIX + "rule"]) and part[rows].isnan().all()
+    assert torch.equal(mixed[1][~rows], alone[1]) and (alone[1] == 1.0).all()
+    assert part_metrics(out) == part_metrics(plain_rows) == {"reward/rule/mean": 0.5}
     # GAE (gamma = lam = 1, values 0) sees each turn's reward: a generated token's return is the rewards from it on
     _, returns = compute_gae_advantages(token, torch.zeros_like(token), mask, 1.0, 1.0)
     after = expected.flip(-1).cumsum(-1).flip(-1) * mask
@@ -170,7 +185,88 @@ def test_environment_keys_refused_in_one_line():
     assert problem.startswith(f"{key}.environment: cannot import 'mt_envs:Missing'") and "\n" not in problem
     assert environment_problems(replace(AgentConfig(), default_agent_loop="env_agent")) == [
         f"{key}.default_agent_loop=env_agent needs {key}.environment (rows may name theirs in extra_info.env_name; "
-        "set the key to the default)"]
+        "set the key to the default) or actor_rollout_ref.rollout.multi_turn.interaction_config_path"]
+
+
+def test_a_verl_interaction_yaml_runs_through_the_env_loop(folder, tmp_path):
+    log = tmp_path / "finalized"
+    path = tmp_path / "interaction.yaml"
+    path.write_text(f"interaction:\n  - name: guess\n    class_name: mt_envs.GuessInteraction\n"
+                    f"    config: {{scale: 0.5, stop_after: 2, log: {log}}}\n")
+    model, tok_path = folder
+    cfg = RolloutConfig(name="hf", n=2, temperature=1.0, seed=0,
+                        multi_turn=MultiTurnConfig(max_assistant_turns=3, interaction_config_path=str(path)),
+                        agent=AgentConfig(default_agent_loop="env_agent", env_workers=2))
+    hf = HFRollout(model, cfg, DataConfig(max_prompt_length=P, max_response_length=R), tokenizer_path=tok_path)
+    batch = prompt_batch()
+    secrets = [3, 6, 9, 12, 2, 5]
+    batch["extra_info"] = [{"interaction_kwargs": {"name": "guess", "secret": s}} for s in secrets]
+    batch["raw_prompt"] = [[{"role": "user", "content": "guess"}]] * 6
+    try:
+        out = hf.generate(batch, seed=3)
+    finally:
+        hf.shutdown()
+    mask, resp, length = out["response_mask"], out["responses"], out["attention_mask"][:, P:].sum(1)
+    assert out["env_rows"].all()
+    expected, finalized, two = torch.zeros(12, R), 0, 0
+    for k in range(12):
+        ids, turns = resp[k, : length[k]].tolist(), runs(mask[k, : length[k]].tolist())
+        assert 1 <= len(turns) <= 2 and turns[0][0] == 0  # stop_after 2 ends the episode before max_assistant_turns
+        texts = [TOK.decode(ids[a:b - 1] if ids[b - 1] == EOS else ids[a:b]) for a, b in turns]
+        for t, ((a, b), text) in enumerate(zip(turns, texts), start=1):
+            # the conversation generate_response saw: the prompt, then each turn and reply (2t messages)
+            expected[k, b - 1] = 0.5 * (2 * t + len(text) / 100)
+            reply = "higher" if len(text) < secrets[k // 2] else "lower" if len(text) > secrets[k // 2] else "right"
+            end = turns[t][0] if t < len(turns) else length[k]
+            assert ids[b:end] == (enc(reply)[: end - b] if t < len(turns) else [])  # the reply rendered, mask 0
+        ended = len(turns) == 2 or "right" in [("right" if len(x) == secrets[k // 2] else "") for x in texts]
+        finalized += ended
+        two += len(turns) == 2
+    assert two >= 3 and torch.equal(out["env_scores"], expected)
+    ids = log.read_text().split()  # finalize_interaction ran once per episode the interaction ended
+    assert len(ids) == len(set(ids)) == finalized and all(i.startswith("guess-") for i in ids)
+
+
+def test_interaction_yaml_loads_verls_example_and_refuses_bad_entries_in_one_line(tmp_path):
+    from rlpad.rollout.interactions import load_interaction_config
+
+    key = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
+
+    def load(text):
+        path = tmp_path / "i.yaml"
+        path.write_text(text)
+        return load_interaction_config(str(path))
+
+    # verl's gsm8k example (examples/sglang_multiturn/config/interaction_config), class_name changed to a class
+    # importable here; with and without its name (verl's rule: the class's name less "Interaction", lower-cased)
+    example = 'interaction:\n  - name: "gsm8k"\n    class_name: "mt_envs.Gsm8kInteraction"\n    config: {}\n'
+    (spec,) = load(example).values()
+    assert (spec.name, spec.class_name, spec.config) == ("gsm8k", "mt_envs.Gsm8kInteraction", {"name": "gsm8k"})
+    assert list(load(example.replace('  - name: "gsm8k"\n    class_name', "  - class_name"))) == ["gsm8k"]
+    bad = {
+        "tools: []\n": f"{key}: {tmp_path / 'i.yaml'} must hold interaction: [{{name, class_name, config}}, ...]",
+        "interaction:\n  - name: a\n": f"{key}: interaction[0] needs class_name: pkg.module.Class",
+        "interaction:\n  - {class_name: mt_envs.GuessInteraction}\n  - {name: guess, class_name: mt_envs.Gsm8kInteraction}\n":
+            f"{key}: interaction[1] (guess): two interactions named 'guess'",
+        "interaction:\n  - {name: t, class_name: mt_envs.TurnEnv}\n":
+            f"{key}: interaction[0] (t): mt_envs.TurnEnv is not an interaction class (verl's BaseInteraction shape); "
+            "it lacks start_interaction, generate_response",
+        "interaction:\n  - {name: g, class_name: mt_envs.GuessInteraction, config: [1]}\n":
+            f"{key}: interaction[0] (g): config must be a mapping, got list",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError) as e:
+            load(text)
+        assert str(e.value) == message
+    with pytest.raises(ValueError, match=rf"^{key}: interaction\[0\] \(missing\): cannot import 'mt_envs.Missing'"):
+        load("interaction:\n  - {name: missing, class_name: mt_envs.Missing}\n")
+    path = tmp_path / "i.yaml"
+    path.write_text(example)
+    agent = AgentConfig(default_agent_loop="env_agent")
+    assert environment_problems(agent, str(path)) == []  # the interactions stand for the default environment
+    path.write_text("interaction: 3\n")
+    assert environment_problems(agent, str(path)) == [
+        f"{key}: {path} must hold interaction: [{{name, class_name, config}}, ...]"]
 
 
 def test_overlong_shaping_keeps_each_turns_reward_where_it_is():

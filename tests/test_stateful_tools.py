@@ -145,7 +145,11 @@ def test_hf_backend_runs_stateful_tools_with_tools_kwargs_from_extra_info(config
     message (mask 0, log-prob 0) holds that row's total; every instance released."""
     from dataclasses import replace
 
+    import torch
+
     from rlpad.config.schema import DataConfig, RolloutConfig
+    from rlpad.rewards.combine import score_rewards, validation_scores
+    from rlpad.rewards.rules import score_batch
     from rlpad.rollout.hf import HFRollout
     from test_rollout_layout import P, make_model, prompt_batch
 
@@ -178,3 +182,22 @@ def test_hf_backend_runs_stateful_tools_with_tools_kwargs_from_extra_info(config
         assert str(1000 * (k // 2 + 1) + 6) in message  # start + 2 * 3, this row's own instance
     assert (out["rollout_log_probs"][tool] == 0).all() and out["tool_errors"].sum() == 0
     assert out["tool_calls"].tolist() == [1] * 12 and len(Counter.created) == 12 and Counter.live == {}
+    # the tools' rewards in the reward stage (verl's rule): the reward function reads each row's calc_reward in
+    # extra_info.rollout_reward_scores (the counter's total: start + 2 * 3) and its calls' step rewards in
+    # extra_info.tool_rewards; a verl-style function adding them scores reward fn + tool reward
+    totals = torch.tensor([1000.0 * (k // 2 + 1) + 6 for k in range(12)])
+    assert list(out["reward_scores"]) == [{"count": float(t)} for t in totals]
+    assert list(out["tool_rewards"]) == [[0.5]] * 12
+
+    def reward_fn(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.25 + sum((extra_info or {}).get("rollout_reward_scores", {}).values())
+
+    out["data_source"] = ["t"] * 12
+    bare = out.index(torch.arange(12))  # negative control: the same rows without the rule
+    _, without, _ = score_batch(bare, TOK, reward_fn)
+    token, seq, _ = score_rewards(out, TOK, reward_fn)
+    assert torch.equal(seq, 0.25 + totals) and torch.equal(without, torch.full((12,), 0.25))
+    assert torch.equal(token.sum(-1), seq) and list(out["extra_info"])[0]["tool_rewards"] == [0.5]
+    assert list(out["extra_info"])[0]["tools_kwargs"] == {"count": {"create_kwargs": {"start": 1000}}}
+    task, _ = validation_scores(out, TOK, reward_fn)
+    assert torch.equal(task, seq)

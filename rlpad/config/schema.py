@@ -214,6 +214,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     # verl: a Python file whose @function_tool functions (rlpad.rollout.function_tools) are tools beside `tools`
     function_tool_path: str | None = None
+    # verl: a YAML of interactions, interaction: [{name, class_name, config}] (verl's BaseInteraction shape), the
+    # user turns a row's extra_info.interaction_kwargs.name chooses; run by the env_agent loop, each response
+    # a step, its score the turn's reward (rlpad.rollout.interactions, docs/environments.md)
+    interaction_config_path: str | None = None
     tool_timeout: float = 10.0  # seconds a tool call may run; past it: an error observation, its process killed
     max_parallel_calls: int = 4  # calls one turn may make (parallel calls); the turn is cut after the last kept
     advertise_tools: bool = True  # render prompts with the tools' schemas (tools=); false: the prompt as given

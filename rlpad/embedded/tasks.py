@@ -24,7 +24,7 @@ from rlpad.config.schema import SFTConfig
 from rlpad.embedded import toy, toy_code, toy_guess, toy_long, toy_python, toy_tail, toy_tools, vl_shapes
 from rlpad.embedded.tiny import CHARSET, CODE_CHARSET
 
-__all__ = ["TASKS", "VL_TASKS", "EmbeddedTask", "EmbeddedVLTask", "dataset_spec", "get_task"]
+__all__ = ["TASKS", "VL_TASKS", "EmbeddedTask", "EmbeddedVLTask", "dataset_folder", "dataset_spec", "get_task"]
 
 Example = tuple[str, Any]  # (user message, answer: a string or [(text, in the loss)] segments)
 
@@ -38,10 +38,10 @@ class EmbeddedTask:
     val_examples: Callable[[SFTConfig], list[Example]]  # the held-out validation problems
     probe_examples: Callable[[SFTConfig], list[Example]]  # training problems for early stopping
     write_dataset: Callable[[str, SFTConfig], tuple[str, str]]  # (out_dir, cfg) -> (train, val) paths
-    dataset_tag: Callable[[SFTConfig], str]  # cache folder name of the dataset
+    split_tag: Callable[[SFTConfig], str]  # the split settings' part of the dataset's folder (dataset_folder)
     score: Callable[[str, str], float]  # the task's reward of a response given the answer
     max_answer_tokens: int  # longest answer + EOS (greedy decoding stops there)
-    version: str | None  # enters the warm-start cache key (None: the key the default always had)
+    version: str | None  # enters the warm-start cache key and names the dataset's folder (None: the name)
     charset: str = CHARSET  # the characters of the task's tokenizer (rlpad.embedded.tiny.build_tokenizer)
     # (responses, answers) -> their rewards at once (a task whose check runs programs); None: ``score`` each
     score_all: Callable[[list[str], list[str]], list[float]] | None = None
@@ -66,7 +66,7 @@ TASKS: dict[str, EmbeddedTask] = {
         probe_examples=_toy_probe,
         write_dataset=lambda out, cfg: toy.write_toy_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed,
                                                              max_operand=cfg.max_operand),
-        dataset_tag=lambda cfg: f"toy-{cfg.data_seed}-{cfg.n_val}-{cfg.max_operand}",
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}-{cfg.max_operand}",
         score=toy.toy_score,
         max_answer_tokens=4,  # the longest answer ("40") plus EOS, with one spare
         version=None,
@@ -78,7 +78,7 @@ TASKS: dict[str, EmbeddedTask] = {
         val_examples=lambda cfg: [(f"{a}+{b}=", str(a + b)) for a, b in toy_tools.split_pairs(cfg.n_val, cfg.data_seed)[1]],
         probe_examples=lambda cfg: [(f"{a}+{b}=", str(a + b)) for a, b in toy_tools.split_pairs(cfg.n_val, cfg.data_seed)[0][:100]],
         write_dataset=lambda out, cfg: toy_tools.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_tools-{cfg.data_seed}-{cfg.n_val}",
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}",
         score=toy_tools.tools_score,
         max_answer_tokens=20,  # "[calc(99+99)]" + "198" + EOS, with spares
         version="toy_tools-calc-2",
@@ -90,7 +90,7 @@ TASKS: dict[str, EmbeddedTask] = {
         probe_examples=lambda cfg: [(f"{a}*{b}=", str(a * b))
                                     for a, b in toy_python.split_pairs(cfg.n_val, cfg.data_seed)[0][:100]],
         write_dataset=lambda out, cfg: toy_python.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_python-2-{cfg.data_seed}-{cfg.n_val}",  # the task's version: its rows changed
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}",
         score=toy_tools.tools_score,
         max_answer_tokens=30,  # "[py(print(99*99))]" (18) + "9801" + "9801" + EOS, with spares
         version="toy_python-2",
@@ -103,7 +103,7 @@ TASKS: dict[str, EmbeddedTask] = {
         val_examples=lambda cfg: [(toy_guess.PROMPT, str(s)) for s in range(toy_guess.LO, toy_guess.HI + 1)],
         probe_examples=lambda cfg: [(toy_guess.PROMPT, str(s)) for s in range(toy_guess.LO, toy_guess.HI + 1)],
         write_dataset=lambda out, cfg: toy_guess.write_dataset(out, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_guess-{cfg.data_seed}",
+        split_tag=lambda cfg: f"{cfg.data_seed}",
         score=toy_guess.guess_score,
         max_answer_tokens=4,  # "15" + EOS, with a spare
         version="toy_guess-1",
@@ -115,7 +115,7 @@ TASKS: dict[str, EmbeddedTask] = {
                                   for p in toy_long.split_problems(cfg.n_val, cfg.data_seed)[1]],
         probe_examples=lambda cfg: toy_long.sft_examples(100, seed=cfg.data_seed + 1000, n_val=cfg.n_val),
         write_dataset=lambda out, cfg: toy_long.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_long-{cfg.data_seed}-{cfg.n_val}",
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}",
         score=toy_long.run_score,
         max_answer_tokens=toy_long.MAX_RESPONSE_TOKENS,
         version="toy_long-alphabet-1",
@@ -127,7 +127,7 @@ TASKS: dict[str, EmbeddedTask] = {
                                   for p in toy_tail.split_problems(cfg.n_val, cfg.data_seed)[1]],
         probe_examples=lambda cfg: toy_tail.sft_examples(100, seed=cfg.data_seed + 1000, n_val=cfg.n_val),
         write_dataset=lambda out, cfg: toy_tail.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_tail-{cfg.data_seed}-{cfg.n_val}",
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}",
         score=toy_tail.run_score,
         max_answer_tokens=toy_tail.MAX_RESPONSE_TOKENS,
         version="toy_tail-alphabet-1",
@@ -140,7 +140,7 @@ TASKS: dict[str, EmbeddedTask] = {
         probe_examples=lambda cfg: [(toy_code.prompt_of(p), toy_code.canonical(p))
                                     for p in toy_code.split_problems(cfg.n_val, cfg.data_seed)[0][:100]],
         write_dataset=lambda out, cfg: toy_code.write_dataset(out, n_val=cfg.n_val, seed=cfg.data_seed),
-        dataset_tag=lambda cfg: f"toy_code-{cfg.data_seed}-{cfg.n_val}",
+        split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}",
         score=toy_code.code_score,
         max_answer_tokens=toy_code.MAX_RESPONSE_TOKENS,
         version="toy_code-lambda-1",
@@ -158,7 +158,8 @@ class EmbeddedVLTask:
     name: str
     warm_start: Callable[[SFTConfig], str]  # cfg -> the warm-started model folder (built once, cached)
     write_dataset: Callable[[str, SFTConfig], tuple[str, str]]  # (out_dir, cfg) -> (train, val) paths
-    dataset_tag: Callable[[SFTConfig], str]  # cache folder name of the dataset
+    split_tag: Callable[[SFTConfig], str]  # the split settings' part of the dataset's folder (dataset_folder)
+    version: str  # names the dataset's folder (bump when the rows change)
     runs_code: bool = False  # no VL task runs programs yet (the field every dataset_spec answers)
 
 
@@ -176,13 +177,19 @@ def _vl_shapes_dataset(out: str, cfg: SFTConfig) -> tuple[str, str]:
 
 VL_TASKS: dict[str, EmbeddedVLTask] = {
     "vl_shapes": EmbeddedVLTask(name="vl_shapes", warm_start=_vl_shapes_warm_start, write_dataset=_vl_shapes_dataset,
-                                dataset_tag=lambda cfg: f"{vl_shapes.VERSION}-{cfg.data_seed}-{cfg.n_val}"),
+                                split_tag=lambda cfg: f"{cfg.data_seed}-{cfg.n_val}", version=vl_shapes.VERSION),
 }
 
 
 def dataset_spec(name: str) -> EmbeddedTask | EmbeddedVLTask:
     """The task called ``name``, text (:data:`TASKS`) or vision-language (:data:`VL_TASKS`), for its dataset."""
     return VL_TASKS[name] if name in VL_TASKS else get_task(name)
+
+
+def dataset_folder(spec: EmbeddedTask | EmbeddedVLTask, cfg: SFTConfig) -> str:
+    """The cache folder name of ``spec``'s dataset: ``<version>-<split tag>`` (``<name>-...`` for a task without
+    a version), so a task whose rows changed (its version bumped) never reuses the old rows."""
+    return f"{spec.version or spec.name}-{spec.split_tag(cfg)}"
 
 
 def get_task(name: str) -> EmbeddedTask:

@@ -182,7 +182,7 @@ def validate_config(config: Config) -> Config:
     problems += multi_turn_problems(rollout.multi_turn)
     problems += stateful_tool_problems(rollout.multi_turn)
     problems += agent_loop_problems(rollout.agent, rollout.multi_turn.enable)
-    problems += environment_problems(rollout.agent)
+    problems += environment_problems(rollout.agent, rollout.multi_turn.interaction_config_path)
 
     # sizes
     if rollout.n < 1:

@@ -62,6 +62,8 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)  # each failed call's reason (for the log)
     done: bool = False
     turn_rewards: list[tuple[int, float]] | None = None  # an environment's (response index, reward); None: none ran
+    tool_rewards: dict[str, float] | None = None  # each stateful tool's calc_reward; None: no stateful tools ran
+    tool_step_rewards: list[float] | None = None  # each stateful tool call's step reward (execute's), in order
 
     def extend(self, tokens: Sequence[int], generated: int, log_probs: Sequence[float] | None = None) -> None:
         self.tokens += list(tokens)
@@ -227,7 +229,8 @@ def run_agent_loop(
     for out in asyncio.run(run()):
         extra = out.extra_fields
         trajs.append(Trajectory(out.response_ids, out.response_mask, out.response_logprobs,
-                                **{k: extra[k] for k in AGENT_COUNTS}, errors=extra["errors"], done=True))
+                                **{k: extra[k] for k in AGENT_COUNTS}, errors=extra["errors"], done=True,
+                                tool_rewards=extra.get("tool_rewards"), tool_step_rewards=extra.get("tool_step_rewards")))
     return trajs
 
 
@@ -271,7 +274,8 @@ def run_named_loops(
         trajs.append(Trajectory(list(out.response_ids), list(out.response_mask), list(log_probs),
                                 **{k: int(extra.get(k, out.num_turns if k == "num_turns" else 0)) for k in AGENT_COUNTS},
                                 errors=list(extra.get("errors", [])), done=True,
-                                turn_rewards=extra.get("turn_rewards")))
+                                turn_rewards=extra.get("turn_rewards"), tool_rewards=extra.get("tool_rewards"),
+                                tool_step_rewards=extra.get("tool_step_rewards")))
     return trajs
 
 

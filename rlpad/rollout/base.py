@@ -26,7 +26,9 @@ from rlpad.rollout.agent_loops import AgentContext, default_loop, load_agent_loo
 from rlpad.rollout.env_loop import EnvSetup
 from rlpad.rollout.environments import EnvRunner, observation_renderer
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
-from rlpad.rollout.stateful_tools import StatefulTools, advertised_schemas, load_tool_config
+from rlpad.rollout.interactions import load_interaction_config
+from rlpad.rollout.stateful_tools import (TOOL_REWARD_SCORES, TOOL_STEP_REWARDS, StatefulTools, advertised_schemas,
+                                          load_tool_config)
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import ToolSet
 
@@ -199,6 +201,10 @@ class RolloutBackend(ABC):
             out["tool_error"] = [t.errors[0] if t.errors else "" for t in trajs]  # each row's first failure
         if env is not None:  # the environments' per-turn rewards: the reward stage's scores of those rows
             out["env_scores"], out["env_rows"] = env
+        if trajs is not None and self.stateful is not None:  # the stateful tools' rewards (verl's columns), every
+            # row of every slice ({} / [] where none ran): the reward stage hands them to the reward function
+            out[TOOL_REWARD_SCORES] = [dict(t.tool_rewards or {}) for t in trajs]
+            out[TOOL_STEP_REWARDS] = [list(t.tool_step_rewards or []) for t in trajs]
         out.meta.update(temperature=sampling.logprob_temperature, rollout_gen_s=seconds,
                         rollout_response_tokens=int(out["response_mask"].sum()))
         return out
@@ -266,12 +272,13 @@ class RolloutBackend(ABC):
         return self.tools, self._tool_renderer
 
     def _env_setup(self) -> EnvSetup:
-        """env_agent's environment processes and renderer (rollout.agent.environment / env_timeout / env_workers),
-        built at first use."""
+        """env_agent's environment processes and renderer (rollout.agent.environment / env_timeout / env_workers,
+        multi_turn.interaction_config_path's interactions), built at first use."""
         if self._env is None:
-            agent = self.rollout.agent
+            agent, path = self.rollout.agent, self.rollout.multi_turn.interaction_config_path
             self._env = EnvSetup(EnvRunner(timeout=agent.env_timeout, workers=agent.env_workers),
-                                 observation_renderer(self.tokenizer), agent.environment)
+                                 observation_renderer(self.tokenizer), agent.environment,
+                                 interactions=load_interaction_config(path) if path else {})
         return self._env
 
     def close_tools(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from rlpad.rollout.agent_loops import AgentLoopBase, AgentLoopOutput, register
 from rlpad.rollout.engine_client import BatchingClient
 from rlpad.rollout.environments import EnvResult, EnvRunner, resolve_env
+from rlpad.rollout.interactions import TARGET, InteractionSpec, row_interaction
 from rlpad.rollout.seeds import sample_seed
 
 __all__ = ["EnvAgentLoop", "EnvSetup"]
@@ -29,21 +30,29 @@ __all__ = ["EnvAgentLoop", "EnvSetup"]
 class EnvSetup:
     """What the env loop needs from the rollout (``AgentContext.env``): the worker processes, the renderer of
     the environment's messages, the default environment (``rollout.agent.environment``; a row's
-    ``extra_info["env_name"]`` wins)."""
+    ``extra_info["env_name"]`` wins, then the interaction its ``extra_info["interaction_kwargs"]`` names)."""
 
     runner: EnvRunner
     render: Any  # observation_renderer(tokenizer)
     default: str | None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one pool call at a time outside a BatchingClient
+    # rollout.multi_turn.interaction_config_path's interactions by name (rlpad.rollout.interactions)
+    interactions: dict[str, InteractionSpec] = field(default_factory=dict)
 
 
-def _row_env(row: dict[str, Any], default: str | None) -> str:
+def _row_env(row: dict[str, Any], setup: EnvSetup) -> tuple[str, dict[str, Any]]:
+    """The row's environment (``pkg.module:Class``) and what its ``reset`` gets beside ``extra_info`` and
+    ``raw_prompt``: ``extra_info.env_name``, else the interaction ``extra_info.interaction_kwargs.name`` names
+    (with ``interaction_config_path``: its spec and the trajectory's ``seed``), else the default."""
     extra = row.get("extra_info")
     name = extra.get("env_name") if isinstance(extra, dict) else None
-    if not (name or default):
+    spec = None if name or not setup.interactions else row_interaction(extra, setup.interactions, row.get("index", 0))
+    if spec is not None:
+        return TARGET, {"interaction": vars(spec), "seed": row.get("seed")}
+    if not (name or setup.default):
         raise ValueError("agent loop env_agent: the row names no environment (extra_info.env_name) and "
                          "actor_rollout_ref.rollout.agent.environment is not set")
-    return resolve_env(name or default)
+    return resolve_env(name or setup.default), {}
 
 
 @register("env_agent")
@@ -65,7 +74,7 @@ class EnvAgentLoop(AgentLoopBase):
         if setup is None:
             raise ValueError("agent loop env_agent needs actor_rollout_ref.rollout.agent.environment "
                              "(or a row's extra_info.env_name)")
-        target, budget, eos = _row_env(row, setup.default), sampling_params.max_tokens, self.context.eos
+        (target, more), budget, eos = _row_env(row, setup), sampling_params.max_tokens, self.context.eos
         prompt = list(row["prompt_ids"])
         tokens: list[int] = []
         mask: list[int] = []
@@ -81,7 +90,8 @@ class EnvAgentLoop(AgentLoopBase):
             log_probs.extend([0.0] * len(obs))
             versions.extend([-1] * len(obs))  # no policy sampled them
 
-        state = await self._call(("reset", target, None, {k: row.get(k) for k in ("extra_info", "raw_prompt")}))
+        state = await self._call(("reset", target, None, {**{k: row.get(k) for k in ("extra_info", "raw_prompt")},
+                                                           **more}))
         turns = 0
         if state.error is not None:
             errors.append(state.error)

@@ -73,10 +73,18 @@ def env_class(target: str) -> type:
     return cls
 
 
-def environment_problems(agent: Any) -> list[str]:
-    """What is wrong with ``rollout.agent``'s environment keys, one line per problem naming the key (the class
-    imported, as the workers will)."""
+def environment_problems(agent: Any, interaction_config_path: str | None = None) -> list[str]:
+    """What is wrong with ``rollout.agent``'s environment keys and ``multi_turn.interaction_config_path``
+    (rlpad.rollout.interactions), one line per problem naming the key (the classes imported, as the workers
+    will)."""
     problems = []
+    if interaction_config_path:
+        from rlpad.rollout.interactions import load_interaction_config
+
+        try:
+            load_interaction_config(interaction_config_path)
+        except ValueError as e:
+            problems.append(str(e))
     if not agent.env_timeout > 0:
         problems.append(f"{KEY}.env_timeout={agent.env_timeout} must be > 0")
     if agent.env_workers < 1:
@@ -86,9 +94,10 @@ def environment_problems(agent: Any) -> list[str]:
             env_class(resolve_env(agent.environment))
         except ValueError as e:
             problems.append(str(e))
-    if agent.default_agent_loop == "env_agent" and agent.environment is None:
+    if agent.default_agent_loop == "env_agent" and agent.environment is None and not interaction_config_path:
         problems.append(f"{KEY}.default_agent_loop=env_agent needs {KEY}.environment (rows may name theirs in "
-                        "extra_info.env_name; set the key to the default)")
+                        "extra_info.env_name; set the key to the default) or "
+                        "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
     return problems
 
 

@@ -32,10 +32,13 @@ from rlpad.config.schema import MultiTurnConfig
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import KEY, ToolCall, ToolResult, ToolSet, load_tools, tool_schemas
 
-__all__ = ["METHODS", "Session", "StatefulSpec", "StatefulTools", "advertised_schemas", "load_tool_config",
-           "stateful_tool_problems"]
+__all__ = ["METHODS", "TOOL_REWARD_SCORES", "TOOL_STEP_REWARDS", "Session", "StatefulSpec", "StatefulTools",
+           "advertised_schemas", "load_tool_config", "stateful_tool_problems"]
 
 METHODS = ("create", "execute", "calc_reward", "release")  # verl's BaseTool methods a class must have
+# the rollout batch's columns of the tools' rewards (verl's names): each row's {tool name: calc_reward} and its
+# calls' step rewards (execute's), what the reward function reads (rlpad.rewards.combine._tool_reward_rule)
+TOOL_REWARD_SCORES, TOOL_STEP_REWARDS = "reward_scores", "tool_rewards"
 PATH_KEY = f"{KEY}.tool_config_path"
 _ids = itertools.count()
 
