@@ -60,6 +60,18 @@ def test_no_recipe_uses_defaults():
     assert cfg.data == Config().data
 
 
+def test_a_load_leaves_the_next_load_its_defaults():
+    """Loads share one defaults tree built per process: a load (also one that fails half way) must not
+    change what the next load starts from."""
+    load_config(RECIPE, ["data.train_files=[leak.parquet]", "actor_rollout_ref.actor.optim.betas=[0.5, 0.5]"])
+    with pytest.raises(ValueError, match="data.max_prompt_length"):
+        config_from_dict({"critic": {"loss_agg_mode": "token-mean"}},
+                         ["data.val_files=[leak.parquet]", "data.max_prompt_length=x"])
+    assert load_config(None, GRPO).data == Config().data
+    assert config_from_dict({}, GRPO).actor_rollout_ref == dataclasses.replace(
+        Config().actor_rollout_ref, rollout=dataclasses.replace(Config().actor_rollout_ref.rollout, n=2))
+
+
 def test_parse_override():
     assert parse_override("data.train_batch_size=32") == ("data.train_batch_size", "32")
     assert parse_override("data.val_files=[x.jsonl]") == ("data.val_files", ["x.jsonl"])

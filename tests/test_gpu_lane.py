@@ -193,7 +193,7 @@ def test_gpu_run_dry_run_on_the_cpu(tmp_path):
         assert f"### rlpad bench {bench} --device cuda: exit 0" in md, bench
     assert "### rlpad bench logprob --columns flex --device cuda: exit not run" in md  # apart since issue #54
     assert "| packed_compiled" in md and "packed_compiled: decoder layers under torch.compile" in md
-    assert "VL log-prob + entropy, tiny-vl on cpu" in md and "| shared" in md  # the VL step's own table
+    assert "VL log-prob + entropy, tiny-vl-dry on cpu" in md and "| shared" in md  # the VL step's own table
     assert "LM head tile sweep" in md and "HBM model per grid order" in md and "| packed_sdpa" in md.replace(" ", " ")
     report = json.loads((out / "report.json").read_text())
     sweep = report["bench"]["head_sweep"]["json"]

@@ -9,7 +9,8 @@ path, :mod:`rlpad.bench.flops`, plus the vision tower's on the images the path r
 for padded and rmpad, each prompt's once for shared), and the vision tower's share: its own time
 on the same images (``tower_s``, the tower alone) over the path's, and its FLOP share.
 
-Rows: ``tiny-vl`` on the CPU (the tiny model, the dry run's shape); ``7b-vl-layers`` on CUDA in bf16:
+Rows: ``tiny-vl`` on the CPU (the tiny model; ``tiny-vl-dry``, its two image layouts in 4 rows, is the
+GPU lane's dry run); ``7b-vl-layers`` on CUDA in bf16:
 Qwen2.5-VL-7B's language shape (4 of its 28 decoder layers, as ``7b-layers``) and its whole 32-block
 vision tower (the FLOP share is also given for the 28-layer model: ``vision_flop_share_full``).
 """
@@ -46,6 +47,7 @@ VL_SHAPES: dict[str, dict[str, Any]] = {
                          prompts=2, n=8, grids=[[(1, 32, 32)], [(1, 24, 40), (1, 16, 16)]], max_text=128,
                          response=1024, device="cuda"),  # 16 rows of up to ~1.8k tokens, 1024-1216 patches per prompt
 }
+VL_SHAPES["tiny-vl-dry"] = {**VL_SHAPES["tiny-vl"], "prompts": 2, "n": 2}  # the dry run's glue check: 4 rows
 FULL_7B_LAYERS = 28  # Qwen2.5-VL-7B's decoder layers: the FLOP share of the whole model
 
 
@@ -125,10 +127,10 @@ def measure_vl(name: str, *, reps: int = 3, seed: int = 0) -> dict[str, Any]:
 
 
 def run_vl(shapes: list[str] | None = None, *, reps: int = 3, dry_run: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """Every asked row of :data:`VL_SHAPES` (default: ``device``'s; ``dry_run``: ``tiny-vl`` on the CPU).
+    """Every asked row of :data:`VL_SHAPES` (default: ``device``'s; ``dry_run``: ``tiny-vl-dry`` on the CPU).
     ValueError (before any compute) for an unknown row, or CUDA asked where torch sees none."""
     if shapes is None:
-        shapes = ["tiny-vl"] if dry_run or device == "cpu" else ["7b-vl-layers"]
+        shapes = ["tiny-vl-dry"] if dry_run else ["tiny-vl"] if device == "cpu" else ["7b-vl-layers"]
     bad = [s for s in shapes if s not in VL_SHAPES]
     if bad:
         raise ValueError(f"unknown VL shape(s) {bad}; choose from {sorted(VL_SHAPES)}")

@@ -242,10 +242,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"override {text!r}: cannot parse the value as YAML ({e.__class__.__name__})") from None
 
 
-def _merge(base: Any, raw: Mapping[str, Any], source: str) -> Any:
+def _merge(cfg: Any, raw: Mapping[str, Any], source: str) -> None:
+    """Merge ``raw`` into ``cfg`` in place (a copy of :func:`_defaults`: one copy per load, not per merge)."""
     checked = _check_keys(migrate_legacy_keys(raw, source), Config, "", source)
     try:
-        return OmegaConf.merge(base, checked)
+        cfg.merge_with(checked)
     except OmegaConfBaseException as e:
         raise _type_error(e, source, checked) from None
 
@@ -282,7 +283,7 @@ def _apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
         nested: Any = value
         for part in reversed(key.split(".")):
             nested = {part: nested}
-        cfg = _merge(cfg, nested, f"override {text!r}")
+        _merge(cfg, nested, f"override {text!r}")
     return cfg
 
 
@@ -294,13 +295,28 @@ def _finish(cfg: Any, source: str) -> Config:
     return validate_config(config)
 
 
+@cache
+def _frozen_defaults() -> Any:
+    base = OmegaConf.structured(Config)
+    OmegaConf.set_readonly(base, True)
+    return base
+
+
+def _defaults() -> Any:
+    """A fresh, writable OmegaConf tree of the schema's defaults: a copy of one read-only tree built once
+    per process (building it is ~0.4 s on CPU, most of a load; the copy ~0.05 s)."""
+    cfg = copy.deepcopy(_frozen_defaults())
+    OmegaConf.set_readonly(cfg, False)
+    return cfg
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """The defaults, overlaid by the YAML recipe at ``path`` (optional) and ``overrides``, validated.
 
     Raises FileNotFoundError for a missing recipe and ValueError (naming the dotted key, with a
     close match for typos) for unknown keys, wrong types and inconsistent values.
     """
-    cfg = OmegaConf.structured(Config)
+    cfg = _defaults()
     if path is not None:
         path = os.fspath(path)
         if not os.path.isfile(path):
@@ -310,13 +326,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
                 raw = yaml.safe_load(f)
             except yaml.YAMLError as e:
                 raise ValueError(f"{path}: not valid YAML: {e}") from None
-        cfg = _merge(cfg, raw or {}, path)
+        _merge(cfg, raw or {}, path)
     return _finish(_apply_overrides(cfg, overrides), path or "config")
 
 
 def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
     """Like :func:`load_config`, from a nested dict (e.g. :func:`config_to_dict`'s output)."""
-    cfg = _merge(OmegaConf.structured(Config), data, "config dict")
+    cfg = _defaults()
+    _merge(cfg, data, "config dict")
     return _finish(_apply_overrides(cfg, overrides), "config dict")
 
 
