@@ -56,14 +56,10 @@ def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
     found: list[tuple[bool, str, str]] = [
         (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
          "LoRA adapter loads into a paused engine are not built"),
-        (uses_critic, f"algorithm.adv_estimator={alg.adv_estimator}",
-         "the critic (PPO) is not served: its values would need the groups' versions too (use grpo)"),
-        (alg.filter_groups.enable, "algorithm.filter_groups.enable=true",
-         "the buffer filters groups as they enter (rlpad/training/group_buffer.py), the loop does not "
-         "serve it yet"),
-        (rw.reward_model.enable, "reward.reward_model.enable=true",
-         "the reward-model worker is not called as groups finish yet"),
-        (rw.judge.enable, "reward.judge.enable=true", "the judge's engines are not called as groups finish yet"),
+        (uses_critic and t.critic_warmup > 1, f"trainer.critic_warmup={t.critic_warmup}",
+         "a step without an actor update would load unchanged weights as a new policy version (set 0)"),
+        (rw.judge.enable, "reward.judge.enable=true",
+         "the judge's engines are not tested under the reward thread of streaming mode yet"),
         (arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
          "multi-turn tool rollouts are not streamed yet (a turn boundary would be the pause point)"),
         (arr.rollout.agent.agent_loop_config_path is not None,

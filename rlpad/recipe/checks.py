@@ -31,6 +31,7 @@ from rlpad.rollout.agent_loops import agent_loop_problems
 from rlpad.rollout.environments import environment_problems
 from rlpad.rollout.stateful_tools import stateful_tool_problems
 from rlpad.rollout.tools import multi_turn_problems
+from rlpad.rollout.vllm_args import VLLM_MAX_TEMPERATURE
 from rlpad.topology import layout_problems
 
 __all__ = ["no_effect_notice", "registry_choices", "validate_config"]
@@ -234,6 +235,11 @@ def validate_config(config: Config) -> Config:
         positive(key, value, optional)
     if not 0 < rollout.top_p <= 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if rollout.name == "vllm":
+        for key, value in (("temperature", rollout.temperature), ("val_kwargs.temperature", rollout.val_kwargs.temperature)):
+            if value > VLLM_MAX_TEMPERATURE:
+                problems.append(f"actor_rollout_ref.rollout.{key}={value} must be <= {VLLM_MAX_TEMPERATURE} with "
+                                "actor_rollout_ref.rollout.name=vllm (vLLM's SamplingParams bound)")
     if not 0 < rollout.gpu_memory_utilization <= 1:
         problems.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} "
                         "must be in (0, 1]")

@@ -3,13 +3,20 @@
 :class:`StreamTrainer` is the :class:`~rlpad.training.trainer.Trainer` with another source of batches. The
 engines (:class:`~rlpad.training.stream_rollout.StreamRollout` over the workers' engine clients) generate
 continuously from the prompt stream (the train loader's prompts, one group of n per prompt); each group is
-scored as it enters the buffer (the reward runs while the engines go on). Step t (``t - 1`` updates
+scored as it completes, in a reward thread of its own (one group at a time, in completion order: the event loop
+and the engines go on; rule rewards, the reward model's worker group and the judge's engines alike), then
+enters the buffer through DAPO's filter (``algorithm.filter_groups``: a group without spread of its metric is
+not buffered, counted in ``stream/filtered_groups``; the stream goes on until a step has its groups). Step t (``t - 1`` updates
 applied) waits for ``data.train_batch_size`` fresh groups (timed: ``timing_s/wait_rollout``), then runs
-the trainer's stages on them in a thread (old log-probs, the per-token correction, the advantage, the
-update) while the event loop keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the
+the trainer's stages on them in a thread (old log-probs, the critic's values, the per-token correction, the
+advantage, the critic's and the actor's updates) while the event loop keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the
 actor's weights are staged (the workers' :meth:`StreamWorkers.stage_weights`) and land in the engines
 mid-generation as policy version t (:meth:`StreamRollout.load_weights`). A step's record adds the
 ``stream/*`` metrics (rlpad.training.stream_metrics) over its span, from its wait to its weight load.
+
+The critic (``adv_estimator=gae``) is not versioned: step t's values come from the critic as it is at step t
+(t - 1 critic updates applied, whatever versions sampled the tokens), as in the synchronous loop; only the
+actor's tokens carry versions (the per-token correction weighs the actor's loss, not the critic's).
 
 Seeds: the prompt with global index i of the stream is sampled with
 :func:`rlpad.training.stream_rollout.request_seed` (``rollout.seed``, i, sample). The schedule is not
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -27,7 +35,8 @@ from rlpad.batch import Batch
 from rlpad.rollout.base import Sampling, eos_token_ids, pad_token_id
 from rlpad.rollout.engine_client import EngineClient
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
-from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields
+from rlpad.training.dynamic_sampling import filter_metric
+from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields, spread_filter
 from rlpad.training.metrics import MetricsLogger
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.stream_metrics import buffer_metrics, staleness_metrics, time_shares
@@ -66,6 +75,7 @@ class StreamTrainer(Trainer):
         self.pad_token_id = pad_token_id(tokenizer)
         self.eos = eos_token_ids(tokenizer.eos_token_id)
         self.scored: dict[str, Batch] = {}  # uid -> the group's scored rows, until a step takes it
+        self.keep = spread_filter(lambda r: r.score) if config.algorithm.filter_groups.enable else None
         self.stream: StreamRollout | None = None
 
     # ---- the prompt stream and the groups' rows
@@ -99,9 +109,14 @@ class StreamTrainer(Trainer):
         out.meta.update(temperature=self.sampling.logprob_temperature)
         return out
 
-    def _score_group(self, group: Group) -> None:
-        """As a group enters the buffer: its rows scored by the reward (kept until a step takes the group)."""
-        self.scored[group.uid] = self._scored(self.group_rows(group), StageClock())
+    async def _score_group(self, group: Group, pool: ThreadPoolExecutor) -> None:
+        """As a group completes: its rows scored by the reward in ``pool``'s thread (kept until a step takes the
+        group); each response's ``score`` is ``algorithm.filter_groups.metric`` of its row (the buffer's filter)."""
+        rows = await asyncio.get_running_loop().run_in_executor(
+            pool, lambda: self._scored(self.group_rows(group), StageClock()))
+        for response, value in zip(group.responses, filter_metric(rows, self.config.algorithm.filter_groups.metric)):
+            response.score = float(value)
+        self.scored[group.uid] = rows
 
     # ---- the loop
 
@@ -111,9 +126,11 @@ class StreamTrainer(Trainer):
     async def _stream_loop(self, logger: MetricsLogger) -> None:
         a = self.config.async_training
         k = self.config.data.train_batch_size
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rlpad-stream-reward")  # one group at a time, in order
         stream = self.stream = StreamRollout(
             self.workers.engine_clients(), self._prompts(), n=self.n, sampling=self.sampling, rule=self.rule,
-            buffer=GroupBuffer(self.n), slots_per_engine=self.slots, on_group=self._score_group)
+            buffer=GroupBuffer(self.n, self.keep), slots_per_engine=self.slots,
+            on_group=lambda group: self._score_group(group, pool))
         try:
             while self.step < self.total_steps:
                 start = time.perf_counter()
@@ -123,7 +140,7 @@ class StreamTrainer(Trainer):
                 self.step += 1
                 depth = len(stream.buffer) + len(groups)
                 kept = {g.uid for g in stream.buffer.ready} | {g.uid for g in groups}
-                for uid in [u for u in self.scored if u not in kept]:  # dropped past the cap: never trained
+                for uid in [u for u in self.scored if u not in kept]:  # dropped past the cap or filtered: never trained
                     del self.scored[uid]
                 wait = stream.trainer_wait[-1][1] - stream.trainer_wait[-1][0]
                 metrics = await asyncio.to_thread(self.train_groups, groups, wait)
@@ -144,6 +161,7 @@ class StreamTrainer(Trainer):
                     await asyncio.to_thread(self.hf_folders.save, self.workers, self.step)
         finally:
             await stream.close()
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def train_groups(self, groups: list[Group], wait_s: float) -> dict[str, float]:
         """One update on ``groups`` (their scored rows, groups then samples): the trainer's stages from the old
@@ -156,8 +174,12 @@ class StreamTrainer(Trainer):
         self.compute_old_log_prob(batch, clock, metrics)
         if self.config.uses_ref:
             self.compute_ref_log_prob(batch, clock)
+        if self.estimator.uses_critic:
+            self.compute_values(batch, clock)
         self.correct_rollout(batch, metrics)
         self.compute_advantage(batch, clock, metrics)
+        if self.estimator.uses_critic:
+            metrics.update(self.update_critic(batch, clock))
         metrics.update(self.update_actor(batch, clock))
         metrics.update(self._batch_metrics(batch, seq_scores, clock.wall))
         metrics.update(clock.metrics())
