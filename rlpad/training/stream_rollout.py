@@ -237,9 +237,9 @@ class StreamRollout:
         return [e.busy + ([(e.busy_since, now)] if e.busy_since is not None else []) for e in self.engines]
 
     async def close(self) -> None:
-        """Abort what is in flight and wait for the requests' tasks."""
-        for r in list(self.requests.values()):
-            await self.engines[r.engine].client.abort(r.request_id)
+        """Abort what is in flight and wait for the requests' tasks (an engine that died: nothing to abort there)."""
+        await asyncio.gather(*[self.engines[r.engine].client.abort(r.request_id) for r in list(self.requests.values())],
+                             return_exceptions=True)
         self.exhausted = True
         for task in list(self.tasks):
             task.cancel()
