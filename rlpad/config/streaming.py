@@ -70,7 +70,7 @@ def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
          "agent loops are not streamed yet (the streaming rollout sends single-turn requests)"),
         (config.distillation.enabled, "distillation.enabled=true", "the teacher is not served in streaming mode"),
         (bool(config.data.val_files), f"data.val_files={config.data.val_files}",
-         "validation would need the engines drained between weight loads; not built (set data.val_files=[])"),
+         "validation requests on the streaming engines at the version just loaded are not built (set data.val_files=[])"),
         (t.save_freq > 0, f"trainer.save_freq={t.save_freq}",
          "checkpoints of the buffer and the in-flight partial responses are not built (set -1)"),
     ]
