@@ -14,7 +14,7 @@ from rlpad.config.code import code_problems
 from rlpad.config.doc import format_value
 from rlpad.config.choices import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES,
-    OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, kl_kind,
+    OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, VLLM_MAX_TEMPERATURE, kl_kind,
 )
 from rlpad.config.checkpoint import checkpoint_problems
 from rlpad.config.schema import Config
@@ -31,7 +31,6 @@ from rlpad.rollout.agent_loops import agent_loop_problems
 from rlpad.rollout.environments import environment_problems
 from rlpad.rollout.stateful_tools import stateful_tool_problems
 from rlpad.rollout.tools import multi_turn_problems
-from rlpad.rollout.vllm_args import VLLM_MAX_TEMPERATURE
 from rlpad.topology import layout_problems
 
 __all__ = ["no_effect_notice", "registry_choices", "validate_config"]

@@ -12,9 +12,7 @@ from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.lora.rules import engine_max_lora_rank
 from rlpad.rollout.base import NamedTensors, named_pairs
 
-VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a request above it ("temperature must be in [0, 2]")
-
-__all__ = ["VLLM_MAX_TEMPERATURE", "cpu_whole_prefills", "engine_kwargs", "sampling_params", "with_tied_head"]
+__all__ = ["cpu_whole_prefills", "engine_kwargs", "sampling_params", "with_tied_head"]
 
 
 def engine_kwargs(model_path: str, rollout: RolloutConfig, data: DataConfig, *, tokenizer_path: str | None = None,
