@@ -10,8 +10,8 @@ from __future__ import annotations
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DISTILLATION_LOSS_MODES", "DTYPES", "FILTER_METRICS",
     "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "REWARD_MANAGERS",
-    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "VLLM_MAX_TEMPERATURE", "VL_MODEL_TYPES",
-    "kl_kind",
+    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "VLLM_MAX_TEMPERATURE",
+    "VL_MODEL_TYPES", "kl_kind",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
