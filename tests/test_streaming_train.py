@@ -125,11 +125,14 @@ def runs(tmp_path_factory):
                                           overrides(str(tmp_path_factory.mktemp("s")), partial, validate=partial)
                                           + ([] if partial else with_the_rest(str(rm_dir)))))
              for partial in (True, False)}
+    clock = time.monotonic()
     try:
         for partial in (True, False):
             prep = preps[partial]
             if workers is None:  # the second run's stack (with the critic and the reward model) serves both
                 workers = launch_workers(preps[False].config)
+                print(f"stack launched: {time.monotonic() - clock:.0f} s")
+                clock = time.monotonic()
             else:  # the second run starts its versions at 0 again: the actor's weights as version 0
                 workers.sync_weights()
             if not partial:
@@ -137,6 +140,8 @@ def runs(tmp_path_factory):
             trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset,
                                prep.reward_fn)
             out[partial] = (trainer.fit(), trainer)
+            print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
+            clock = time.monotonic()
         # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
         prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
         workers.sync_weights()
@@ -144,6 +149,7 @@ def runs(tmp_path_factory):
         with pytest.raises(WorkerFailed) as failed:
             trainer.fit()
         out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed)
+        print(f"run with the killed engine: {time.monotonic() - clock:.0f} s")
     finally:
         if workers is not None:
             workers.shutdown()
