@@ -48,7 +48,8 @@ def overrides(out_dir: str, partial: bool, validate: bool = False) -> list[str]:
     # temperature and a longer budget keep responses in flight long enough to cross loads (at 1.0 and 48 tokens
     # one response in 48 crossed)
     val = ["trainer.test_freq=2", "trainer.val_before_train=false", "actor_rollout_ref.rollout.val_kwargs.n=2"]
-    return ["async_training.enable=true", *(val if validate else ["data.val_files=[]"]), f"trainer.default_local_dir={out_dir}",
+    return ["async_training.enable=true", *(val if validate else ["data.val_files=[]"]),
+            f"trainer.default_local_dir={out_dir}",
             f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]", f"trainer.total_training_steps={STEPS}",
             f"data.train_batch_size={GROUPS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
             f"actor_rollout_ref.rollout.n={N}", f"async_training.concurrent_samples_per_replica={N}",
@@ -244,8 +245,8 @@ def test_the_critic_the_filter_and_the_reward_model_stream(runs):
     assert len(trainer.advantage_inputs) == STEPS
     for record in history:  # the critic trained every step; the reward is the parts' weighted sum
         assert math.isfinite(record["critic/vf_loss"])
-        assert math.isclose(record["reward/mean"], record["reward/rule/mean"] + 0.5 * record["reward/reward_model/mean"],
-                            rel_tol=0, abs_tol=1e-5)
+        weighted = record["reward/rule/mean"] + 0.5 * record["reward/reward_model/mean"]
+        assert math.isclose(record["reward/mean"], weighted, rel_tol=0, abs_tol=1e-5)
         assert record["reward/reward_model/mean"] != 0.0
     for b in trainer.advantage_inputs:
         mask = b["response_mask"].double()

@@ -235,7 +235,8 @@ def validate_config(config: Config) -> Config:
     if not 0 < rollout.top_p <= 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
     if rollout.name == "vllm":
-        for key, value in (("temperature", rollout.temperature), ("val_kwargs.temperature", rollout.val_kwargs.temperature)):
+        for key, value in (("temperature", rollout.temperature),
+                           ("val_kwargs.temperature", rollout.val_kwargs.temperature)):
             if value > VLLM_MAX_TEMPERATURE:
                 problems.append(f"actor_rollout_ref.rollout.{key}={value} must be <= {VLLM_MAX_TEMPERATURE} with "
                                 "actor_rollout_ref.rollout.name=vllm (vLLM's SamplingParams bound)")

@@ -5,9 +5,9 @@ A prompt's group (n requests, on the engine with the most free slots) starts whi
 allows (:class:`~rlpad.training.stream_staleness.Admission`) and an engine has n free slots; a finished
 response is scored; a complete group is handed to ``on_group`` (the trainer's rewards, awaited off the event
 loop) and then through the :class:`~rlpad.training.group_buffer.GroupBuffer`'s filter; finished responses
-free their slots and the next group starts before the group is scored. :meth:`StreamRollout.take` is the trainer's side (waits for k
-fresh groups; the wait is timed). :meth:`StreamRollout.load_weights` lands new weights mid-generation:
-every engine pauses at a token boundary (its requests kept, KV dropped), the responses the rule says
+free their slots and the next group starts before the group is scored. :meth:`StreamRollout.take` is the
+trainer's side (waits for k fresh groups; the wait is timed). :meth:`StreamRollout.load_weights` lands new
+weights mid-generation: every engine pauses at a token boundary (its requests kept, KV dropped), the responses the rule says
 to regenerate (all with ``partial_rollout=false``; those past the hard cap otherwise) are aborted, the
 weights load, the engines resume: the kept responses continue from the tokens they had, later tokens
 carrying the new version (the engine's own label), the aborted ones start again from the prompt

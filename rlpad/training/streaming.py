@@ -3,16 +3,17 @@
 :class:`StreamTrainer` is the :class:`~rlpad.training.trainer.Trainer` with another source of batches. The
 engines (:class:`~rlpad.training.stream_rollout.StreamRollout` over the workers' engine clients) generate
 continuously from the prompt stream (the train loader's prompts, one group of n per prompt); each group is
-scored as it completes, in a reward thread of its own (one group at a time, in completion order: the event loop
-and the engines go on; rule rewards, the reward model's worker group and the judge's engines alike), then
-enters the buffer through DAPO's filter (``algorithm.filter_groups``: a group without spread of its metric is
-not buffered, counted in ``stream/filtered_groups``; the stream goes on until a step has its groups). Step t (``t - 1`` updates
-applied) waits for ``data.train_batch_size`` fresh groups (timed: ``timing_s/wait_rollout``), then runs
-the trainer's stages on them in a thread (old log-probs, the critic's values, the per-token correction, the
-advantage, the critic's and the actor's updates) while the event loop keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the
-actor's weights are staged (the workers' :meth:`StreamWorkers.stage_weights`) and land in the engines
-mid-generation as policy version t (:meth:`StreamRollout.load_weights`). A step's record adds the
-``stream/*`` metrics (rlpad.training.stream_metrics) over its span, from its wait to its weight load.
+scored as it completes, in a reward thread of its own (one group at a time, in completion order, while the
+event loop and the engines go on; rule rewards and the reward model's worker group alike), then enters the
+buffer through DAPO's filter (``algorithm.filter_groups``: a group without a spread of its metric is not
+buffered, counted in ``stream/filtered_groups``; the stream goes on until a step has its groups). Step t
+(``t - 1`` updates applied) waits for ``data.train_batch_size`` fresh groups (timed:
+``timing_s/wait_rollout``), then runs the trainer's stages on them in a thread (old log-probs, the critic's
+values, the per-token correction, the advantage, the critic's and the actor's updates) while the event loop
+keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the actor's weights are staged (the
+workers' :meth:`StreamWorkers.stage_weights`) and land in the engines mid-generation as policy version t
+(:meth:`StreamRollout.load_weights`). A step's record adds the ``stream/*`` metrics
+(rlpad.training.stream_metrics) over its span, from its wait to its weight load.
 
 The critic (``adv_estimator=gae``) is not versioned: step t's values come from the critic as it is at step t
 (t - 1 critic updates applied, whatever versions sampled the tokens), as in the synchronous loop; only the
@@ -155,7 +156,7 @@ class StreamTrainer(Trainer):
                 self.step += 1
                 depth = len(stream.buffer) + len(groups)
                 kept = {g.uid for g in stream.buffer.ready} | {g.uid for g in groups}
-                for uid in [u for u in self.scored if u not in kept]:  # dropped past the cap or filtered: never trained
+                for uid in [u for u in self.scored if u not in kept]:  # dropped (past the cap) or filtered out
                     del self.scored[uid]
                 wait = stream.trainer_wait[-1][1] - stream.trainer_wait[-1][0]
                 metrics = await asyncio.to_thread(self.train_groups, groups, wait)
