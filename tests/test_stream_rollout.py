@@ -140,3 +140,52 @@ def test_without_partial_rollouts_the_responses_in_flight_are_regenerated(engine
     assert not any(r.crossed_load for r in responses)
     assert sum(r.restarts for r in responses) == regenerated
     assert all(r.versions[0] == v + 1 for r in responses if r.restarts)
+
+
+def test_groups_are_scored_off_the_loop_and_filtered_as_they_enter(engine):
+    """``on_group`` runs in a thread while the engine goes on (responses finish during a group's scoring); DAPO's
+    filter (no spread of the score) keeps those groups out of the buffer, counted: every taken group has spread and
+    ``filtered_groups`` equals the groups scored without it."""
+    import time
+
+    from rlpad.training.group_buffer import spread_filter
+
+    _, client, run = engine
+    v = client.version
+    rule = StalenessRule(threshold=0.0, window=8, max_staleness=1, partial_rollout=True)
+    source = {p.uid: p for p in prompts("c", 8)}
+    finished, flat, during = [0], [], []
+
+    def count(prompt, response):
+        finished[0] += 1
+        return 0.0
+
+    async def on_group(group):
+        before = finished[0]
+        index = int(group.uid[1:])
+
+        def score():  # odd prompts: a spread of scores; even ones: all equal (DAPO drops them)
+            time.sleep(0.3)
+            return [float(index % 2 and r.index) for r in group.responses], threading.get_ident()
+
+        scores, thread = await asyncio.to_thread(score)
+        for r, s in zip(group.responses, scores):
+            r.score = s
+        if max(scores) == min(scores):
+            flat.append(group.uid)
+        during.append((finished[0] - before, thread))
+
+    async def scenario():
+        stream = StreamRollout([client], iter(source.values()), n=2, sampling=Sampling(1, 0.9, 1.0, -1, 24),
+                               rule=rule, buffer=GroupBuffer(2, spread_filter(lambda r: r.score)),
+                               slots_per_engine=4, score=count, on_group=on_group)
+        taken = await stream.take(3, v)
+        filtered = (stream.buffer.filtered_groups, len(flat))  # read together: close() lets later groups finish
+        await stream.close()
+        return taken, filtered, threading.get_ident()
+
+    taken, (filtered, flat_groups), loop_thread = run(scenario())
+    assert all(int(g.uid[1:]) % 2 == 1 and len({r.score for r in g.responses}) == 2 for g in taken)
+    assert flat_groups and filtered == flat_groups  # the count is the groups dropped, no more
+    assert all(thread != loop_thread for _, thread in during)  # scored off the event loop
+    assert any(n > 0 for n, _ in during)  # responses finished while a group was being scored

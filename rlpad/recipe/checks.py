@@ -14,7 +14,7 @@ from rlpad.config.code import code_problems
 from rlpad.config.doc import format_value
 from rlpad.config.choices import (
     ATTN_IMPLEMENTATIONS, BACKENDS, DEVICES, DTYPES, FILTER_METRICS, LOG_LEVELS, LOSS_AGG_MODES,
-    OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, kl_kind,
+    OLD_LOG_PROB_LAYOUTS, ROLLOUT_CORRECTION_MODES, TRUNCATION_MODES, VLLM_MAX_TEMPERATURE, kl_kind,
 )
 from rlpad.config.checkpoint import checkpoint_problems
 from rlpad.config.schema import Config
@@ -234,6 +234,12 @@ def validate_config(config: Config) -> Config:
         positive(key, value, optional)
     if not 0 < rollout.top_p <= 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if rollout.name == "vllm":
+        for key, value in (("temperature", rollout.temperature),
+                           ("val_kwargs.temperature", rollout.val_kwargs.temperature)):
+            if value > VLLM_MAX_TEMPERATURE:
+                problems.append(f"actor_rollout_ref.rollout.{key}={value} must be <= {VLLM_MAX_TEMPERATURE} with "
+                                "actor_rollout_ref.rollout.name=vllm (vLLM's SamplingParams bound)")
     if not 0 < rollout.gpu_memory_utilization <= 1:
         problems.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} "
                         "must be in (0, 1]")

@@ -30,12 +30,12 @@ from rlpad.batch import Batch
 from rlpad.config.schema import Config
 from rlpad.rewards.rules import place_scores
 
-__all__ = ["collect_batch", "group_spread", "overlong_penalty", "shape_rewards"]
+__all__ = ["collect_batch", "filter_metric", "group_spread", "overlong_penalty", "shape_rewards"]
 
 SEQ_SCORE, ACC = "seq_score", "acc"  # the raw per-response reward and accuracy the scoring step adds (B,)
 
 
-def _metric(batch: Batch, name: str) -> torch.Tensor:
+def filter_metric(batch: Batch, name: str) -> torch.Tensor:
     """The per-response value of ``filter_groups.metric`` (N,), before any shaping."""
     if name == "acc":
         return batch[ACC]
@@ -76,7 +76,7 @@ def collect_batch(config: Config, prompts: Batch | None, next_prompts: Callable[
     while True:
         rollout = generate_scored(prompts, gen_batches)
         gen_batches, prompts_used = gen_batches + 1, prompts_used + len(rollout) // n
-        keep, k, groups = group_spread(_metric(rollout, fg.metric), rollout["uid"])
+        keep, k, groups = group_spread(filter_metric(rollout, fg.metric), rollout["uid"])
         kept, total = kept + k, total + groups
         if not fg.enable:
             return rollout, {"filter_groups/zero_spread_frac": (groups - k) / max(groups, 1)}

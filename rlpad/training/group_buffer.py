@@ -63,6 +63,12 @@ class GroupBuffer:
 
     def add(self, response: Response, prompt: Any = None) -> Group | None:
         """A finished response; returns its group when this completes it (and the filter kept it), else None."""
+        group = self.complete(response, prompt)
+        return group if group is not None and self.admit(group) else None
+
+    def complete(self, response: Response, prompt: Any = None) -> Group | None:
+        """A finished response; returns its group when this completes it, not yet through the filter nor ready
+        (the caller scores it, then :meth:`admit`); else None."""
         if not response.done:
             raise ValueError(f"response {response.uid}/{response.index} is not done")
         if not 0 <= response.index < self.n:
@@ -74,12 +80,15 @@ class GroupBuffer:
         if len(members) < self.n:
             return None
         del self.pending[response.uid]
-        group = Group(response.uid, [members[j] for j in range(self.n)], prompt)
+        return Group(response.uid, [members[j] for j in range(self.n)], prompt)
+
+    def admit(self, group: Group) -> bool:
+        """A completed group through the filter: ready for the trainer (True) or filtered out (counted, False)."""
         if self.keep is not None and not self.keep(group):
             self.filtered_groups += 1
-            return None
+            return False
         self.ready.append(group)
-        return group
+        return True
 
     def __len__(self) -> int:
         """Buffer depth: groups ready for the trainer."""

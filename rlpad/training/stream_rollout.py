@@ -3,10 +3,11 @@
 One event loop drives any number of :class:`rlpad.rollout.engine_client.EngineClient` (one request per sample).
 A prompt's group (n requests, on the engine with the most free slots) starts while verl's staleness quota
 allows (:class:`~rlpad.training.stream_staleness.Admission`) and an engine has n free slots; a finished
-response is scored and added to the :class:`~rlpad.training.group_buffer.GroupBuffer`; a finished group
-frees its slots and the next group starts. :meth:`StreamRollout.take` is the trainer's side (waits for k
-fresh groups; the wait is timed). :meth:`StreamRollout.load_weights` lands new weights mid-generation:
-every engine pauses at a token boundary (its requests kept, KV dropped), the responses the rule says
+response is scored; a complete group is handed to ``on_group`` (the trainer's rewards, awaited off the event
+loop) and then through the :class:`~rlpad.training.group_buffer.GroupBuffer`'s filter; finished responses
+free their slots and the next group starts before the group is scored. :meth:`StreamRollout.take` is the
+trainer's side (waits for k fresh groups; the wait is timed). :meth:`StreamRollout.load_weights` lands new
+weights mid-generation: every engine pauses at a token boundary (its requests kept, KV dropped), the responses the rule says
 to regenerate (all with ``partial_rollout=false``; those past the hard cap otherwise) are aborted, the
 weights load, the engines resume: the kept responses continue from the tokens they had, later tokens
 carrying the new version (the engine's own label), the aborted ones start again from the prompt
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +74,14 @@ class _Engine:
 
 class StreamRollout:
     """See the module docstring. ``score(prompt, response) -> float`` sets each finished response's score (the
-    group filter of ``buffer`` reads it); ``on_group(group)`` is called as each group enters the buffer (the trainer's
-    rewards, computed while the engines go on); ``slots_per_engine``: requests in flight per engine at most (>= n)."""
+    group filter of ``buffer`` reads it); ``on_group(group)`` is awaited as each group completes, before the
+    buffer's filter (the trainer's rewards, computed off the event loop while the engines go on; it may set the
+    responses' scores the filter reads); ``slots_per_engine``: requests in flight per engine at most (>= n)."""
 
     def __init__(self, clients: Sequence[EngineClient], prompts: Iterator[StreamPrompt], *, n: int,
                  sampling: Sampling, rule: StalenessRule, buffer: GroupBuffer, slots_per_engine: int,
                  score: Callable[[StreamPrompt, Response], float] | None = None,
-                 on_group: Callable[[Group], None] | None = None):
+                 on_group: Callable[[Group], Awaitable[None]] | None = None):
         if slots_per_engine < n:
             raise ValueError(f"slots_per_engine={slots_per_engine} must be >= n={n}: a group runs on one engine")
         if not clients:
@@ -147,8 +149,8 @@ class StreamRollout:
         if gen.finish_reason == "abort":  # regenerate from the prompt (restarted by load_weights)
             self._submit(prompt, response, req.engine)
             return
-        self._finish(prompt, response, gen)
-        self.fill()
+        self.fill()  # the freed slots take new groups before this one is scored
+        await self._finish(prompt, response, gen)
 
     def _release(self, e: _Engine) -> None:
         e.in_flight -= 1
@@ -156,15 +158,17 @@ class StreamRollout:
             e.busy.append((e.busy_since, time.perf_counter()))
             e.busy_since = None
 
-    def _finish(self, prompt: StreamPrompt, response: Response, gen: Generation) -> None:
+    async def _finish(self, prompt: StreamPrompt, response: Response, gen: Generation) -> None:
         for token, log_prob, version in zip(gen.token_ids, gen.log_probs, gen.versions):
             response.extend([token], [log_prob], version)
         response.done = True
         if self.score is not None:
             response.score = float(self.score(prompt, response))
-        group = self.buffer.add(response, prompt.row)
-        if group is not None and self.on_group is not None:
-            self.on_group(group)
+        group = self.buffer.complete(response, prompt.row)
+        if group is not None:
+            if self.on_group is not None:
+                await self.on_group(group)
+            self.buffer.admit(group)  # no await since on_group: the trainer never sees a scored group not admitted
         self.changed.set()
 
     async def load_weights(self, named_tensors: NamedTensors, version: int) -> float:
@@ -243,9 +247,9 @@ class StreamRollout:
                 "loads": rel(self.loads)}
 
     async def close(self) -> None:
-        """Abort what is in flight and wait for the requests' tasks."""
-        for r in list(self.requests.values()):
-            await self.engines[r.engine].client.abort(r.request_id)
+        """Abort what is in flight and wait for the requests' tasks (an engine that died: nothing to abort there)."""
+        await asyncio.gather(*[self.engines[r.engine].client.abort(r.request_id) for r in list(self.requests.values())],
+                             return_exceptions=True)
         self.exhausted = True
         for task in list(self.tasks):
             task.cancel()

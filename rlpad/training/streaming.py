@@ -3,13 +3,26 @@
 :class:`StreamTrainer` is the :class:`~rlpad.training.trainer.Trainer` with another source of batches. The
 engines (:class:`~rlpad.training.stream_rollout.StreamRollout` over the workers' engine clients) generate
 continuously from the prompt stream (the train loader's prompts, one group of n per prompt); each group is
-scored as it enters the buffer (the reward runs while the engines go on). Step t (``t - 1`` updates
-applied) waits for ``data.train_batch_size`` fresh groups (timed: ``timing_s/wait_rollout``), then runs
-the trainer's stages on them in a thread (old log-probs, the per-token correction, the advantage, the
-update) while the event loop keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the
-actor's weights are staged (the workers' :meth:`StreamWorkers.stage_weights`) and land in the engines
-mid-generation as policy version t (:meth:`StreamRollout.load_weights`). A step's record adds the
-``stream/*`` metrics (rlpad.training.stream_metrics) over its span, from its wait to its weight load.
+scored as it completes, in a reward thread of its own (one group at a time, in completion order, while the
+event loop and the engines go on; rule rewards and the reward model's worker group alike), then enters the
+buffer through DAPO's filter (``algorithm.filter_groups``: a group without a spread of its metric is not
+buffered, counted in ``stream/filtered_groups``; the stream goes on until a step has its groups). Step t
+(``t - 1`` updates applied) waits for ``data.train_batch_size`` fresh groups (timed:
+``timing_s/wait_rollout``), then runs the trainer's stages on them in a thread (old log-probs, the critic's
+values, the per-token correction, the advantage, the critic's and the actor's updates) while the event loop
+keeps feeding the engines; every ``trigger_parameter_sync_step`` updates the actor's weights are staged (the
+workers' :meth:`StreamWorkers.stage_weights`) and land in the engines mid-generation as policy version t
+(:meth:`StreamRollout.load_weights`). A step's record adds the ``stream/*`` metrics
+(rlpad.training.stream_metrics) over its span, from its wait to its weight load.
+
+The critic (``adv_estimator=gae``) is not versioned: step t's values come from the critic as it is at step t
+(t - 1 critic updates applied, whatever versions sampled the tokens), as in the synchronous loop; only the
+actor's tokens carry versions (the per-token correction weighs the actor's loss, not the critic's).
+
+Validation (``data.val_files``; ``trainer.test_freq``, a multiple of ``trigger_parameter_sync_step``, and the
+last step): right after that step's weight load, on the same engines and the version just loaded (a load is
+made at the last step for it), the training requests going on beside it; the next load waits until it is done.
+Its metrics are the synchronous trainer's (:meth:`Trainer.validate`).
 
 Seeds: the prompt with global index i of the stream is sampled with
 :func:`rlpad.training.stream_rollout.request_seed` (``rollout.seed``, i, sample). The schedule is not
@@ -23,13 +36,16 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from rlpad.batch import Batch
 from rlpad.rollout.base import Sampling, eos_token_ids, pad_token_id
 from rlpad.rollout.engine_client import EngineClient
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
-from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields
+from rlpad.rollout.seeds import sample_seed
+from rlpad.training.dynamic_sampling import filter_metric
+from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields, spread_filter
 from rlpad.training.metrics import MetricsLogger
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.stream_metrics import buffer_metrics, staleness_metrics, time_shares
@@ -48,7 +64,7 @@ class StreamWorkers(Workers, Protocol):
 
 
 class StreamTrainer(Trainer):
-    """The streaming loop (the module docstring); validation and checkpoints are refused at config load."""
+    """The streaming loop (the module docstring); checkpoints are refused at config load."""
 
     off_policy = True  # every batch may hold tokens of older versions: the correction's off-policy form
 
@@ -68,7 +84,12 @@ class StreamTrainer(Trainer):
         self.pad_token_id = pad_token_id(tokenizer)
         self.eos = eos_token_ids(tokenizer.eos_token_id)
         self.scored: dict[str, Batch] = {}  # uid -> the group's scored rows, until a step takes it
+        self.keep = spread_filter(lambda r: r.score) if config.algorithm.filter_groups.enable else None
         self.stream: StreamRollout | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the stream's, for validation from a thread
+        val = arr.rollout.val_kwargs
+        self.val_sampling = Sampling(1, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k,
+                                     config.data.max_response_length)
 
     # ---- the prompt stream and the groups' rows
 
@@ -101,9 +122,14 @@ class StreamTrainer(Trainer):
         out.meta.update(temperature=self.sampling.logprob_temperature)
         return out
 
-    def _score_group(self, group: Group) -> None:
-        """As a group enters the buffer: its rows scored by the reward (kept until a step takes the group)."""
-        self.scored[group.uid] = self._scored(self.group_rows(group), StageClock())
+    async def _score_group(self, group: Group, pool: ThreadPoolExecutor) -> None:
+        """As a group completes: its rows scored by the reward in ``pool``'s thread (kept until a step takes the
+        group); each response's ``score`` is ``algorithm.filter_groups.metric`` of its row (the buffer's filter)."""
+        rows = await asyncio.get_running_loop().run_in_executor(
+            pool, lambda: self._scored(self.group_rows(group), StageClock()))
+        for response, value in zip(group.responses, filter_metric(rows, self.config.algorithm.filter_groups.metric)):
+            response.score = float(value)
+        self.scored[group.uid] = rows
 
     # ---- the loop
 
@@ -111,13 +137,20 @@ class StreamTrainer(Trainer):
         asyncio.run(self._stream_loop(logger))
 
     async def _stream_loop(self, logger: MetricsLogger) -> None:
-        a = self.config.async_training
+        a, t = self.config.async_training, self.config.trainer
         k = self.config.data.train_batch_size
+        self._event_loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rlpad-stream-reward")  # one group at a time, in order
         stream = self.stream = StreamRollout(
             self.workers.engine_clients(), self._prompts(), n=self.n, sampling=self.sampling, rule=self.rule,
-            buffer=GroupBuffer(self.n), slots_per_engine=self.slots, on_group=self._score_group)
+            buffer=GroupBuffer(self.n, self.keep), slots_per_engine=self.slots,
+            on_group=lambda group: self._score_group(group, pool))
         t0, step_ends = time.perf_counter(), []
         try:
+            if self.step == 0 and t.val_before_train and self.val_dataset is not None:  # on version 0
+                record = {"step": 0, **await asyncio.to_thread(self.validate)}
+                self.history.append(record)
+                logger.log(0, record)
             while self.step < self.total_steps:
                 start = time.perf_counter()
                 groups = await stream.take(k, self.step)  # the update of step t runs with t - 1 applied
@@ -126,15 +159,20 @@ class StreamTrainer(Trainer):
                 self.step += 1
                 depth = len(stream.buffer) + len(groups)
                 kept = {g.uid for g in stream.buffer.ready} | {g.uid for g in groups}
-                for uid in [u for u in self.scored if u not in kept]:  # dropped past the cap: never trained
+                for uid in [u for u in self.scored if u not in kept]:  # dropped (past the cap) or filtered out
                     del self.scored[uid]
                 wait = stream.trainer_wait[-1][1] - stream.trainer_wait[-1][0]
                 metrics = await asyncio.to_thread(self.train_groups, groups, wait)
-                if self.step % a.trigger_parameter_sync_step == 0 and self.step < self.total_steps:
+                last = self.step == self.total_steps
+                validating = self.val_dataset is not None and ((t.test_freq > 0 and self.step % t.test_freq == 0)
+                                                               or last)
+                if validating or (self.step % a.trigger_parameter_sync_step == 0 and not last):
                     sync = time.perf_counter()
                     weights = await asyncio.to_thread(self.workers.stage_weights, self.step)
                     metrics["timing_s/stream_pause"] = await stream.load_weights(weights, self.step)
                     metrics["timing_s/sync"] = time.perf_counter() - sync
+                if validating:  # on the version just loaded; the next load waits for it
+                    metrics.update(await asyncio.to_thread(self.validate))
                 end = time.perf_counter()
                 metrics["timing_s/step_wall"] = end - start  # the whole step: its wait, stages and weight load
                 metrics.update(staleness_metrics(groups, self.step - 1))
@@ -149,9 +187,37 @@ class StreamTrainer(Trainer):
         finally:
             timeline = stream.timeline(t0) | {"step_ends": step_ends}
             await stream.close()
+            pool.shutdown(wait=True, cancel_futures=True)
         os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)  # for rlpad.bench.stream_timeline
         with open(os.path.join(self.config.trainer.default_local_dir, "stream_timeline.json"), "w") as f:
             json.dump(timeline, f)
+
+    def generate_validation(self, prompts: Batch, index: int) -> Batch:
+        """The validation rollout on the streaming engines (called from a thread while the stream's event loop
+        runs): ``rollout.val_kwargs`` sampling, prompt i's sample j seeded with ``sample_seed(seed, i, j)``, the
+        requests spread over the engines; every token must carry the version the engines hold (the last loaded)."""
+        future = asyncio.run_coroutine_threadsafe(self._engine_validation(prompts, self._val_seed(index)),
+                                                  self._event_loop)
+        return future.result()
+
+    async def _engine_validation(self, prompts: Batch, seed: int) -> Batch:
+        data, n = self.config.data, self.config.actor_rollout_ref.rollout.val_kwargs.n
+        ids = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"],
+                                 max_prompt_length=data.max_prompt_length, truncation=data.truncation)
+        clients = [e.client for e in self.stream.engines]
+        gens = await asyncio.gather(*[
+            clients[(i * n + j) % len(clients)].generate(p, self.val_sampling, sample_seed(seed, i, j),
+                                                         request_id=f"val-{self.step}-{seed}-{i}-{j}")
+            for i, p in enumerate(ids) for j in range(n)])
+        versions = {v for g in gens for v in g.versions}
+        if versions - {self.step}:
+            raise RuntimeError(f"validation at step {self.step}: tokens of versions {sorted(versions)} (expected "
+                               f"{self.step} only: the weights just loaded)")
+        out = build_rollout_batch(prompts, ids, [g.token_ids for g in gens], [g.log_probs for g in gens], n=n,
+                                  prompt_width=data.max_prompt_length, response_length=data.max_response_length,
+                                  pad_token_id=self.pad_token_id, eos_token_ids=self.eos)
+        out.meta.update(temperature=self.val_sampling.logprob_temperature)
+        return out
 
     def train_groups(self, groups: list[Group], wait_s: float) -> dict[str, float]:
         """One update on ``groups`` (their scored rows, groups then samples): the trainer's stages from the old
@@ -164,8 +230,12 @@ class StreamTrainer(Trainer):
         self.compute_old_log_prob(batch, clock, metrics)
         if self.config.uses_ref:
             self.compute_ref_log_prob(batch, clock)
+        if self.estimator.uses_critic:
+            self.compute_values(batch, clock)
         self.correct_rollout(batch, metrics)
         self.compute_advantage(batch, clock, metrics)
+        if self.estimator.uses_critic:
+            metrics.update(self.update_critic(batch, clock))
         metrics.update(self.update_actor(batch, clock))
         metrics.update(self._batch_metrics(batch, seq_scores, clock.wall))
         metrics.update(clock.metrics())

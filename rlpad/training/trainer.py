@@ -420,8 +420,7 @@ class Trainer:
         trained, parts, batches, scored = [], [], [], []
         rows = ValidationRows()  # per source: mean@N, best@k, maj@k (rlpad.training.validation_metrics)
         for index, prompts in enumerate(val_batches(self.val_dataset, self.config.data.val_batch_size)):
-            with self._generation():
-                batch = self.workers.generate_validation(prompts, seed=self._val_seed(index))
+            batch = self.generate_validation(prompts, index)
             if self.ahead is not None:
                 self.ahead.check_latest(batch, "validation")
             task, normalized = validation_scores(batch, self.tokenizer, self.reward_fn)
@@ -442,6 +441,11 @@ class Trainer:
         if parts:
             out.update(mismatch_metrics(Batch.concat(parts), "val/mismatch/"))
         return out
+
+    def generate_validation(self, prompts: Batch, index: int) -> Batch:
+        """The validation rollout of validation batch ``index`` (the workers' rollout replicas)."""
+        with self._generation():
+            return self.workers.generate_validation(prompts, seed=self._val_seed(index))
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
