@@ -9,12 +9,44 @@ import importlib.util
 import os
 from typing import Any
 
-__all__ = ["article", "load_function"]
+__all__ = ["article", "import_class", "import_class_having", "load_function", "read_yaml"]
 
 
 def article(noun: str) -> str:
     """``noun`` with its indefinite article: ``a list``, ``an int``."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def import_class(target: str) -> Any:
+    """What ``pkg.module.Class`` or ``pkg.module:Class`` names (ImportError, AttributeError or ValueError as
+    raised: the caller names its config key)."""
+    module, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def import_class_having(target: str, methods: tuple[str, ...], shape: str, where: str) -> type:
+    """The class ``target`` names, with every one of ``methods`` callable; ValueError ``"{where}: ..."`` naming
+    what is missing (``shape``: what such a class is, e.g. "a tool class (verl's BaseTool shape)")."""
+    try:
+        cls = import_class(target)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{where}: cannot import {target!r} ({e})") from e
+    missing = [m for m in methods if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ValueError(f"{where}: {target} is not {shape}; it lacks {', '.join(missing) or 'a class'}")
+    return cls
+
+
+def read_yaml(path: str, key: str, empty: Any) -> Any:
+    """The YAML document at ``path`` (``empty`` when it holds nothing); ValueError naming ``key`` when it cannot
+    be read."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or empty
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{key}={path!r} cannot be read as YAML: {' '.join(str(e).split())}") from e
 
 
 def load_function(spec: str, key: str) -> Any:

@@ -93,7 +93,7 @@ def test_toy_python_task_the_tool_answers_what_the_trace_copies():
     from rlpad.embedded import toy_python
     from rlpad.rewards.rules import compute_score
 
-    toolset = ToolSet(["rlpad.embedded.toy_python:py"], "bracket", 10.0, 8, len, max_token_chars=1)
+    toolset = ToolSet(["rlpad.rollout.python_tool:py"], "bracket", 10.0, 8, len, max_token_chars=1)
     try:
         (got,) = toolset.run([ToolCall("py", "print(34*58)")])
     finally:

@@ -1,5 +1,5 @@
 """The embedded Python-tool task: two-digit multiplication, ``"34*58="`` -> ``"1972"``, solved by writing
-a program for the sandboxed Python tool (rlpad.rollout.python_tool) and copying what it prints.
+a program for the sandboxed Python tool (``rlpad.rollout.python_tool:py``) and copying what it prints.
 
 The tiny model cannot multiply; it can learn to write the call and copy (four digits at most: the
 tiny model did not learn to copy the six of three-digit products in its warm start). The trace
@@ -23,24 +23,9 @@ from typing import Any
 
 from rlpad.embedded.toy_tools import LOW, Segment, split_pairs  # the same operand pairs, dealt alike
 
-__all__ = ["DATA_SOURCE", "LOW", "py", "sft_examples", "split_pairs", "trace", "write_dataset"]
+__all__ = ["DATA_SOURCE", "LOW", "sft_examples", "split_pairs", "trace", "write_dataset"]
 
 DATA_SOURCE = "rlpad/toy_python"
-_run = None  # the sandboxed tool, made at the first call (rlpad.rollout.python_tool: its pool per process)
-
-
-def py(code: str) -> str:
-    """Run a Python program in the sandbox; what it printed, without the trailing newline.
-
-    Args:
-        code: the program (e.g. print(34*58))
-    """
-    global _run
-    if _run is None:
-        from rlpad.rollout.python_tool import TOOL_LIMITS, python_tool
-
-        _run = python_tool(TOOL_LIMITS, "py")
-    return _run(code).rstrip("\n")
 
 
 def trace(a: int, b: int) -> list[Segment]:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlpad.functions import import_class, read_yaml
 from rlpad.rollout.engine_client import BatchingClient, EngineClient
 
 __all__ = ["AGENT_LOOPS", "AgentContext", "AgentLoopBase", "AgentLoopOutput", "agent_loop_problems", "check_output",
@@ -130,14 +131,8 @@ def check_output(out: Any, name: str, row: int, vocab_size: int, budget: int) ->
 
 def load_agent_loop_config(path: str) -> dict[str, tuple[type[AgentLoopBase], dict[str, Any]]]:
     """``agent_loop_config_path``: a YAML list of ``{name, _target_, **kwargs}`` -> name -> (class, kwargs)."""
-    import yaml
-
     key = f"{KEY}.agent_loop_config_path"
-    try:
-        with open(path) as f:
-            entries = yaml.safe_load(f) or []
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{key}={path!r} cannot be read as YAML: {' '.join(str(e).split())}") from e
+    entries = read_yaml(path, key, [])
     if not isinstance(entries, list):
         raise ValueError(f"{key}: {path} must hold a YAML list of {{name, _target_, ...}}")
     loops = {}
@@ -148,10 +143,9 @@ def load_agent_loop_config(path: str) -> dict[str, tuple[type[AgentLoopBase], di
             raise ValueError(f"{key}: entry {entry['name']!r} is a built-in loop's name; name yours otherwise")
         kwargs = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
         target = str(entry["_target_"])
-        module, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
+            cls = import_class(target)
+        except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"{key}: entry {entry['name']!r}: cannot import {target!r} ({e})") from e
         if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
             raise ValueError(f"{key}: entry {entry['name']!r}: {target} is not an AgentLoopBase subclass")

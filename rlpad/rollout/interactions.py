@@ -26,8 +26,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["InteractionEnv", "InteractionSpec", "interaction_class", "load_interaction_config",
-           "row_interaction"]
+from rlpad.functions import import_class, import_class_having, read_yaml
+
+__all__ = ["InteractionEnv", "InteractionSpec", "load_interaction_config", "row_interaction"]
 
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 TARGET = "rlpad.rollout.interactions:InteractionEnv"  # the environment the env_agent loop runs for an interaction
@@ -43,24 +44,10 @@ class InteractionSpec:
     config: dict[str, Any]
 
 
-def interaction_class(target: str) -> type:
-    """The class ``pkg.module.Class`` or ``pkg.module:Class`` names (ImportError/AttributeError as raised)."""
-    import importlib
-
-    module, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
 def load_interaction_config(path: str) -> dict[str, InteractionSpec]:
     """``interaction_config_path``'s interactions by name, each class imported and checked; ValueError in one
     line naming the key, the entry and the problem."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{KEY}={path!r} cannot be read as YAML: {' '.join(str(e).split())}") from e
+    doc = read_yaml(path, KEY, {})
     entries = doc.get("interaction") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{KEY}: {path} must hold interaction: [{{name, class_name, config}}, ...]")
@@ -77,14 +64,7 @@ def load_interaction_config(path: str) -> dict[str, InteractionSpec]:
             raise ValueError(f"{where}: config must be a mapping, got {type(config).__name__}")
         if name in specs:
             raise ValueError(f"{where}: two interactions named {name!r}")
-        try:
-            cls = interaction_class(target)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"{where}: cannot import {target!r} ({e})") from e
-        missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
-        if not isinstance(cls, type) or missing:
-            raise ValueError(f"{where}: {target} is not an interaction class (verl's BaseInteraction shape); it "
-                             f"lacks {', '.join(missing) or 'a class'}")
+        import_class_having(target, METHODS, "an interaction class (verl's BaseInteraction shape)", where)
         specs[name] = InteractionSpec(str(name), target, {**config, "name": str(name)})
     return specs
 
@@ -118,7 +98,7 @@ class InteractionEnv:
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, str]]:
         spec = row["interaction"]
-        self.interaction = interaction_class(spec["class_name"])(config=dict(spec["config"]))
+        self.interaction = import_class(spec["class_name"])(config=dict(spec["config"]))
         self.kwargs = dict(row["extra_info"]["interaction_kwargs"])
         prompt = row.get("raw_prompt")
         self.messages = [dict(m) for m in prompt] if prompt is not None else []

@@ -22,7 +22,7 @@ from dataclasses import replace
 from rlpad.code.pool import SandboxPool
 from rlpad.config.code import CodeConfig
 
-__all__ = ["TOOL_LIMITS", "CodeInterpreterTool", "code_interpreter", "observation", "python_tool"]
+__all__ = ["TOOL_LIMITS", "CodeInterpreterTool", "code_interpreter", "observation", "py", "python_tool"]
 
 # one call's sandbox: 5 s of wall and CPU time (under multi_turn.tool_timeout's default 10 s), 512 MiB of
 # address space, 8 processes, 64 KiB of output, 16 MiB of /tmp; two sandboxes at once per tool worker
@@ -75,6 +75,17 @@ def python_tool(cfg: CodeConfig, name: str = "code_interpreter") -> Callable[[st
 
 
 code_interpreter = python_tool(TOOL_LIMITS)
+_py = python_tool(TOOL_LIMITS, "py")
+
+
+def py(code: str) -> str:
+    """Run a Python program in the sandbox; what it printed, without the trailing newline (the toy_python task's
+    tool: ``[py(print(34*58))]``, rlpad/embedded/toy_python.py).
+
+    Args:
+        code: the program (e.g. print(34*58))
+    """
+    return _py(code).rstrip("\n")
 
 
 class CodeInterpreterTool:

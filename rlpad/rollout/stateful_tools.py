@@ -21,7 +21,6 @@ tools run in the rollout's process (their state lives there): a plain method tha
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpad.config.schema import MultiTurnConfig
+from rlpad.functions import import_class_having, read_yaml
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import KEY, ToolCall, ToolResult, ToolSet, load_tools, tool_schemas
 
@@ -55,13 +55,7 @@ class StatefulSpec:
 
 def load_tool_config(path: str) -> list[StatefulSpec]:
     """``tool_config_path``'s tools; ValueError in one line naming the key, the entry and the problem."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{PATH_KEY}={path!r} cannot be read as YAML: {' '.join(str(e).split())}") from e
+    doc = read_yaml(path, PATH_KEY, {})
     entries = doc.get("tools") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{PATH_KEY}: {path} must hold tools: [{{class_name, config, tool_schema}}, ...]")
@@ -75,15 +69,7 @@ def load_tool_config(path: str) -> list[StatefulSpec]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where} needs tool_schema: {{type: function, function: {{name, ...}}}}")
         target = str(entry["class_name"])
-        module, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"{where} ({name}): cannot import {target!r} ({e})") from e
-        missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
-        if not isinstance(cls, type) or missing:
-            raise ValueError(f"{where} ({name}): {target} is not a tool class (verl's BaseTool shape); it lacks "
-                             f"{', '.join(missing) or 'a class'}")
+        cls = import_class_having(target, METHODS, "a tool class (verl's BaseTool shape)", f"{where} ({name})")
         if name in {s.name for s in specs}:
             raise ValueError(f"{where}: two tools named {name!r}")
         specs.append(StatefulSpec(name, cls, dict(entry.get("config") or {}), schema))
