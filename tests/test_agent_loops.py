@@ -156,6 +156,27 @@ def test_single_turn_agent_is_one_request_per_row_batched(setup):
     assert client.calls == 1
 
 
+def test_batching_client_says_why_a_response_ended(setup):
+    """vLLM's finish reasons through the BatchingClient: "stop" for EOS and for a stop string (the HF backend's
+    StopAtText ends the row early), "length" for the budget."""
+    backend, _, _ = setup
+    client = BatchingClient(backend)
+    sampling, seeds = Sampling(1, 1.0, 1.0, -1, 8), [31, 32, 33, 34, 35, 36]
+
+    async def each(samp):
+        return await client.gather([client.generate(p, samp, s) for p, s in zip(PROMPTS, seeds)])
+
+    free = asyncio.run(each(sampling))
+    assert [g.finish_reason for g in free] == ["stop" if EOS in g.token_ids else "length" for g in free]
+    assert all(len(g.token_ids) == 8 for g in free if g.finish_reason == "length")
+    # a stop string: the text of a budget-ended response's k-th token (k < 7) not written before it; the same batch
+    # and seeds sample the same tokens up to it
+    i, k = next((i, k) for i, g in enumerate(free) if g.finish_reason == "length" for k in range(1, 7)
+                if TOK.decode(g.token_ids[k:k + 1]) and TOK.decode(g.token_ids[k:k + 1]) not in TOK.decode(g.token_ids[:k]))
+    cut = asyncio.run(each(replace(sampling, stop=(TOK.decode(free[i].token_ids[k:k + 1]),))))[i]
+    assert cut.token_ids == free[i].token_ids[: k + 1] and cut.finish_reason == "stop"
+
+
 class EchoLoop(AgentLoopBase):
     """A user's loop from a YAML config: answers with its ``reply`` kwarg, tool-free."""
 

@@ -271,8 +271,10 @@ class BatchingClient(EngineClient):
             stop = next((i for i, t in enumerate(toks) if t in self.eos_token_ids), None)
             if stop is not None:
                 toks, lp = toks[: stop + 1], lp[: stop + 1]
-            results.append(Generation(p.request_id, toks, lp, [self.version] * len(toks),
-                                      "stop" if stop is not None else "length"))
+            # vLLM's reasons: "stop" for an EOS or a stop string (the backend ended the row before the request's
+            # budget), "length" for the budget
+            ended = stop is not None or len(toks) < p.sampling.max_tokens
+            results.append(Generation(p.request_id, toks, lp, [self.version] * len(toks), "stop" if ended else "length"))
         return results
 
     async def load_weights(self, named_tensors: NamedTensors, version: int) -> float:
