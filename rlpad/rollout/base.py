@@ -32,7 +32,8 @@ from rlpad.rollout.stateful_tools import (TOOL_REWARD_SCORES, TOOL_STEP_REWARDS,
 from rlpad.rollout.function_tools import tool_specs
 from rlpad.rollout.tools import ToolSet
 
-__all__ = ["PROBES", "NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs", "tool_turn_renderer"]
+__all__ = ["PROBES", "NamedTensors", "RolloutBackend", "Sampling", "eos_token_ids", "named_pairs", "rollout_samplings",
+           "tool_turn_renderer"]
 
 log = logging.getLogger("rlpad.tools")
 
@@ -96,11 +97,8 @@ class RolloutBackend(ABC):
 
     def __init__(self, model_path: object, rollout: RolloutConfig, data: DataConfig):
         self.rollout, self.data = rollout, data
-        self.sampling = Sampling(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k,
-                                 data.max_response_length)
+        self.sampling, self.val_sampling = rollout_samplings(rollout, data)
         val = rollout.val_kwargs
-        self.val_sampling = Sampling(val.n, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k,
-                                     data.max_response_length)
         self.greedy_sampling = Sampling(1, 0.0, 1.0, -1, data.max_response_length)  # remax's baseline (verl's rule)
         check_sampling(**vars(self.sampling), who="actor_rollout_ref.rollout")
         check_sampling(**vars(self.val_sampling), who="actor_rollout_ref.rollout.val_kwargs")
@@ -315,6 +313,14 @@ class RolloutBackend(ABC):
         self.load_weights_bucket(named_tensors)
         self.finish_weight_update()
         return time.perf_counter() - start
+
+
+def rollout_samplings(rollout: Any, data: Any) -> tuple[Sampling, Sampling]:
+    """The training and the validation sampling a config asks for (``rollout.n`` / ``val_kwargs.n`` samples per
+    prompt; validation greedy unless ``val_kwargs.do_sample``), responses up to ``data.max_response_length``."""
+    val = rollout.val_kwargs
+    return (Sampling(rollout.n, rollout.temperature, rollout.top_p, rollout.top_k, data.max_response_length),
+            Sampling(val.n, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k, data.max_response_length))
 
 
 def named_pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

@@ -36,11 +36,12 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from rlpad.batch import Batch
-from rlpad.rollout.base import Sampling, eos_token_ids, pad_token_id
+from rlpad.rollout.base import eos_token_ids, pad_token_id, rollout_samplings
 from rlpad.rollout.engine_client import EngineClient
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.rollout.seeds import sample_seed
@@ -77,8 +78,8 @@ class StreamTrainer(Trainer):
         arr, a = config.actor_rollout_ref, config.async_training
         self.rule = StalenessRule.from_config(config)
         self.n = arr.rollout.n
-        self.sampling = Sampling(1, arr.rollout.temperature, arr.rollout.top_p, arr.rollout.top_k,
-                                 config.data.max_response_length)
+        train, val = rollout_samplings(arr.rollout, config.data)
+        self.sampling, self.val_sampling = replace(train, n=1), replace(val, n=1)  # one request per sample
         self.slots = a.concurrent_samples_per_replica or arr.rollout.max_num_seqs
         tokenizer = self.tokenizer
         self.pad_token_id = pad_token_id(tokenizer)
@@ -87,9 +88,6 @@ class StreamTrainer(Trainer):
         self.keep = spread_filter(lambda r: r.score) if config.algorithm.filter_groups.enable else None
         self.stream: StreamRollout | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None  # the stream's, for validation from a thread
-        val = arr.rollout.val_kwargs
-        self.val_sampling = Sampling(1, val.temperature if val.do_sample else 0.0, val.top_p, val.top_k,
-                                     config.data.max_response_length)
 
     # ---- the prompt stream and the groups' rows
 
