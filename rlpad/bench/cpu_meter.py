@@ -56,9 +56,18 @@ class StepCPU:
         except FileNotFoundError:
             return 0
 
+    def _size(self) -> int:
+        try:
+            return os.stat(self.path).st_size
+        except FileNotFoundError:
+            return 0
+
     def _run(self) -> None:
-        seen = 0
+        seen, size = 0, 0
         while not self._stop.wait(self.period):
+            if self._size() == size:  # nothing appended since the last read: no re-read of the whole file
+                continue
+            size = self._size()
             lines = self._lines()
             if lines > seen:  # one or more steps ended since the last poll: the reading belongs to the last
                 self.steps.append((lines, time.perf_counter(), tree_cpu_seconds()))
