@@ -315,7 +315,7 @@ class RolloutBackend(ABC):
         return time.perf_counter() - start
 
 
-def rollout_samplings(rollout: Any, data: Any) -> tuple[Sampling, Sampling]:
+def rollout_samplings(rollout: RolloutConfig, data: DataConfig) -> tuple[Sampling, Sampling]:
     """The training and the validation sampling a config asks for (``rollout.n`` / ``val_kwargs.n`` samples per
     prompt; validation greedy unless ``val_kwargs.do_sample``), responses up to ``data.max_response_length``."""
     val = rollout.val_kwargs
