@@ -14,7 +14,8 @@ from rlpad.batch import Batch
 from rlpad.config.schema import AgentConfig, DataConfig, MultiTurnConfig, RolloutConfig
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.config.rewards import RewardConfig
-from rlpad.rewards.combine import PART_PREFIX, CombinedReward, part_metrics, score_rewards, validation_scores
+from rlpad.rewards.combine import PART_PREFIX, CombinedReward, part_metrics
+from rlpad.rewards.stage import score_rewards, validation_scores
 from rlpad.rewards.rules import REWARD_EXTRA_INFO, place_scores
 from rlpad.rollout.environments import environment_problems
 from rlpad.rollout.hf import HFRollout

@@ -11,8 +11,8 @@ from rlpad.batch import Batch
 from rlpad.config.rewards import RewardConfig, RewardModelScoringConfig
 from rlpad.core.layout import left_pad
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
-from rlpad.rewards.combine import (CombinedReward, RunningStats, build_reward, part_metrics, score_rewards,
-                                   validation_scores)
+from rlpad.rewards.combine import CombinedReward, RunningStats, build_reward, part_metrics
+from rlpad.rewards.stage import score_rewards, validation_scores
 from rlpad.rewards.rules import compute_score, load_reward_fn, score_batch
 
 TOK = build_tokenizer()

@@ -148,7 +148,7 @@ def test_hf_backend_runs_stateful_tools_with_tools_kwargs_from_extra_info(config
     import torch
 
     from rlpad.config.schema import DataConfig, RolloutConfig
-    from rlpad.rewards.combine import score_rewards, validation_scores
+    from rlpad.rewards.stage import score_rewards, validation_scores
     from rlpad.rewards.rules import score_batch
     from rlpad.rollout.hf import HFRollout
     from test_rollout_layout import P, make_model, prompt_batch

@@ -26,7 +26,7 @@ dynamic sampling; a part's per-row 0/1 flags (the judge's ``unparsable``, the re
 fractions, ``reward/<name>/<flag>``. ``acc`` is the rule part's (rlpad.rewards.rules), NaN where it did not
 score.
 
-Validation (:func:`validation_scores`) reports each row's reward in the task's own units: every part raw
+Validation (:func:`rlpad.rewards.stage.validation_scores`) reports each row's reward in the task's own units: every part raw
 (no normalisation; the clip only on parts that are not normalised, as it is in standard deviations on those
 that are), weighted; beside it the trained reward (normalised with the statistics so far) when
 ``reward.normalize`` is set.
@@ -47,10 +47,9 @@ from rlpad.functions import load_function
 from rlpad.rewards.rules import REWARD_EXTRA_INFO, RewardFn, load_reward_fn, place_scores, score_batch
 from rlpad.rewards.settings import JUDGE, MODEL, PART_FLAGS, RULE, part_names, part_weight
 from rlpad.rewards.sources import rule_scores_source
-from rlpad.rollout.stateful_tools import TOOL_REWARD_SCORES, TOOL_STEP_REWARDS
 
 __all__ = ["FLAG_PREFIX", "PART_PREFIX", "CombinedReward", "RunningStats", "build_reward", "load_reward_state",
-           "part_metrics", "parts_of", "reward_state", "score_rewards", "validation_scores"]
+           "part_metrics", "parts_of", "reward_state", "rows_back"]
 
 PART_PREFIX = "reward_parts/"  # batch key prefix of each part's raw (B,) scores
 FLAG_PREFIX = "reward_flags/"  # batch key prefix of a part's (B,) 0/1 flags: reward_flags/<part>/<flag>
@@ -114,11 +113,11 @@ def _finite(name: str, scores: torch.Tensor, rows: Sequence[int], sources: Seque
         raise ValueError(f"reward part {name!r} scored {len(bad)} row(s) non-finite ({where}); rewards must be finite")
 
 
-def _rows_back(batch: Batch, part: Batch, rows: Sequence[int], *, keys: tuple[str, ...] = (FLAG_PREFIX,),
+def rows_back(batch: Batch, part: Batch, rows: Sequence[int], *, keys: tuple[str, ...] = (FLAG_PREFIX,),
                replace: bool = False) -> None:
     """What scoring ``part`` (``batch``'s ``rows``) left beside its scores, onto ``batch``: the rule's reward
     infos (``{}`` on the other rows) and the (B,) tensors under ``keys`` prefixes a scorer wrote itself
-    (``reward_flags/...``, e.g. the code outcomes; the parts' scores too for :func:`_env_rule`; NaN on the
+    (``reward_flags/...``, e.g. the code outcomes; the parts' scores too for :func:`rlpad.rewards.stage._env_rule`; NaN on the
     other rows): only those ``batch`` lacks, unless ``replace``."""
     n = len(batch)
     if REWARD_EXTRA_INFO in part:
@@ -221,7 +220,7 @@ class CombinedReward:
                 part_batch = batch if len(rows) == n else batch.index(rows)
                 scores, part_flags, part_acc = self._score_part(name, part_batch, tokenizer)
                 if part_batch is not batch:
-                    _rows_back(batch, part_batch, rows)
+                    rows_back(batch, part_batch, rows)
                 _finite(name, scores, rows, sources)
                 raw[index] = scores.float()
                 for flag, values in part_flags.items():
@@ -290,87 +289,6 @@ class CombinedReward:
                 stats.load_state_dict(state[name])
         return [f"rlpad: warning: the checkpoint holds no running statistics of reward part {name!r} "
                 "(reward.normalize): they start afresh from this step" for name in missing]
-
-
-ENV_SCORES, ENV_ROWS = "env_scores", "env_rows"  # the rollout's environment rewards (rlpad.rollout.agent.turn_scores)
-
-
-def _tool_reward_rule(batch: Batch) -> None:
-    """Stateful tools' rewards reach the reward function, verl's rule: each row's ``extra_info`` gets
-    ``rollout_reward_scores`` (``{tool name: calc_reward}``, the rollout's ``reward_scores`` column) and
-    ``tool_rewards`` (each call's step reward, in order), and the function's score is the row's score: rlpad
-    adds nothing itself (a function that wants the tools' rewards in the score adds them). A batch without
-    stateful tools is left as it is."""
-    if TOOL_REWARD_SCORES not in batch:
-        return
-    infos = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
-    batch["extra_info"] = [{**(info if isinstance(info, dict) else {}), "rollout_reward_scores": dict(scores),
-                            "tool_rewards": list(steps)}
-                           for info, scores, steps in zip(infos, batch[TOOL_REWARD_SCORES], batch[TOOL_STEP_REWARDS])]
-
-
-def score_rewards(batch: Batch, tokenizer: Any, reward: CombinedReward | RewardFn | None, *,
-                  update_stats: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reward stage: ``reward``'s :meth:`CombinedReward.score`, or a plain reward function's
-    :func:`rlpad.rewards.rules.score_batch` (None: the default function). The rows an environment ran
-    (``env_rows``) take the environment's rewards instead, the one rule (:func:`_env_rule`); stateful tools'
-    rewards reach the function through ``extra_info`` (:func:`_tool_reward_rule`)."""
-    _tool_reward_rule(batch)
-
-    def score(rows: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if isinstance(reward, CombinedReward):
-            return reward.score(rows, tokenizer, update_stats=update_stats)
-        return score_batch(rows, tokenizer, reward)
-    return _env_rule(batch, score)
-
-
-def _env_rule(batch: Batch, score: Callable[[Batch], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """The environment wins: a row an environment ran (``env_rows``) is scored by its per-turn rewards alone
-    (token-level: each on its turn's last generated token, ``env_scores``; sequence score and acc: their
-    sum), and the reward function is never called on it; the other rows by ``score`` (a sub-batch of them).
-    ``score``'s outputs are ``(token-level (B, R), ...(B,))``; a batch without environments: ``score(batch)``."""
-    if ENV_ROWS not in batch or not bool(batch[ENV_ROWS].any()):  # no row an environment ran: as without one
-        return score(batch)
-    rows, env = batch[ENV_ROWS].bool(), batch[ENV_SCORES].float()
-    seq = env.sum(-1)
-    others = (~rows).nonzero().flatten()
-    if len(others):
-        sub = batch.index(others)
-        scored = score(sub)
-        # the other rows' reward infos, flags and parts as a batch without environments has them (the
-        # environment's rows: {} and NaN, not scored)
-        _rows_back(batch, sub, others.tolist(), keys=(FLAG_PREFIX, PART_PREFIX), replace=True)
-        out = [torch.zeros_like(env) if s.dim() == 2 else seq.clone() for s in scored]
-        for o, s in zip(out, scored):
-            o[others] = s.to(o.dtype)
-    else:
-        out = [env.clone(), seq, seq.clone()]
-    out[0][rows] = env[rows]
-    for o in out[1:]:
-        o[rows] = seq[rows]
-    return tuple(out)
-
-
-def validation_scores(batch: Batch, tokenizer: Any, reward: CombinedReward | RewardFn | None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A validation batch's per-row rewards: ``(in the task's own units (B,), the trained reward (B,) or None)``.
-    The first is what validation reports (``val/reward``): every part raw, weighted (the module docstring);
-    the second only where it differs, with ``reward.normalize`` set. Finite, or ValueError naming the part.
-    Rows an environment ran: the sum of its rewards (:func:`_env_rule`); stateful tools' rewards as in
-    :func:`score_rewards`."""
-    def score(rows: Batch) -> tuple[torch.Tensor, ...]:
-        if isinstance(reward, CombinedReward):
-            task, trained = reward.validate(rows, tokenizer)
-            return (task, trained) if reward.stats else (task,)
-        return (score_batch(rows, tokenizer, reward)[1],)
-
-    def with_token_level(rows: Batch) -> tuple[torch.Tensor, ...]:  # _env_rule's shape: token-level first
-        return (torch.zeros(len(rows), 1), *score(rows))
-
-    _tool_reward_rule(batch)
-
-    got = score(batch) if ENV_ROWS not in batch else _env_rule(batch, with_token_level)[1:]
-    return got[0], (got[1] if isinstance(reward, CombinedReward) and reward.stats else None)
 
 
 def reward_state(reward: Any) -> dict[str, Any]:

@@ -37,7 +37,7 @@ __all__ = ["METHODS", "TOOL_REWARD_SCORES", "TOOL_STEP_REWARDS", "Session", "Sta
 
 METHODS = ("create", "execute", "calc_reward", "release")  # verl's BaseTool methods a class must have
 # the rollout batch's columns of the tools' rewards (verl's names): each row's {tool name: calc_reward} and its
-# calls' step rewards (execute's), what the reward function reads (rlpad.rewards.combine._tool_reward_rule)
+# calls' step rewards (execute's), what the reward function reads (rlpad.rewards.stage._tool_reward_rule)
 TOOL_REWARD_SCORES, TOOL_STEP_REWARDS = "reward_scores", "tool_rewards"
 PATH_KEY = f"{KEY}.tool_config_path"
 _ids = itertools.count()

@@ -45,7 +45,8 @@ from rlpad.rewards.math_verifier import drain_fallbacks
 from rlpad.training.stage_clock import StageClock
 from rlpad.training.step_metrics import batch_metrics, mismatch_metrics, stage_metrics
 from rlpad.training.warmup import actor_updates
-from rlpad.rewards.combine import load_reward_state, part_metrics, parts_of, reward_state, score_rewards, validation_scores
+from rlpad.rewards.combine import load_reward_state, part_metrics, parts_of, reward_state
+from rlpad.rewards.stage import score_rewards, validation_scores
 from rlpad.rewards.rules import REWARD_EXTRA_INFO
 from rlpad.training.validation_metrics import ValidationRows
 from rlpad.rollout.agent import AGENT_COUNTS, multi_turn_metrics
@@ -415,7 +416,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Mean reward of the validation rollout (greedy unless ``rollout.val_kwargs`` says otherwise; its units:
-        rlpad.rewards.combine.validation_scores), the per-source metrics (``val-core/*``, ``val-aux/*``:
+        rlpad.rewards.stage.validation_scores), the per-source metrics (``val-core/*``, ``val-aux/*``:
         rlpad.training.validation_metrics) and the rollout-vs-actor log-prob mismatch on it (``val/mismatch/*``)."""
         trained, parts, batches, scored = [], [], [], []
         rows = ValidationRows()  # per source: mean@N, best@k, maj@k (rlpad.training.validation_metrics)
