@@ -2,18 +2,14 @@
 
 Locally it starts a Ray head on 127.0.0.1 itself; under ``ray job submit`` (RAY_ADDRESS set) it
 joins that cluster. ``trainer.backend=local`` runs the same workers in this process instead (no
-Ray, world size 1; workers/local.py). Embedded names make the tiny recipes self-contained on a
-fresh machine: ``actor_rollout_ref.model.path: embedded:<task>`` is the tiny Qwen2 model
-warm-started on that task by :mod:`rlpad.embedded.sft` (cached), and ``data.train_files:
-[<task>:train]`` / ``data.val_files: [<task>:val]`` are its dataset (written on first use); the
-tasks are ``toy`` (addition) and ``toy_long`` (alphabet runs), see :mod:`rlpad.embedded.tasks`.
+Ray, world size 1; workers/local.py). Embedded names (``embedded:<task>`` models, ``<task>:train`` data) make
+the tiny recipes self-contained on a fresh machine (:mod:`rlpad.embedded.resolve`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -24,14 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpad.algorithms.advantages import uses_critic
-from rlpad.config.schema import Config, SFTConfig
+from rlpad.config.schema import Config
 from rlpad.recipe.checks import no_effect_notice
 from rlpad.recipe.load import load_config, save_config
 from rlpad.core.models import load_tokenizer, model_source
 import rlpad.embedded.tiny  # noqa: F401  registers the tiny:<arch> model paths with rlpad.core.models
 from rlpad.data import PromptDataset, PromptLoader, build_datasets, data_sources_of
-from rlpad.embedded.cache import cache_root
-from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_folder, dataset_spec
+from rlpad.embedded.resolve import (EMBEDDED_PREFIX, EMBEDDED_TEACHER_PREFIX, embedded_data_task, embedded_task,
+                                    resolve_embedded)
+from rlpad.embedded.tasks import dataset_spec
 from rlpad.lora.adapters import check_lora
 from rlpad.parallel import sp_size
 from rlpad.multimodal.checks import vl_config_problems
@@ -56,95 +53,10 @@ from rlpad.training.trainer import Trainer, fill_lr_horizons, total_training_ste
 from rlpad.algorithms.distillation_rules import (PATH_KEY as TEACHER_PATH_KEY, distillation_notices, teacher_path,
                                                 teacher_problems, uses_teacher_topk)
 
-__all__ = ["Prepared", "check_code_sandbox", "check_inputs", "check_output_dir", "fit", "launch", "main", "prepare", "resolve_embedded", "run"]
+__all__ = ["Prepared", "check_code_sandbox", "check_inputs", "check_output_dir", "fit", "launch", "main", "prepare", "run"]
 
-EMBEDDED_PREFIX = "embedded:"
-EMBEDDED_TEACHER_PREFIX = "embedded-teacher:"  # distillation's built-in teacher: the warm start trained further
 # Ray's job supervisor sets this (the job's runtime env) in the process `ray job submit` starts, and only there.
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-
-
-def _embedded_task(path: str, key: str) -> str | None:
-    """The task of an ``embedded:<task>`` model path (None for any other path)."""
-    if not path.startswith(EMBEDDED_PREFIX):
-        return None
-    task = path[len(EMBEDDED_PREFIX):]
-    if task not in TASKS and task not in VL_TASKS:
-        raise ValueError(f"{key}={path!r}: unknown embedded model; use one of "
-                         f"{[EMBEDDED_PREFIX + t for t in [*TASKS, *VL_TASKS]]}")
-    return task
-
-
-def _embedded_data_task(name: str) -> str | None:
-    """The task of a ``<task>:train`` / ``<task>:val`` data name (None for a file path)."""
-    task, sep, split = name.partition(":")
-    if not sep or (task not in TASKS and task not in VL_TASKS):
-        return None
-    if split not in ("train", "val"):
-        raise ValueError(f"data files: unknown embedded dataset {name!r}; use {task}:train or {task}:val")
-    return task
-
-
-def resolve_embedded(config: Config) -> Config:
-    """Replace the embedded model and data names with real paths (building them if needed)."""
-    model = config.actor_rollout_ref.model
-    task = _embedded_task(model.path, "actor_rollout_ref.model.path")
-    critic_task = _embedded_task(config.critic.model.path, "critic.model.path")
-    if task is not None:
-        from rlpad.embedded.sft import warm_start
-
-        embedded = model.path
-        model.path = (VL_TASKS[task].warm_start(config.sft) if task in VL_TASKS else
-                      warm_start(config.sft, seed=0, task=task, verbose=False))
-        if config.critic.model.path == embedded:
-            config.critic.model.path = model.path
-    teacher = config.distillation.teacher_models.teacher_model
-    if config.distillation.enabled and (teacher.model_path or "").startswith(EMBEDDED_TEACHER_PREFIX):
-        from rlpad.embedded.sft import embedded_teacher
-
-        name = EMBEDDED_PREFIX + teacher.model_path[len(EMBEDDED_TEACHER_PREFIX):]
-        teacher.model_path = embedded_teacher(config.sft, task=_embedded_task(name, TEACHER_PATH_KEY))
-    if critic_task is not None and _embedded_task(config.critic.model.path, "critic.model.path") is not None:
-        raise ValueError(f"critic.model.path={config.critic.model.path} needs actor_rollout_ref.model.path to be "
-                         "the same embedded model")
-    judge = config.reward.judge  # embedded:<task>: the task's warm-started policy as the judge (a tiny LM rlpad builds)
-    judge_task = _embedded_task(judge.model_path or "", "reward.judge.model_path") if judge.enable else None
-    if judge_task is not None:
-        from rlpad.embedded.sft import warm_start
-
-        judge.model_path = warm_start(config.sft, seed=0, task=judge_task, verbose=False)
-    rm = config.reward.reward_model
-    if rm.enable and rm.model_path and _embedded_task(rm.model_path, "reward.reward_model.model_path") is not None:
-        rm.model_path = _embedded_reward_model(rm.model_path, config.sft)
-    data, sft = config.data, config.sft
-    for files in (data.train_files, data.val_files):
-        for i, name in enumerate(files):
-            data_task = _embedded_data_task(name)
-            if data_task is not None:
-                files[i] = os.path.join(_embedded_dataset(data_task, sft), f"{name.partition(':')[2]}.parquet")
-    return config
-
-
-def _embedded_reward_model(path: str, sft: SFTConfig) -> str:
-    """The folder of the embedded reward model ``embedded:toy`` (rlpad.embedded.reward_sft; built once)."""
-    from rlpad.embedded.reward_sft import TASK, toy_reward_model
-
-    if path != EMBEDDED_PREFIX + TASK:
-        raise ValueError(f"reward.reward_model.model_path={path!r}: the embedded reward model is "
-                         f"{EMBEDDED_PREFIX}{TASK} (the toy task's; no other task has one)")
-    return toy_reward_model(sft)
-
-
-def _embedded_dataset(task: str, sft: SFTConfig) -> str:
-    """The folder holding ``train.parquet`` and ``val.parquet`` of an embedded task (written once)."""
-    spec = dataset_spec(task)
-    out = os.path.join(cache_root(sft), dataset_folder(spec, sft))
-    if not all(os.path.isfile(os.path.join(out, f)) for f in ("train.parquet", "val.parquet")):
-        tmp = f"{out}.tmp-{os.getpid()}"
-        spec.write_dataset(tmp, sft)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    return out
 
 
 def check_output_dir(config: Config) -> None:
@@ -172,7 +84,7 @@ def check_inputs(config: Config) -> None:
     data = config.data
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for name in files:
-            if _embedded_data_task(name) is None and not os.path.isfile(name):
+            if embedded_data_task(name) is None and not os.path.isfile(name):
                 raise FileNotFoundError(f"{key}: data file not found: {name!r}")
     model = config.actor_rollout_ref.model
     paths = [("actor_rollout_ref.model.path", model.path), ("actor_rollout_ref.model.tokenizer_path", model.tokenizer_path)]
@@ -200,10 +112,10 @@ def check_code_sandbox(config: Config) -> None:
     sandbox to work here; ValueError in one line naming what is missing otherwise (rlpad.code.sandbox_problem)."""
     data, model_path = config.data, config.actor_rollout_ref.model.path
     files = [*data.train_files, *data.val_files]
-    sources = set().union(*(data_sources_of(f) for f in files if _embedded_data_task(f) is None))
+    sources = set().union(*(data_sources_of(f) for f in files if embedded_data_task(f) is None))
     configure_code(config.reward.code, sources)
-    task = _embedded_task(model_path, "actor_rollout_ref.model.path")
-    coded = [t for t in {task, *map(_embedded_data_task, files)} if t is not None and dataset_spec(t).runs_code]
+    task = embedded_task(model_path, "actor_rollout_ref.model.path")
+    coded = [t for t in {task, *map(embedded_data_task, files)} if t is not None and dataset_spec(t).runs_code]
     if coded and (problem := sandbox_problem()):
         raise ValueError(f"embedded task {', '.join(map(repr, sorted(coded)))} runs programs: {problem}")
     spec = config.reward.function_spec

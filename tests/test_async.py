@@ -33,7 +33,8 @@ from rlpad.recipe.load import load_config
 from rlpad.core.models import load_tokenizer
 from rlpad.data import build_datasets
 from rlpad.rewards.rules import load_reward_fn, score_batch
-from rlpad.train import fit, resolve_embedded
+from rlpad.embedded.resolve import resolve_embedded
+from rlpad.train import fit
 from rlpad.training.trainer import Trainer
 from run_compare import WALL_CLOCK
 from paths import CACHE, ROOT, recipe

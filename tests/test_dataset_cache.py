@@ -7,7 +7,7 @@ import pytest
 
 from rlpad.config.schema import SFTConfig
 from rlpad.embedded.tasks import TASKS, VL_TASKS, dataset_folder
-from rlpad.train import _embedded_dataset
+from rlpad.embedded.resolve import embedded_dataset
 
 SPECS = {**TASKS, **VL_TASKS}
 
@@ -31,7 +31,7 @@ def test_the_folder_names_kept_where_they_already_carried_the_version():
 
 def test_the_run_writes_the_dataset_into_the_versioned_folder(tmp_path):
     cfg = SFTConfig(cache_dir=str(tmp_path))
-    out = _embedded_dataset("toy_guess", cfg)
+    out = embedded_dataset("toy_guess", cfg)
     assert os.path.basename(out) == dataset_folder(TASKS["toy_guess"], cfg)
     assert TASKS["toy_guess"].version in os.path.basename(out)
     assert sorted(os.listdir(out)) == ["train.parquet", "val.parquet"]

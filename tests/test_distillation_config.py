@@ -187,7 +187,7 @@ def test_the_same_tokenizer_with_padded_embeddings_of_other_sizes_is_accepted(tm
 
 
 def test_the_embedded_teacher_is_the_warm_start_trained_further_and_cached(tmp_path):
-    from rlpad.train import resolve_embedded
+    from rlpad.embedded.resolve import resolve_embedded
 
     cache = str(tmp_path / "cache")
     overrides = ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=embedded-teacher:toy",

@@ -18,7 +18,8 @@ import pytest
 from rlpad.config.schema import SFTConfig
 from rlpad.evaluation import main as eval_main, validation_only
 from rlpad.recipe.load import load_config
-from rlpad.train import _embedded_dataset, run
+from rlpad.embedded.resolve import embedded_dataset
+from rlpad.train import run
 from rlpad.embedded.sft import warm_start
 from paths import CACHE, ROOT, recipe
 
@@ -28,7 +29,7 @@ PRED_REWARD = os.path.join(ROOT, "tests", "pred_reward.py") + ":compute_score"
 
 def val_file(tmp_path) -> str:
     """12 of the toy task's validation prompts, alternately in data sources ``add/a`` and ``add/b``."""
-    rows = pq.read_table(os.path.join(_embedded_dataset("toy", SFTConfig(cache_dir=CACHE)), "val.parquet")).to_pylist()
+    rows = pq.read_table(os.path.join(embedded_dataset("toy", SFTConfig(cache_dir=CACHE)), "val.parquet")).to_pylist()
     path = tmp_path / "val.jsonl"
     with open(path, "w") as f:
         for i, row in enumerate(rows[:12]):

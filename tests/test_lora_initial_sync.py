@@ -18,7 +18,8 @@ import ray  # noqa: E402
 
 from rlpad.embedded.exactness import ENGINE_LOGPROB_TOL  # noqa: E402
 from rlpad.recipe.load import load_config  # noqa: E402
-from rlpad.train import fit, resolve_embedded  # noqa: E402
+from rlpad.embedded.resolve import resolve_embedded  # noqa: E402
+from rlpad.train import fit  # noqa: E402
 from rlpad.training.initial_weights import initial_weight_differences  # noqa: E402
 from paths import CACHE, recipe  # noqa: E402
 from stale_engine import NoSync  # noqa: E402

@@ -56,7 +56,7 @@ def test_only_the_toy_task_has_an_embedded_reward_model():
     import pytest
 
     from rlpad.recipe.load import load_config
-    from rlpad.train import resolve_embedded
+    from rlpad.embedded.resolve import resolve_embedded
 
     config = load_config(None, ["reward.reward_model.enable=true", "reward.reward_model.model_path=embedded:toy_long"])
     with pytest.raises(ValueError, match="embedded reward model is embedded:toy"):

@@ -12,7 +12,7 @@ from rlpad.recipe.load import load_config
 from rlpad.data import build_datasets
 from rlpad.core.models import load_tokenizer
 from rlpad.rewards.rules import load_reward_fn
-from rlpad.train import resolve_embedded
+from rlpad.embedded.resolve import resolve_embedded
 from rlpad.training.trainer import Trainer
 from paths import CACHE, recipe
 

@@ -11,7 +11,7 @@ from rlpad.embedded import toy_long
 from rlpad.embedded.tasks import get_task
 from rlpad.embedded.tiny import build_tokenizer
 from rlpad.rewards.rules import compute_score
-from rlpad.train import resolve_embedded
+from rlpad.embedded.resolve import resolve_embedded
 from paths import recipe
 
 RECIPE = recipe("grpo_tiny_long")

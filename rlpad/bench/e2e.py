@@ -110,7 +110,8 @@ def _run_mode(recipe: str, steps: int, use_remove_padding: bool, overrides: Sequ
     from transformers import AutoConfig
 
     from rlpad.recipe.load import load_config
-    from rlpad.train import fit, resolve_embedded
+    from rlpad.embedded.resolve import resolve_embedded
+    from rlpad.train import fit
 
     config = load_config(recipe, [
         *overrides, f"actor_rollout_ref.model.use_remove_padding={str(use_remove_padding).lower()}",
