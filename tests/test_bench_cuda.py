@@ -16,7 +16,8 @@ from rlpad.bench.measure import require_cuda
 from rlpad.bench.models import bench_model
 from rlpad.bench.prefix import N, bench_shape
 from rlpad.bench.table import format_text
-from rlpad.cli import CUDA_BENCHES, main as cli
+from rlpad.bench.command import CUDA_BENCHES
+from rlpad.cli import main as cli
 from rlpad.core.forward import compute_log_probs
 
 ROOT = Path(__file__).resolve().parents[1]
