@@ -40,9 +40,10 @@ def folder(tmp_path_factory):
     return model, str(path)
 
 
-def rollout(folder, environment, timeout=10.0):
+def rollout(folder, environment, timeout=10.0, max_user_turns=None):
     model, path = folder
-    cfg = RolloutConfig(name="hf", n=2, temperature=1.0, seed=0, multi_turn=MultiTurnConfig(max_assistant_turns=3),
+    cfg = RolloutConfig(name="hf", n=2, temperature=1.0, seed=0,
+                        multi_turn=MultiTurnConfig(max_assistant_turns=3, max_user_turns=max_user_turns),
                         agent=AgentConfig(default_agent_loop="env_agent", environment=environment, env_timeout=timeout,
                                           env_workers=2))
     return HFRollout(model, cfg, DataConfig(max_prompt_length=P, max_response_length=R), tokenizer_path=path)
@@ -147,6 +148,27 @@ def test_env_loop_rewards_on_each_turns_last_token_and_masks(folder):
     _, returns = compute_gae_advantages(token, torch.zeros_like(token), mask, 1.0, 1.0)
     after = expected.flip(-1).cumsum(-1).flip(-1) * mask
     assert torch.allclose(returns[rows], after[rows], atol=1e-6)
+
+
+def test_max_user_turns_ends_an_episode_after_that_many_replies(folder):
+    """verl's multi_turn.max_user_turns=1: every episode is one turn and the environment's first reply (kept as
+    context, mask 0), where TurnEnv would go on for 3 turns (the test above sees rows with two or more)."""
+    hf = rollout(folder, "mt_envs:TurnEnv", max_user_turns=1)
+    batch = prompt_batch()
+    batch["extra_info"] = [{"tag": "plain"}] * 6
+    try:
+        out = hf.generate(batch, seed=5)
+    finally:
+        hf.shutdown()
+    length = out["attention_mask"][:, P:].sum(1)
+    replied = 0
+    for k in range(12):
+        ids, m = out["responses"][k, : length[k]].tolist(), out["response_mask"][k, : length[k]].tolist()
+        (a, b), = runs(m)  # one turn
+        assert a == 0 and ids[b:] == enc("ok1")[: len(ids) - b]
+        replied += b < len(ids)
+    assert replied >= 6  # the turns that ended before the budget got the reply, and nothing came after it
+    assert (out["env_scores"] != 0).sum(-1).tolist() == [1] * 12
 
 
 def test_raising_and_hanging_environments_end_their_trajectories(folder, tmp_path, monkeypatch):

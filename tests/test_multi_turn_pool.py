@@ -112,6 +112,7 @@ def test_outputs_checked_before_tokenising_async_tools_and_prints_to_the_log(cap
     ("tool_timeout=0", f"{MT}.tool_timeout=0.0 must be > 0"),
     ("format=json", f"{MT}.format='json' is not valid"),
     ("max_assistant_turns=0", f"{MT}.max_assistant_turns=0 must be >= 1"),
+    ("max_user_turns=0", f"{MT}.max_user_turns=0 must be >= 1 or null"),
     ("max_tool_response_length=0", f"{MT}.max_tool_response_length=0 must be >= 1"),
     ("max_tool_response_length=-1", f"{MT}.max_tool_response_length=-1 must be >= 1"),
     ("max_parallel_calls=0", f"{MT}.max_parallel_calls=0 must be >= 1"),

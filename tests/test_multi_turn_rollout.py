@@ -56,9 +56,10 @@ class Scripted:
         return outs, [[-0.5] * len(o) for o in outs]
 
 
-def loop(engine, prompts, tools, n=2, budget=40, turns=3, seed=None, offset=0):
+def loop(engine, prompts, tools, n=2, budget=40, turns=3, seed=None, offset=0, max_user_turns=None):
     return run_agent_loop(engine, [enc(p) for p in prompts], Sampling(n, 1.0, 1.0, -1, budget),
-                          tools=tools, max_turns=turns, eos=frozenset({EOS}), decode=TOK.decode,
+                          tools=tools, max_turns=turns, max_user_turns=max_user_turns, eos=frozenset({EOS}),
+                          decode=TOK.decode,
                           render_tool=lambda observations: enc("".join(observations)), seed=seed, prompt_offset=offset)
 
 
@@ -79,6 +80,24 @@ def test_turn_limit_and_budget(tools):
     assert TOK.decode(t.tokens) == "[calc(12+7)]" and all(t.generated) and t.tool_calls == 0
     t = loop(Scripted(), ["1+1="], tools, n=1, budget=13)[0]  # the call (12 tokens) then 1 token of "19"
     assert TOK.decode(t.tokens) == "[calc(12+7)]1" and t.generated[-1] == 0 and len(t.tokens) == 13
+
+
+class AlwaysCalls(Scripted):
+    """Writes a call to ``calc`` in every turn."""
+
+    def __call__(self, contexts, sampling, seeds):
+        outs = [enc("[calc(12+7)] tail")[: sampling.max_tokens] for _ in contexts]
+        return outs, [[-0.5] * len(o) for o in outs]
+
+
+def test_max_user_turns_ends_the_sample_after_that_many_tool_turns(tools):
+    """verl's multi_turn.max_user_turns: the sample ends after its k-th tool turn, the tool's reply kept as
+    context (mask 0); without it max_assistant_turns (3) ends the sample at its third turn, whose call never runs."""
+    got = {k: loop(AlwaysCalls(), ["1+1="], tools, n=1, budget=60, turns=3, max_user_turns=k)[0] for k in (1, 2, None)}
+    assert {k: TOK.decode(t.tokens) for k, t in got.items()} == {
+        1: "[calc(12+7)]19", 2: "[calc(12+7)]19[calc(12+7)]19", None: "[calc(12+7)]19[calc(12+7)]19[calc(12+7)]"}
+    assert [(t.num_turns, t.tool_turns) for t in got.values()] == [(1, 1), (2, 2), (3, 2)]
+    assert got[1].generated == [1] * 12 + [0, 0]  # the reply that reached the cap: context, never the policy's
 
 
 def test_seeds_depend_on_prompt_sample_turn_only(tools):

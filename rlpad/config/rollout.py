@@ -27,6 +27,9 @@ class MultiTurnConfig:
 
     enable: bool = False  # generate, call a tool, append its output, go on (tool output is context, never loss)
     max_assistant_turns: int = 3  # generated turns per response at most (a tool call ends a turn)
+    # verl: user turns per response at most (a turn's tool replies, an environment's or interaction's reply): the
+    # response ends after the reply that reaches it (kept as context); null: no cap but max_assistant_turns
+    max_user_turns: int | None = None
     max_tool_response_length: int = 256  # tokens of one tool message; longer: an error observation instead
     format: str = "hermes"  # tool-call syntax: hermes (<tool_call>{json}</tool_call>) | bracket ([name(text)])
     tools: list[str] = field(default_factory=list)  # rlpad: tool functions, 'pkg.module:function' (name = function)

@@ -12,7 +12,7 @@ Per sample (the ``n`` samples of every prompt, prompt-major), up to ``max_assist
    short observations) and append ``render_tool(observations)``: the template's close of the
    assistant turn, one tool message per call in order and the next assistant prompt
    (:func:`rlpad.rollout.base.tool_turn_renderer`; ``generated`` 0, log-prob 0), cut at the budget;
-   go on.
+   go on, unless that was the ``max_user_turns``-th tool turn (verl's cap: the sample ends after it).
 
 The random draws of sample j of prompt i in turn k depend only on (seed, i + prompt_offset, j, k)
 (:func:`rlpad.rollout.seeds.sample_seed`, the rollout's one seed rule), so a split of the prompts over
@@ -176,7 +176,7 @@ class ToolAgentLoop(AgentLoopBase):
             tool_tokens = ctx.render_tool([r.observation for r in done])[: budget - len(t.tokens)]
             t.extend(tool_tokens, 0)
             versions += [-1] * len(tool_tokens)  # no policy sampled them
-            if len(t.tokens) >= budget:
+            if len(t.tokens) >= budget or (ctx.max_user_turns is not None and t.tool_turns >= ctx.max_user_turns):
                 break
         extra = {k: getattr(t, k) for k in AGENT_COUNTS}
         extra.update(errors=t.errors, versions=versions)
@@ -190,6 +190,7 @@ def run_agent_loop(
     *,
     tools: ToolSet,
     max_turns: int,
+    max_user_turns: int | None = None,
     eos: frozenset[int],
     decode: Callable[[list[int]], str],
     render_tool: Callable[[list[str]], list[int]],
@@ -216,6 +217,7 @@ def run_agent_loop(
 
     client, n = BatchingClient(Engine()), sampling.n
     context = AgentContext(eos=eos, decode=decode, tools=tools, render_tool=render_tool, max_turns=max_turns,
+                           max_user_turns=max_user_turns,
                            max_parallel_calls=max_parallel_calls, stateful=stateful)
     step = replace(sampling, n=1)
     rows = [dict(prompt_ids=list(prompts[k // n]), step_seed=seed, prompt=prompt_offset + k // n, sample=k % n,

@@ -60,6 +60,7 @@ class AgentContext:
     tools: Any = None
     render_tool: Callable[[list[str]], list[int]] | None = None
     max_turns: int = 1
+    max_user_turns: int | None = None  # multi_turn.max_user_turns: replies (tool turns, environment replies) at most
     max_parallel_calls: int = 1
     stateful: Any = None  # rlpad.rollout.stateful_tools.StatefulTools (multi_turn.tool_config_path), tool_agent's
     env: Any = None  # rlpad.rollout.env_loop.EnvSetup (rollout.agent.environment), env_agent's

@@ -171,6 +171,7 @@ class RolloutBackend(ABC):
             tools, renderer = self._agent_tools()
             trajs = run_agent_loop(
                 self._sample_each, prompts, sampling, tools=tools, max_turns=mt.max_assistant_turns,
+                max_user_turns=mt.max_user_turns,
                 eos=self.eos_token_ids, decode=self._decode, render_tool=renderer,
                 max_parallel_calls=mt.max_parallel_calls, seed=seed, prompt_offset=prompt_offset, images=images,
                 stateful=self.stateful, extra_info=list(batch["extra_info"]) if "extra_info" in batch else None,
@@ -228,7 +229,8 @@ class RolloutBackend(ABC):
             self._agent_configs = load_agent_loop_config(path) if path else {}
         tools, renderer = self._agent_tools() if mt.enable else (None, None)
         context = AgentContext(eos=self.eos_token_ids, decode=self._decode, tools=tools, render_tool=renderer,
-                               max_turns=mt.max_assistant_turns, max_parallel_calls=mt.max_parallel_calls,
+                               max_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+                               max_parallel_calls=mt.max_parallel_calls,
                                stateful=self.stateful, env=self._env_setup() if "env_agent" in names else None)
         fields = {k: list(v) for k, v in batch.non_tensors.items()}
         return run_named_loops(self, prompts, names, fields, sampling, context=context, configs=self._agent_configs,

@@ -6,7 +6,7 @@ log-probs), ``step(text)`` -> (messages, reward, done, info); the turn's reward 
 token (``turn_rewards``: (response index, reward) pairs, :func:`rlpad.rollout.agent.turn_scores`); unless
 done, the last turn, or the budget is spent, the environment's messages are rendered
 (:func:`rlpad.rollout.environments.observation_renderer`: mask 0, log-prob 0, cut at the budget) and the
-next turn goes on. A failed environment call ends the trajectory (its reason in ``errors``). Turn seeds:
+next turn goes on, or, once ``multi_turn.max_user_turns`` replies are in (verl's cap), the trajectory ends. A failed environment call ends the trajectory (its reason in ``errors``). Turn seeds:
 :func:`rlpad.rollout.seeds.sample_seed` of (step seed, prompt, sample, turn), the tool loop's rule.
 """
 
@@ -92,7 +92,7 @@ class EnvAgentLoop(AgentLoopBase):
 
         state = await self._call(("reset", target, None, {**{k: row.get(k) for k in ("extra_info", "raw_prompt")},
                                                            **more}))
-        turns = 0
+        turns = replies = 0
         if state.error is not None:
             errors.append(state.error)
         else:
@@ -119,6 +119,9 @@ class EnvAgentLoop(AgentLoopBase):
             if step.done or turns == self.context.max_turns or len(tokens) >= budget:
                 break
             observe(step.messages, stop is not None)
+            replies += bool(step.messages)
+            if self.context.max_user_turns is not None and replies >= self.context.max_user_turns:
+                break
             state = step
         return AgentLoopOutput(prompt, tokens, mask, log_probs, reward_score=sum(r for _, r in turn_rewards),
                                num_turns=turns, extra_fields={"turn_rewards": turn_rewards, "errors": errors,

@@ -153,6 +153,8 @@ def multi_turn_problems(mt: Any) -> list[str]:
     """What is wrong with a ``rollout.multi_turn`` section (:class:`rlpad.config.schema.MultiTurnConfig`), one
     line per problem naming its key; the tools are imported (and their schemas read) when enabled."""
     problems: list[str] = []
+    if mt.max_user_turns is not None and (isinstance(mt.max_user_turns, bool) or mt.max_user_turns < 1):
+        problems.append(f"{KEY}.max_user_turns={mt.max_user_turns} must be >= 1 or null (no cap)")
     if not mt.enable:
         if mt.function_tool_path:
             problems.append(f"{KEY}.function_tool_path is set but {KEY}.enable=false: the tools would never run")
