@@ -49,6 +49,17 @@ def rollout(folder, environment, timeout=10.0, max_user_turns=None):
     return HFRollout(model, cfg, DataConfig(max_prompt_length=P, max_response_length=R), tokenizer_path=path)
 
 
+def plain_rows_rollout(folder, environment, **kwargs):
+    """The 6 test prompts x n=2 through ``environment`` on the hf engine (seed 5), every row tagged plain."""
+    hf = rollout(folder, environment, **kwargs)
+    batch = prompt_batch()
+    batch["extra_info"] = [{"tag": "plain"}] * 6
+    try:
+        return hf.generate(batch, seed=5)
+    finally:
+        hf.shutdown()
+
+
 def runs(mask):
     """(start, end) of each run of 1s in a 0/1 list (end exclusive)."""
     out, start = [], None
@@ -153,13 +164,7 @@ def test_env_loop_rewards_on_each_turns_last_token_and_masks(folder):
 def test_max_user_turns_ends_an_episode_after_that_many_replies(folder):
     """verl's multi_turn.max_user_turns=1: every episode is one turn and the environment's first reply (kept as
     context, mask 0), where TurnEnv would go on for 3 turns (the test above sees rows with two or more)."""
-    hf = rollout(folder, "mt_envs:TurnEnv", max_user_turns=1)
-    batch = prompt_batch()
-    batch["extra_info"] = [{"tag": "plain"}] * 6
-    try:
-        out = hf.generate(batch, seed=5)
-    finally:
-        hf.shutdown()
+    out = plain_rows_rollout(folder, "mt_envs:TurnEnv", max_user_turns=1)
     length = out["attention_mask"][:, P:].sum(1)
     replied = 0
     for k in range(12):
@@ -172,24 +177,14 @@ def test_max_user_turns_ends_an_episode_after_that_many_replies(folder):
 
 
 def test_raising_and_hanging_environments_end_their_trajectories(folder, tmp_path, monkeypatch):
-    hf = rollout(folder, "mt_envs:RaisingEnv")
-    batch = prompt_batch()
-    batch["extra_info"] = [{"tag": "plain"}] * 6
-    try:
-        out = hf.generate(batch, seed=5)
-    finally:
-        hf.shutdown()
+    out = plain_rows_rollout(folder, "mt_envs:RaisingEnv")
     for k in range(12):  # one rewarded turn at most; a second turn's step raised and ended it
         n_turns = len(runs(out["response_mask"][k].tolist()))
         assert n_turns <= 2 and (out["env_scores"][k] != 0).sum() == 1
     pids = tmp_path / "pids"
     monkeypatch.setenv("RLPAD_TEST_ENV_PIDS", str(pids))
-    hf = rollout(folder, "mt_envs:HangingEnv", timeout=1.0)
     start = time.monotonic()
-    try:
-        out = hf.generate(batch, seed=5)
-    finally:
-        hf.shutdown()
+    out = plain_rows_rollout(folder, "mt_envs:HangingEnv", timeout=1.0)
     assert time.monotonic() - start < 120  # not the hang (300 s): the calls were answered at env_timeout
     assert (out["env_scores"] == 0).all() and out["env_rows"].all()
     assert all(len(runs(out["response_mask"][k].tolist())) == 1 for k in range(12))
