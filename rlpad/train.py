@@ -43,6 +43,8 @@ from rlpad.rewards.combine import CombinedReward, build_reward
 from rlpad.rewards.settings import reward_notices
 from rlpad.rewards.sources import data_source_problems, rule_scores_source
 from rlpad.rollout import backend_class
+from rlpad.rollout.agent_loops import loop_names
+from rlpad.rollout.interactions import interaction_notice
 from rlpad.rollout.stateful_tools import advertised_schemas
 from rlpad.run_log import RunLog
 from rlpad.topology import resolve_device
@@ -160,7 +162,11 @@ def prepare(config: Config) -> Prepared:
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = advertised_schemas(mt)  # what the prompts advertise
     train_loader, val_dataset = build_datasets(config.data, tokenizer, tools, images)
-    sources = {row["data_source"] for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows}
+    rows = [row for ds in (train_loader.dataset, val_dataset) if ds is not None for row in ds.rows]
+    sources = {row["data_source"] for row in rows}
+    loops = set(loop_names([row["agent_name"] for row in rows], config.actor_rollout_ref.rollout.agent, mt.enable))
+    if notice := interaction_notice(mt.interaction_config_path, loops):
+        print(notice, file=sys.stderr, flush=True)
     configure_code(config.reward.code, sources)  # the sandbox pool of code sources (rlpad.code)
     if notice := verl_difference_notice(config.reward.code.continuous, sources):
         print(notice, file=sys.stderr, flush=True)

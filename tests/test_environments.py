@@ -245,6 +245,21 @@ def test_a_verl_interaction_yaml_runs_through_the_env_loop(folder, tmp_path):
     assert len(ids) == len(set(ids)) == finalized and all(i.startswith("guess-") for i in ids)
 
 
+def test_interactions_no_row_runs_are_named_at_start_up():
+    """interaction_config_path with no data row on env_agent (by default_agent_loop or agent_name): one warning."""
+    from rlpad.rollout.agent_loops import loop_names
+    from rlpad.rollout.interactions import interaction_notice
+
+    rows = [None, "tool_agent", None]
+    assert interaction_notice("i.yaml", set(loop_names(rows, AgentConfig(), False))) == (
+        "warning: actor_rollout_ref.rollout.multi_turn.interaction_config_path=i.yaml is set but no data row runs the "
+        "env_agent loop (the rows run single_turn_agent, tool_agent): its interactions never run; set "
+        "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent or the rows' agent_name")
+    assert interaction_notice("i.yaml", set(loop_names(rows, AgentConfig(default_agent_loop="env_agent"), False))) is None
+    assert interaction_notice("i.yaml", set(loop_names([*rows, "env_agent"], AgentConfig(), True))) is None
+    assert interaction_notice(None, set(loop_names(rows, AgentConfig(), False))) is None
+
+
 def test_interaction_yaml_loads_verls_example_and_refuses_bad_entries_in_one_line(tmp_path):
     from rlpad.rollout.interactions import load_interaction_config
 

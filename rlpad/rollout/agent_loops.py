@@ -29,7 +29,7 @@ from rlpad.functions import import_class, read_yaml
 from rlpad.rollout.engine_client import BatchingClient, EngineClient
 
 __all__ = ["AGENT_LOOPS", "AgentContext", "AgentLoopBase", "AgentLoopOutput", "agent_loop_problems", "check_output",
-           "default_loop", "load_agent_loop_config", "loop_table", "register", "run_agent_loops"]
+           "default_loop", "load_agent_loop_config", "loop_names", "loop_table", "register", "run_agent_loops"]
 
 KEY = "actor_rollout_ref.rollout.agent"
 
@@ -166,6 +166,12 @@ def default_loop(agent: Any, multi_turn: bool) -> str:
     """The loop of rows without ``agent_name``: ``agent.default_agent_loop``, else ``tool_agent`` when
     ``rollout.multi_turn.enable`` (rlpad's tool loop, as before the key existed), else ``single_turn_agent``."""
     return agent.default_agent_loop or ("tool_agent" if multi_turn else "single_turn_agent")
+
+
+def loop_names(names: Sequence[str | None], agent: Any, multi_turn: bool) -> list[str]:
+    """Each row's loop: its ``agent_name`` (verl's data column; None: the row has none), else :func:`default_loop`."""
+    default = default_loop(agent, multi_turn)
+    return [name or default for name in names]
 
 
 def agent_loop_problems(agent: Any, multi_turn: bool) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from rlpad.batch import Batch
 from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.rollout.agent import AGENT_COUNTS, run_agent_loop, run_named_loops, turn_scores
-from rlpad.rollout.agent_loops import AgentContext, default_loop, load_agent_loop_config
+from rlpad.rollout.agent_loops import AgentContext, default_loop, load_agent_loop_config, loop_names
 from rlpad.rollout.env_loop import EnvSetup
 from rlpad.rollout.environments import EnvRunner, observation_renderer
 from rlpad.rollout.layout import build_rollout_batch, check_sampling, prompt_token_lists
@@ -210,9 +210,8 @@ class RolloutBackend(ABC):
 
     def _loop_names(self, batch: Batch) -> list[str]:
         """Each prompt row's agent loop: its ``agent_name`` (verl's data column), else the default."""
-        default = default_loop(self.rollout.agent, self.rollout.multi_turn.enable)
         given = batch["agent_name"] if "agent_name" in batch else [None] * len(batch)
-        return [name or default for name in given]
+        return loop_names(given, self.rollout.agent, self.rollout.multi_turn.enable)
 
     def _may_run_environments(self, batch: Batch) -> bool:
         """Whether some row of the step may run env_agent (the default loop, or a row's ``agent_name`` column):

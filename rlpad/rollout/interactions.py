@@ -28,7 +28,7 @@ from typing import Any
 
 from rlpad.functions import import_class, import_class_having, read_yaml
 
-__all__ = ["InteractionEnv", "InteractionSpec", "load_interaction_config", "row_interaction"]
+__all__ = ["InteractionEnv", "InteractionSpec", "interaction_notice", "load_interaction_config", "row_interaction"]
 
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 TARGET = "rlpad.rollout.interactions:InteractionEnv"  # the environment the env_agent loop runs for an interaction
@@ -117,3 +117,13 @@ class InteractionEnv:
         if terminate and callable(getattr(self.interaction, "finalize_interaction", None)):
             _done(self.interaction.finalize_interaction(self.instance_id))
         return [reply], score, bool(terminate), dict(extra or {})
+
+
+def interaction_notice(path: str | None, loops: set[str]) -> str | None:
+    """The start-up warning when interactions are configured (``path``) but no data row runs the env_agent loop
+    (``loops``: the rows' loops, :func:`rlpad.rollout.agent_loops.loop_names`): they would never run."""
+    if not path or "env_agent" in loops:
+        return None
+    return (f"warning: {KEY}={path} is set but no data row runs the env_agent loop (the rows run "
+            f"{', '.join(sorted(loops))}): its interactions never run; set "
+            "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent or the rows' agent_name")
