@@ -4,7 +4,8 @@ for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engi
 (GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
 worker group, called from the reward thread); then the deterministic stream (issue 60 item 5: two runs from one
 start checkpoint equal bit for bit, a resume from a mid-run checkpoint equal to the uninterrupted run, round_tokens
-changed as the negative control); then a last run whose rollout replica 1 is killed mid-stream.
+changed as the negative control); then run A again with rollout replica 1 killed mid-stream (step 2): the
+run stops naming it and its step-1 checkpoint, whose stream state is A's byte for byte.
 
 Observed through the trainer's own stages (a subclass keeps each step's groups and its batch after the old
 log-probs): every trained token within the hard cap; the step metrics agree with the groups they describe; weight
@@ -106,10 +107,10 @@ class Observed(StreamTrainer):
 
 
 class KillEngine(Observed):
-    """Kills rollout replica 1 (its Ray actor) as step 1 starts training; keeps the pids of its process tree."""
+    """Kills rollout replica 1 (its Ray actor) as step 2 starts training; keeps the pids of its process tree."""
 
     def train_groups(self, groups, wait_s):
-        if self.step == 1:
+        if self.step == 2:
             import ray
 
             actor = self.workers.engines[1]
@@ -154,6 +155,7 @@ def deterministic_runs(workers, root) -> dict:
         print(f"deterministic run {name}: {time.monotonic() - clock:.0f} s")
     with open(root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE) as f:
         out["state"] = json.load(f)
+    out["init"] = init
     return out
 
 
@@ -188,14 +190,16 @@ def runs(tmp_path_factory):
             print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
             clock = time.monotonic()
         workers.sync_weights()
-        out["deterministic"] = deterministic_runs(workers, tmp_path_factory.mktemp("d"))
-        # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
-        prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
-        workers.sync_weights()
-        trainer = KillEngine(prep.config, workers, prep.tokenizer, prep.train_loader, None, prep.reward_fn)
+        det_root = tmp_path_factory.mktemp("d")
+        out["deterministic"] = det = deterministic_runs(workers, det_root)
+        clock = time.monotonic()
+        # last, on the same stack: run A again, rollout replica 1 killed while step 2 trains (the replicas are gone
+        # after it); its step-1 checkpoint is A's (so C, resumed from that, is its exact resume)
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(det_root / "K"), det["init"])))
+        trainer = KillEngine(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
         with pytest.raises(WorkerFailed) as failed:
             trainer.fit()
-        out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed)
+        out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed, det_root)
         print(f"run with the killed engine: {time.monotonic() - clock:.0f} s")
     finally:
         if workers is not None:
@@ -312,11 +316,16 @@ def test_the_critic_the_filter_and_the_reward_model_stream(runs):
     print("filtered groups per step (running):", counts, "flat groups scored:", len(trainer.flat))
 
 
-def test_an_engine_killed_mid_stream_is_named_within_seconds_and_leaves_no_process(runs):
-    message, seconds, doomed = runs["fault"]
+def test_an_engine_killed_mid_stream_is_named_with_the_checkpoint_within_seconds_and_leaves_no_process(runs):
+    message, seconds, doomed, root = runs["fault"]
     print(f"killed engine -> {seconds:.1f} s -> {message.splitlines()[0][:120]}")
     assert message.startswith("rollout replica 1 of 2 died or is unreachable")
-    assert "training stopped at step 1; last checkpoint to resume from: none yet" in message
+    saved = root / "K" / "checkpoints" / "global_step_1"
+    assert f"training stopped at step 2; last checkpoint to resume from: {saved}" in message
+    # the checkpoint it names holds the stream of the uninterrupted run A at step 1, byte for byte: the run
+    # resumed from that state (C) equals A exactly (test_the_deterministic_stream_...)
+    a = root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE
+    assert (saved / STREAM_STATE).read_bytes() == a.read_bytes()
     assert seconds < 30  # the next take (or weight load) raises it: seconds, not a hang
     assert len(doomed) >= 1
     deadline = time.monotonic() + 30
