@@ -3,8 +3,8 @@
 for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engines), then false with the rest of rlpad (issue 60 item 6): PPO's critic
 (GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
 worker group, called from the reward thread); then the deterministic stream (issue 60 item 5: two runs from one
-start checkpoint equal bit for bit, a resume from a mid-run checkpoint equal to the uninterrupted run, round_tokens
-changed as the negative control); then run A again with rollout replica 1 killed mid-stream (step 2): the
+start checkpoint equal bit for bit, one interrupted by SIGINT and run again equal to the uninterrupted run from its
+checkpoint on, round_tokens changed as the negative control); then run A again with rollout replica 1 killed mid-stream (step 2): the
 run stops naming it and its step-1 checkpoint, whose stream state is A's byte for byte.
 
 Observed through the trainer's own stages (a subclass keeps each step's groups and its batch after the old
@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import os
+import signal
 import time
 
 import psutil
@@ -138,23 +139,47 @@ def trained(trainer) -> dict[int, list]:
             for step, groups, _ in trainer.steps}
 
 
+class Interrupt(Observed):
+    """Ctrl-C: SIGINT to this process as step 2 starts training (its handler runs in the main thread, where the
+    stream's event loop is: asyncio cancels the loop, the stream closes, KeyboardInterrupt)."""
+
+    def train_groups(self, groups, wait_s):
+        if self.step == 2:
+            signal.raise_signal(signal.SIGINT)
+        return super().train_groups(groups, wait_s)
+
+
 def deterministic_runs(workers, root) -> dict:
-    """Runs A and B (3 steps from one start checkpoint), C (A resumed from its step-1 checkpoint), D (1 step,
-    round_tokens=8): each run's records by step, its trained responses, and A's step-1 stream state."""
+    """Runs A and B (3 steps from one start checkpoint), I (A interrupted by SIGINT in step 2), C (I's command
+    again, resume_mode=auto: from its step-1 checkpoint), D (1 step, round_tokens=8): each run's records by step,
+    its trained responses, and A's step-1 stream state."""
     checkpoints = CheckpointDir(str(root / "init"))
     workers.save_checkpoint(checkpoints.staging(0))
     init = checkpoints.publish(0, {"step": 0, "loader": {"epoch": 0, "position": 0}, "history": []})
     out = {}
-    for name, resume, extra in (("A", init, ()), ("B", init, ()), ("C", f"{root}/A/checkpoints/global_step_1", ()),
+    for name, resume, extra in (("A", init, ()), ("B", init, ()), ("I", init, ()), ("C", "auto", ()),
                                 ("D", init, ("async_training.round_tokens=8", "trainer.total_training_steps=1"))):
         clock = time.monotonic()
-        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(root / name), resume, *extra)))
-        trainer = Observed(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
-        history = trainer.fit()
-        out[name] = ({r["step"]: r for r in history}, trained(trainer))
+        folder = root / ("I" if name == "C" else name)  # C reruns I's command: its folder, the latest checkpoint
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(folder), resume, *extra)))
+        cls = Interrupt if name == "I" else Observed
+        trainer = cls(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
+        if name == "I":
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the shell ignores it
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    trainer.fit()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            out["I"] = sorted(os.listdir(folder / "checkpoints"))
+        else:
+            history = trainer.fit()
+            out[name] = ({r["step"]: r for r in history}, trained(trainer))
         print(f"deterministic run {name}: {time.monotonic() - clock:.0f} s")
     with open(root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE) as f:
         out["state"] = json.load(f)
+    for name in ("A", "I"):
+        out[f"{name}_state"] = (root / name / "checkpoints" / "global_step_1" / STREAM_STATE).read_bytes()
     out["init"] = init
     return out
 
@@ -355,7 +380,10 @@ def test_the_deterministic_stream_is_equal_bit_for_bit_and_resumes_exactly(runs)
     crossed = [r for step in a_trained for r in a_trained[step] if len(set(r[3])) > 1]
     assert crossed, "no trained response crossed a weight load: the schedule was not exercised"
     assert "val/reward" in a[2] and "val/reward" in a[3]
-    # the resume from step 1: steps 2 and 3 equal the uninterrupted run's
+    # interrupted in step 2: its step-1 checkpoint is the latest, its stream state A's byte for byte; rerun
+    # (resume_mode=auto), steps 2 and 3 equal the uninterrupted run's
+    assert det["I"] == ["global_step_1", "latest"], det["I"]
+    assert det["I_state"] == det["A_state"]
     for step in (2, 3):
         assert numbers(c[step]) == numbers(a[step]), step
         assert c_trained[step] == a_trained[step], step
