@@ -122,7 +122,9 @@ def test_a_saved_state_continues_as_the_uninterrupted_stream():
     assert other != full
 
 
-def test_a_prompt_stream_replayed_from_too_late_is_refused():
+def test_a_prompt_stream_replayed_from_too_late_or_on_other_engines_is_refused():
     _, state = asyncio.run(drive(stream(), 1, save_at=2))
     with pytest.raises(ValueError, match="the prompt stream replays from"):
         resumed(state, first_prompt_shift=1)
+    with pytest.raises(ValueError, match="ran on 3 engines, this run has 2 .actor_rollout_ref.rollout.num_replicas"):
+        resumed(dict(state, live=state["live"] + [[]]))

@@ -354,6 +354,9 @@ class StreamRounds:
         self._restore = (state, weights)
 
     async def _restored(self, state: dict[str, Any], weights: NamedTensors) -> None:
+        if len(state["live"]) != len(self.engines):
+            raise ValueError(f"the checkpoint's stream ran on {len(state['live'])} engines, this run has "
+                             f"{len(self.engines)} (actor_rollout_ref.rollout.num_replicas)")
         by_index: dict[int, StreamPrompt] = {}
         index = -1
         while index < state["next_index"] - 1:  # the prompts started before the state, again
@@ -383,7 +386,7 @@ class StreamRounds:
             prompt = by_index[saved["prompt"]]
             self.prompt_of[prompt.uid] = prompt
             self.buffer.pending[prompt.uid] = {r["index"]: Response.from_state(r) for r in saved["responses"]}
-        for e, items in zip(self.engines, state["live"], strict=True):
+        for e, items in zip(self.engines, state["live"]):
             for saved in items:
                 prompt = by_index[saved["prompt"]]
                 self.prompt_of[prompt.uid] = prompt
