@@ -375,13 +375,14 @@ class StreamRounds:
             self.prompt_of[prompt.uid] = prompt
             return Group(prompt.uid, [Response.from_state(r) for r in saved["responses"]], prompt.row)
 
-        for s, saved in sorted(state["assigned"].items(), key=lambda kv: int(kv[0])):
-            self.assigned[int(s)] = ([group(g) for g in saved["groups"]], saved["counts"])
-        for saved in state["ready"]:
-            self.buffer.ready.append(group(saved))
-        for g in [g for gs, _ in self.assigned.values() for g in gs] + list(self.buffer.ready):
-            if self.on_group is not None:  # rescored (rewards are deterministic) in the order they were
+        assigned = {int(s): ([group(g) for g in saved["groups"]], saved["counts"])
+                    for s, saved in sorted(state["assigned"].items(), key=lambda kv: int(kv[0]))}
+        ready = [group(saved) for saved in state["ready"]]
+        for g in [g for gs, _ in assigned.values() for g in gs] + ready:
+            if self.on_group is not None:  # rescored (rewards are deterministic) before the trainer may take them
                 await self.on_group(g)
+        self.assigned.update(assigned)
+        self.buffer.ready.extend(ready)
         for saved in state["pending"]:
             prompt = by_index[saved["prompt"]]
             self.prompt_of[prompt.uid] = prompt
