@@ -72,11 +72,20 @@ def prompts(start=0):
         yield StreamPrompt(f"p{i}", [1 + i % 5, 2 + i % 3], seed=7, index=i)
 
 
-def stream(start=0, round_tokens=6):
+def stream(start=0, round_tokens=8):
+    """Its ``scored``: the uids of the groups ``on_group`` saw (the trainer's rewards)."""
     rule = StalenessRule(threshold=1.0, window=K, max_staleness=1, partial_rollout=True)
-    return StreamRounds([Script(), Script()], prompts(start), n=N, sampling=Sampling(1, 1.0, 1.0, -1, R), rule=rule,
-                        buffer=GroupBuffer(N), slots_per_engine=2 * N, round_tokens=round_tokens, seed=11, k=K,
-                        loads_after=lambda s: s <= STEPS)
+    scored = []
+
+    async def on_group(group):
+        await asyncio.sleep(0)  # as the trainer's reward thread: the rounds' loop goes on meanwhile
+        scored.append(group.uid)
+
+    s = StreamRounds([Script(), Script()], prompts(start), n=N, sampling=Sampling(1, 1.0, 1.0, -1, R), rule=rule,
+                     buffer=GroupBuffer(N), slots_per_engine=2 * N, round_tokens=round_tokens, seed=11, k=K,
+                     loads_after=lambda s: s <= STEPS, on_group=on_group)
+    s.scored = scored
+    return s
 
 
 async def drive(s: StreamRounds, first: int, save_at: int | None = None):
@@ -86,6 +95,7 @@ async def drive(s: StreamRounds, first: int, save_at: int | None = None):
     try:
         for step in range(first, STEPS + 1):
             groups = await s.take(K, step - 1)
+            assert all(g.uid in s.scored for g in groups)  # every group the trainer gets was scored first
             out[step] = [(r.uid, r.index, r.tokens, r.versions, r.log_probs) for g in groups for r in g.responses]
             await s.load_weights(f"weights {step}", step)
             s.release(step)
@@ -99,7 +109,10 @@ async def drive(s: StreamRounds, first: int, save_at: int | None = None):
 def resumed(state, first_prompt_shift=0):
     s = stream(state["first_prompt"] + first_prompt_shift)
     s.restore(state, "weights saved")
-    return asyncio.run(drive(s, state["version"] + 1))[0]
+    out = asyncio.run(drive(s, state["version"] + 1))[0]
+    saved = [g for step in state["assigned"].values() for g in step["groups"]] + state["ready"]
+    assert s.scored[:len(saved)] == [f"p{g['prompt']}" for g in saved]  # the saved groups rescored first
+    return out
 
 
 def test_a_saved_state_continues_as_the_uninterrupted_stream():
@@ -109,6 +122,7 @@ def test_a_saved_state_continues_as_the_uninterrupted_stream():
     assert any(len(set(r[3])) > 1 for rows in full.values() for r in rows)  # responses crossed loads
     live = [r for engine in state["live"] for r in engine]
     assert any(r["response"]["tokens"] for r in live)  # partial responses in flight in the state
+    assert state["assigned"] or state["ready"]  # and groups the trainer had not taken yet
     assert resumed(state) == {t: full[t] for t in range(3, STEPS + 1)}
     # negative controls: the state's round (the budgets drawn from it) and its chunk counts (the seeds) are read
     later = dict(state, round=state["round"] + 1)
@@ -118,7 +132,7 @@ def test_a_saved_state_continues_as_the_uninterrupted_stream():
         for r in engine:
             r["chunks"] += 1
     assert resumed(chunks) != {t: full[t] for t in range(3, STEPS + 1)}
-    other, _ = asyncio.run(drive(stream(round_tokens=5), 1))
+    other, _ = asyncio.run(drive(stream(round_tokens=6), 1))
     assert other != full
 
 
