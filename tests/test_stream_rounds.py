@@ -72,9 +72,9 @@ def prompts(start=0):
         yield StreamPrompt(f"p{i}", [1 + i % 5, 2 + i % 3], seed=7, index=i)
 
 
-def stream(start=0, round_tokens=8):
+def stream(start=0, round_tokens=8, partial=True):
     """Its ``scored``: the uids of the groups ``on_group`` saw (the trainer's rewards)."""
-    rule = StalenessRule(threshold=1.0, window=K, max_staleness=1, partial_rollout=True)
+    rule = StalenessRule(threshold=1.0, window=K, max_staleness=1, partial_rollout=partial)
     scored = []
 
     async def on_group(group):
@@ -142,3 +142,13 @@ def test_a_prompt_stream_replayed_from_too_late_or_on_other_engines_is_refused()
         resumed(state, first_prompt_shift=1)
     with pytest.raises(ValueError, match="ran on 3 engines, this run has 2 .actor_rollout_ref.rollout.num_replicas"):
         resumed(dict(state, live=state["live"] + [[]]))
+
+
+def test_without_partial_rollouts_the_responses_at_a_load_restart_and_the_state_resumes():
+    full, state = asyncio.run(drive(stream(partial=False), 1, save_at=2))
+    rows = [r for step in full.values() for r in step]
+    assert not any(len(set(r[3])) > 1 for r in rows)  # none holds two versions
+    assert state["regenerated"] > 0  # the responses in flight at the loads were restarted, counted
+    s = stream(state["first_prompt"], partial=False)
+    s.restore(state, "weights saved")
+    assert asyncio.run(drive(s, 3))[0] == {t: full[t] for t in range(3, STEPS + 1)}
