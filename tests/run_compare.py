@@ -44,7 +44,8 @@ import pytest
 __all__ = ["FOLDER_LOGPROB_ABS", "NOISE", "NOISE_ABS", "RUN_ABS", "RUN_REL", "WALL_CLOCK", "adam_reach",
            "assert_same_hf_folder", "assert_same_metrics", "compared_keys"]
 
-WALL_CLOCK = ("timing_s/", "tokens_per_s/", "worker_s/", "async/overlap", "async/gen_s")  # differ in any two runs
+WALL_CLOCK = ("timing_s/", "tokens_per_s/", "worker_s/", "async/overlap", "async/gen_s",  # differ in any two runs
+              "stream/engine_idle_share", "stream/trainer_wait_share")
 RUN_REL = 1e-4  # metrics that scale with their value: 5-10x the worst relative spread measured (1.0e-5, 1.9e-5)
 RUN_ABS = 1e-5  # means of terms <= 1 built on log-probs: the per-token drift between two orders (<= 9.5e-6)
 NOISE = "mismatch/"  # in a key (``val/mismatch/`` too): rounding noise by construction

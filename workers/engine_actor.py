@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.errors import WorkerFailed
 from rlpad.rollout.base import Sampling
-from rlpad.rollout.engine_client import Delta, EngineClient, Generation
+from rlpad.rollout.engine_client import Delta, EngineClient, Generation, RoundRequest
 
 __all__ = ["EngineActor", "RemoteEngineClient", "StashWeights", "start_engine_actor"]
 
@@ -55,6 +55,10 @@ class EngineActor:
                        request_id: str | None = None, partial: Generation | None = None) -> Generation:
         """One sample (EngineClient.generate); the ObjectRef is ready when it has finished or was aborted."""
         return await self.client.generate(prompt_ids, sampling, seed, request_id=request_id, partial=partial)
+
+    async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
+        """A round of the deterministic stream as one batch (EngineClient.generate_round): one Ray call per round."""
+        return await self.client.generate_round(requests)
 
     async def start(self, request_id: str, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None,
                     partial: Generation | None = None) -> str:
@@ -155,6 +159,9 @@ class RemoteEngineClient(EngineClient):
         if images is not None:
             raise NotImplementedError("RemoteEngineClient: prompts with images are not streamed")
         return await self._call("generate", list(prompt_ids), sampling, seed, request_id, partial)
+
+    async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
+        return await self._call("generate_round", list(requests))
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)

@@ -158,7 +158,8 @@ class RayWorkers:
                 self.engines = [start_engine_actor(
                     arr.model.path, arr.rollout, config.data, num_gpus=gpus * arr.rollout.tensor_model_parallel_size,
                     wait=False, tokenizer_path=arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code,
-                    resolve_path=paths, name=f"engine {r}") for r in range(num_replicas)]
+                    resolve_path=paths, name=f"engine {r}", deterministic=config.async_training.deterministic)
+                    for r in range(num_replicas)]
                 ray.get([e.ready.remote() for e in self.engines], timeout=600)
             elif not self.colocated:
                 self.rollout = RolloutReplicas(

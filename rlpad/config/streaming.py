@@ -42,6 +42,13 @@ class AsyncTrainingConfig:
     # rlpad: the hard cap: a group whose oldest token is more than this many updates behind the update that would
     # train it is dropped (counted in stream/dropped_*), never trained; >= trigger_parameter_sync_step - 1
     max_staleness: int = 2
+    # rlpad: a logical clock of rounds instead of wall time (docs/streaming.md): two runs of one command are equal bit
+    # for bit (weight loads land at seeded token counts per engine) and checkpoints (trainer.save_freq) hold the buffer
+    # and every in-flight partial response; costs engine time (each round re-prefills prompt + partial, no prefix cache)
+    deterministic: bool = False
+    # rlpad, with deterministic=true: the most tokens a response advances in one round (each round's budget is drawn in
+    # [ceil(round_tokens / 2), round_tokens] from actor_rollout_ref.rollout.seed and the round's index); >= 1
+    round_tokens: int = 16
 
 
 def window_groups(config: Config) -> int:
@@ -72,8 +79,15 @@ def _unsupported(config: Config, uses_critic: bool) -> list[tuple[str, str]]:
         (bool(config.data.val_files) and t.test_freq > 0 and t.test_freq % a.trigger_parameter_sync_step != 0,
          f"trainer.test_freq={t.test_freq}", "validation runs on the weights a load just put in the engines: it must "
          f"be a multiple of async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}"),
-        (t.save_freq > 0, f"trainer.save_freq={t.save_freq}",
-         "checkpoints of the buffer and the in-flight partial responses are not built (set -1)"),
+        (t.save_freq > 0 and not a.deterministic, f"trainer.save_freq={t.save_freq}",
+         "a checkpoint of the buffer and the in-flight partial responses needs the round schedule: set "
+         "async_training.deterministic=true (or save_freq=-1)"),
+        (t.save_freq > 0 and a.deterministic and t.save_freq % a.trigger_parameter_sync_step != 0,
+         f"trainer.save_freq={t.save_freq}", "the stream's state is saved at a weight load: it must be a multiple of "
+         f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}"),
+        (t.save_freq > 0 and bool(config.reward.normalize), f"reward.normalize={list(config.reward.normalize)}",
+         "a resume rescores the buffered groups, which would move the running statistics twice (with "
+         "trainer.save_freq > 0)"),
     ]
     return [(key, why) for bad, key, why in found if bad]
 
@@ -86,7 +100,7 @@ def streaming_problems(config: Config, uses_critic: bool) -> list[str]:
             and a.staleness_threshold >= 0):
         problems.append(f"async_training.staleness_threshold={a.staleness_threshold!r} must be a finite number >= 0")
     for key, value in (("trigger_parameter_sync_step", a.trigger_parameter_sync_step),
-                       ("require_batches", a.require_batches)):
+                       ("require_batches", a.require_batches), ("round_tokens", a.round_tokens)):
         if value < 1:
             problems.append(f"async_training.{key}={value} must be >= 1")
     n = config.actor_rollout_ref.rollout.n

@@ -8,6 +8,9 @@ engine's RPC arguments are msgpack-encoded: tensors do not pass). Each token's p
 engine's own label: the client sets the engine's weight version while paused, and vLLM stamps every
 step's outputs with it (``CompletionOutput.weight_versions``). Each request's prompt carries a
 per-version ``cache_salt``, so a prompt never reuses prefix-cache blocks the old weights computed.
+:meth:`AsyncVLLMClient.generate_round` adds a round's requests while the scheduler is paused, so the engine
+batches them the same way whatever the timing (the deterministic stream, docs/streaming.md; built with
+``deterministic=True`` the engine has no prefix cache, whose hits would depend on the engine's history).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 from rlpad.config.schema import DataConfig, RolloutConfig
 from rlpad.rollout.base import NamedTensors, Sampling, eos_token_ids
-from rlpad.rollout.engine_client import Delta, EngineClient, Generation, check_request, continuation_seed
+from rlpad.rollout.engine_client import (Delta, EngineClient, Generation, RoundRequest, check_request,
+                                         continuation_seed)
 from rlpad.rollout.vllm_args import engine_kwargs, sampling_params, with_tied_head
 
 __all__ = ["AsyncVLLMClient"]
@@ -40,7 +44,7 @@ class AsyncVLLMClient(EngineClient):
     supports_pause = True
 
     def __init__(self, model_path: str, rollout: RolloutConfig, data: DataConfig, *, tokenizer_path: str | None = None,
-                 trust_remote_code: bool = False, version: int = 0):
+                 trust_remote_code: bool = False, version: int = 0, deterministic: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker inside the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -50,7 +54,7 @@ class AsyncVLLMClient(EngineClient):
         for name, quiet in QUIET_FILTERS.items():
             logging.getLogger(name).addFilter(quiet)
         args = engine_kwargs(model_path, rollout, data, tokenizer_path=tokenizer_path,
-                             trust_remote_code=trust_remote_code)
+                             trust_remote_code=trust_remote_code, prefix_caching=not deterministic)
         # no per-step Prometheus stats (vllm.LLM's default; AsyncLLM's costs ~3% of its process's CPU here)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args, disable_log_stats=True))
         hf_config = self.engine.model_config.hf_config
@@ -122,6 +126,49 @@ class AsyncVLLMClient(EngineClient):
             yield Delta(rid, tokens, log_probs, generation)
             if generation is not None:
                 break
+
+    async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
+        """The requests as one batch: added in order while the scheduler is paused (vLLM queues them), then resumed;
+        each Generation whole (FINAL_ONLY). Nothing else may run on the engine meanwhile (the caller's rule)."""
+        from vllm.outputs import STREAM_FINISHED
+        from vllm.sampling_params import RequestOutputKind
+
+        for r in requests:
+            check_request(r.prompt_ids, r.sampling, r.seed, None, type(self).__name__)
+        await self._label()
+        queues = []
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            for r in requests:
+                params = sampling_params(r.sampling, self.eos_token_ids, r.seed, output_kind=RequestOutputKind.FINAL_ONLY)
+                prompt = {"prompt_token_ids": list(r.prompt_ids), "cache_salt": f"rlpad-v{self.version}"}
+                queues.append(await self.engine.add_request(r.request_id, prompt, params))
+        except BaseException:
+            await self.engine.abort([r.request_id for r in requests[: len(queues)]])
+            raise
+        finally:
+            await self.engine.resume_generation()
+        out = []
+        try:
+            for r, q in zip(requests, queues):
+                final = None
+                while final is None or not final.finished:
+                    got = q.get_nowait() or await q.get()
+                    if got is STREAM_FINISHED:
+                        break
+                    final = got
+                if final is None:
+                    raise RuntimeError(f"{type(self).__name__}: request {r.request_id} ended without an output")
+                sample = final.outputs[0]
+                tokens = list(sample.token_ids)
+                log_probs = [step[t].logprob for t, step in zip(tokens, sample.logprobs or [])]
+                out.append(Generation(r.request_id, tokens, log_probs,
+                                      self._versions(sample.weight_versions, len(tokens), r.request_id),
+                                      str(sample.finish_reason)))
+        except BaseException:  # cancelled or failed: nothing of this round stays on the engine
+            await self.engine.abort([r.request_id for r in requests])
+            raise
+        return out
 
     @staticmethod
     def _versions(spans: Any, count: int, rid: str) -> list[int]:

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 # imported (base imports the agent loops, which run on this client)
 Sampling = NamedTensors = RolloutBackend = Any
 
-__all__ = ["BatchingClient", "Delta", "EngineClient", "FINISH_REASONS", "Generation", "check_request",
+__all__ = ["BatchingClient", "Delta", "EngineClient", "FINISH_REASONS", "Generation", "RoundRequest", "check_request",
            "continuation_seed"]
 
 FINISH_REASONS = ("stop", "length", "abort")  # an EOS token ended it | the token budget | abort()
@@ -62,6 +62,17 @@ class Delta:
     token_ids: list[int]
     log_probs: list[float]
     generation: Generation | None = None
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One request of :meth:`EngineClient.generate_round`: ``prompt_ids`` (a partial response's tokens appended, if
+    any), its ``sampling`` (``max_tokens``: this request's budget), engine ``seed`` and ``request_id``."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    seed: int | None
+    request_id: str
 
 
 def continuation_seed(seed: int, k: int) -> int:
@@ -98,6 +109,12 @@ class EngineClient(ABC):
         """One sample from ``prompt_ids`` (``sampling.n`` is 1). ``partial``: an aborted response of this prompt,
         continued (prompt + its tokens resubmitted, the budget less its length, seed :func:`continuation_seed`);
         the result holds the partial's tokens, log-probs and versions first."""
+
+    async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
+        """Every request of ``requests`` as one batch, in order (the deterministic stream's round: the engine sees the
+        same batch whatever the timing); their Generations in order. Here: :meth:`generate` of each, gathered."""
+        return list(await asyncio.gather(*[self.generate(r.prompt_ids, r.sampling, r.seed, request_id=r.request_id)
+                                           for r in requests]))
 
     def stream(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, *,
                request_id: str | None = None, images: Any = None,

@@ -16,10 +16,11 @@ __all__ = ["cpu_whole_prefills", "engine_kwargs", "sampling_params", "with_tied_
 
 
 def engine_kwargs(model_path: str, rollout: RolloutConfig, data: DataConfig, *, tokenizer_path: str | None = None,
-                  trust_remote_code: bool = False, sleep_mode: bool = False, lora_rank: int = 0) -> dict[str, Any]:
+                  trust_remote_code: bool = False, sleep_mode: bool = False, lora_rank: int = 0,
+                  prefix_caching: bool = True) -> dict[str, Any]:
     """``vllm.LLM`` / ``AsyncEngineArgs`` keyword arguments for the rollout config (on the CPU with
     :func:`cpu_whole_prefills`: the asynchronous engine needs it too, a keep-resume recomputes prompt +
-    partial of every request at once)."""
+    partial of every request at once). ``prefix_caching=False``: no prefix cache (the deterministic stream)."""
     from vllm.platforms import current_platform
 
     max_model_len = data.max_prompt_length + data.max_response_length
@@ -41,6 +42,8 @@ def engine_kwargs(model_path: str, rollout: RolloutConfig, data: DataConfig, *, 
                       enable_sleep_mode=sleep_mode)  # cumem allocator: sleep() gives the GPU memory back
         if rollout.enable_chunked_prefill is not None:
             engine["enable_chunked_prefill"] = rollout.enable_chunked_prefill
+    if not prefix_caching:
+        engine["enable_prefix_caching"] = False
     engine.update(rollout.engine_kwargs.get("vllm") or {})  # verl's engine_kwargs.vllm: vllm.LLM's own arguments
     if lora_rank > 0:  # one adapter live at a time: each sync replaces it (load_lora_adapter)
         engine.update(enable_lora=True, max_lora_rank=engine_max_lora_rank(lora_rank), max_loras=1)

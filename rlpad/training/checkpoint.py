@@ -4,6 +4,7 @@ Layout under ``trainer.default_local_dir``::
 
     checkpoints/global_step_<k>/{actor,critic}/   worker shards (torch.distributed.checkpoint)
     checkpoints/global_step_<k>/trainer_state.json step, dataloader position, metric history
+    checkpoints/global_step_<k>/stream_state.json  the deterministic stream's state (rlpad/training/streaming.py)
     checkpoints/latest                             the name of the newest complete step
 
 A step is written into ``global_step_<k>.tmp`` and renamed when every part is saved; ``latest``

@@ -65,4 +65,4 @@ class Response:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Response:
-        return cls(**state)
+        return cls(**{k: list(v) if isinstance(v, list) else v for k, v in state.items()})  # its own lists

@@ -30,6 +30,7 @@ from rlpad.rollout.base import NamedTensors, Sampling
 from rlpad.rollout.engine_client import EngineClient, Generation, continuation_seed
 from rlpad.rollout.seeds import sample_seed
 from rlpad.training.group_buffer import Group, GroupBuffer
+from rlpad.training.stream_metrics import buffer_metrics
 from rlpad.training.stream_response import Response
 from rlpad.training.stream_staleness import Admission, StalenessRule
 
@@ -231,6 +232,17 @@ class StreamRollout:
                 await self.changed.wait()
         finally:
             self.trainer_wait.append((start, time.perf_counter()))
+
+    def step_counts(self, depth: int) -> dict[str, float]:
+        """The run's ``stream/*`` counts now (rlpad.training.stream_metrics.buffer_metrics), ``depth`` the buffer's."""
+        return buffer_metrics(self.buffer, self.regenerated, depth)
+
+    def waiting_uids(self) -> set[str]:
+        """Groups the trainer may still get (the buffer's)."""
+        return {g.uid for g in self.buffer.ready}
+
+    def release(self, version: int) -> None:
+        """The trainer is done with the engines after a load (validation): nothing waits for it here."""
 
     def busy_intervals(self, now: float | None = None) -> list[list[tuple[float, float]]]:
         """Each engine's busy intervals so far (an open one closed at ``now``)."""

@@ -25,8 +25,13 @@ made at the last step for it), the training requests going on beside it; the nex
 Its metrics are the synchronous trainer's (:meth:`Trainer.validate`).
 
 Seeds: the prompt with global index i of the stream is sampled with
-:func:`rlpad.training.stream_rollout.request_seed` (``rollout.seed``, i, sample). The schedule is not
-deterministic (which tokens land before a load depends on timing; item 5 of issue 60 is not built).
+:func:`rlpad.training.stream_rollout.request_seed` (``rollout.seed``, i, sample). The default schedule is not
+deterministic (which tokens land before a load depends on timing). ``async_training.deterministic``: the engines run
+:class:`~rlpad.training.stream_rounds.StreamRounds` (a logical clock of rounds; validation with no training request
+beside it, each engine's requests one batch) and two runs are equal bit for bit but for wall-clock metrics; a
+checkpoint (``trainer.save_freq``) then holds the stream's state at that step's weight load (``stream_state.json``:
+the buffer, the in-flight partial responses, the loader position of the oldest prompt in it) and a resume continues
+it exactly (the buffered groups rescored, the engines loading the checkpoint's version).
 """
 
 from __future__ import annotations
@@ -42,19 +47,22 @@ from typing import Any, Protocol
 
 from rlpad.batch import Batch
 from rlpad.rollout.base import eos_token_ids, pad_token_id, rollout_samplings
-from rlpad.rollout.engine_client import EngineClient
+from rlpad.rollout.engine_client import EngineClient, RoundRequest
 from rlpad.rollout.layout import build_rollout_batch, prompt_token_lists
 from rlpad.rollout.seeds import sample_seed
 from rlpad.training.dynamic_sampling import filter_metric
 from rlpad.training.group_buffer import Group, GroupBuffer, group_batch_fields, spread_filter
 from rlpad.training.metrics import MetricsLogger
 from rlpad.training.stage_clock import StageClock
-from rlpad.training.stream_metrics import buffer_metrics, staleness_metrics, time_shares
+from rlpad.training.stream_metrics import staleness_metrics, time_shares
 from rlpad.training.stream_rollout import StreamPrompt, StreamRollout
+from rlpad.training.stream_rounds import StreamRounds
 from rlpad.training.stream_staleness import StalenessRule
 from rlpad.training.trainer import Trainer, Workers
 
-__all__ = ["StreamTrainer", "StreamWorkers"]
+__all__ = ["STREAM_STATE", "StreamTrainer", "StreamWorkers"]
+
+STREAM_STATE = "stream_state.json"  # in a checkpoint of the deterministic stream: StreamRounds.state and the loader
 
 
 class StreamWorkers(Workers, Protocol):
@@ -65,7 +73,7 @@ class StreamWorkers(Workers, Protocol):
 
 
 class StreamTrainer(Trainer):
-    """The streaming loop (the module docstring); checkpoints are refused at config load."""
+    """The streaming loop (the module docstring); checkpoints with ``async_training.deterministic`` only."""
 
     off_policy = True  # every batch may hold tokens of older versions: the correction's off-policy form
 
@@ -86,16 +94,19 @@ class StreamTrainer(Trainer):
         self.eos = eos_token_ids(tokenizer.eos_token_id)
         self.scored: dict[str, Batch] = {}  # uid -> the group's scored rows, until a step takes it
         self.keep = spread_filter(lambda r: r.score) if config.algorithm.filter_groups.enable else None
-        self.stream: StreamRollout | None = None
+        self.stream: StreamRollout | StreamRounds | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None  # the stream's, for validation from a thread
+        self._batch_starts: list[tuple[int, dict[str, Any]]] = []  # (first prompt index, the loader before it)
+        self._resume_stream: dict[str, Any] | None = None  # stream_state.json of the checkpoint resumed from
 
     # ---- the prompt stream and the groups' rows
 
-    def _prompts(self) -> Iterator[StreamPrompt]:
-        """The train loader's prompts one by one (epoch after epoch), numbered across the run."""
-        index, seed = 0, self.config.actor_rollout_ref.rollout.seed
-        data = self.config.data
+    def _prompts(self, index: int = 0) -> Iterator[StreamPrompt]:
+        """The train loader's prompts one by one (epoch after epoch), numbered across the run from ``index`` (the
+        number of the loader's next prompt)."""
+        seed, data = self.config.actor_rollout_ref.rollout.seed, self.config.data
         while True:
+            self._batch_starts.append((index, self.train_loader.state_dict()))
             batch = self.train_loader.next_batch()
             ids = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=data.max_prompt_length, truncation=data.truncation)
@@ -134,21 +145,53 @@ class StreamTrainer(Trainer):
     def _loop(self, logger: MetricsLogger) -> None:
         asyncio.run(self._stream_loop(logger))
 
+    def _validating(self, step: int) -> bool:
+        t = self.config.trainer
+        return self.val_dataset is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or step == self.total_steps)
+
+    def _saving(self, step: int) -> bool:
+        t = self.config.trainer
+        return t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
+
+    def _loads_after(self, step: int) -> bool:
+        """Step ``step``'s weights load into the engines: every trigger_parameter_sync_step steps but the last, and
+        wherever a validation or (the deterministic stream's state) a checkpoint needs it."""
+        if step > self.total_steps:
+            return False
+        every = step % self.config.async_training.trigger_parameter_sync_step == 0 and step < self.total_steps
+        return every or self._validating(step) or self._saving(step)
+
+    def _make_stream(self, pool: ThreadPoolExecutor) -> StreamRollout | StreamRounds:
+        a, k = self.config.async_training, self.config.data.train_batch_size
+        common = dict(n=self.n, sampling=self.sampling, rule=self.rule, buffer=GroupBuffer(self.n, self.keep),
+                      slots_per_engine=self.slots, on_group=lambda group: self._score_group(group, pool))
+        clients = self.workers.engine_clients()
+        if not a.deterministic:
+            return StreamRollout(clients, self._prompts(), **common)
+        saved = self._resume_stream
+        if saved is not None:  # the loader back at the batch of the oldest prompt the saved stream holds
+            self.train_loader.load_state_dict(saved["loader"])
+        prompts = self._prompts(saved["loader_index"] if saved is not None else 0)
+        return StreamRounds(clients, prompts, **common, round_tokens=a.round_tokens,
+                            seed=self.config.actor_rollout_ref.rollout.seed, k=k, loads_after=self._loads_after,
+                            holds=self._validating)
+
     async def _stream_loop(self, logger: MetricsLogger) -> None:
-        a, t = self.config.async_training, self.config.trainer
         k = self.config.data.train_batch_size
         self._event_loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(1, thread_name_prefix="rlpad-stream-reward")  # one group at a time, in order
-        stream = self.stream = StreamRollout(
-            self.workers.engine_clients(), self._prompts(), n=self.n, sampling=self.sampling, rule=self.rule,
-            buffer=GroupBuffer(self.n, self.keep), slots_per_engine=self.slots,
-            on_group=lambda group: self._score_group(group, pool))
+        stream = self.stream = self._make_stream(pool)
         t0, step_ends = time.perf_counter(), []
         try:
-            if self.step == 0 and t.val_before_train and self.val_dataset is not None:  # on version 0
+            if self.step == 0 and self.config.trainer.val_before_train and self.val_dataset is not None:  # version 0
                 record = {"step": 0, **await asyncio.to_thread(self.validate)}
                 self.history.append(record)
                 logger.log(0, record)
+            if isinstance(stream, StreamRounds):
+                if self._resume_stream is not None:
+                    weights = await asyncio.to_thread(self.workers.stage_weights, self.step)
+                    stream.restore(self._resume_stream["stream"], weights)
+                stream.start()
             while self.step < self.total_steps:
                 start = time.perf_counter()
                 groups = await stream.take(k, self.step)  # the update of step t runs with t - 1 applied
@@ -156,30 +199,30 @@ class StreamTrainer(Trainer):
                     raise RuntimeError("the prompt stream ran out")  # the loader cycles epochs: not reached
                 self.step += 1
                 depth = len(stream.buffer) + len(groups)
-                kept = {g.uid for g in stream.buffer.ready} | {g.uid for g in groups}
+                kept = stream.waiting_uids() | {g.uid for g in groups}
                 for uid in [u for u in self.scored if u not in kept]:  # dropped (past the cap) or filtered out
                     del self.scored[uid]
                 wait = stream.trainer_wait[-1][1] - stream.trainer_wait[-1][0]
                 metrics = await asyncio.to_thread(self.train_groups, groups, wait)
-                last = self.step == self.total_steps
-                validating = self.val_dataset is not None and ((t.test_freq > 0 and self.step % t.test_freq == 0)
-                                                               or last)
-                if validating or (self.step % a.trigger_parameter_sync_step == 0 and not last):
+                if self._loads_after(self.step):
                     sync = time.perf_counter()
                     weights = await asyncio.to_thread(self.workers.stage_weights, self.step)
                     metrics["timing_s/stream_pause"] = await stream.load_weights(weights, self.step)
                     metrics["timing_s/sync"] = time.perf_counter() - sync
-                if validating:  # on the version just loaded; the next load waits for it
+                if self._validating(self.step):  # on the version just loaded; the next load waits for it
                     metrics.update(await asyncio.to_thread(self.validate))
+                stream.release(self.step)
                 end = time.perf_counter()
                 metrics["timing_s/step_wall"] = end - start  # the whole step: its wait, stages and weight load
                 metrics.update(staleness_metrics(groups, self.step - 1))
-                metrics.update(buffer_metrics(stream.buffer, stream.regenerated, depth))
+                metrics.update(stream.step_counts(depth))
                 metrics.update(time_shares(stream.busy_intervals(end), stream.trainer_wait, start, end))
                 step_ends.append(round(end - t0, 4))
                 self.history.append({"step": self.step, **metrics})
                 logger.log(self.step, metrics)
                 self._flush_warnings(logger)
+                if self._saving(self.step):
+                    await asyncio.to_thread(self.save_checkpoint)
                 if self.hf_folders.roles and self.step == self.total_steps:
                     await asyncio.to_thread(self.hf_folders.save, self.workers, self.step)
         finally:
@@ -189,6 +232,33 @@ class StreamTrainer(Trainer):
         os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)  # for rlpad.bench.stream_timeline
         with open(os.path.join(self.config.trainer.default_local_dir, "stream_timeline.json"), "w") as f:
             json.dump(timeline, f)
+
+    # ---- checkpoints of the deterministic stream
+
+    def save_extra(self, staging: str) -> None:
+        """``stream_state.json``: the rounds' state at this step's weight load and the loader at the batch of the
+        oldest prompt in it."""
+        if not isinstance(self.stream, StreamRounds):
+            return
+        state = self.stream.snapshots[self.step]
+        index, loader = max((b for b in self._batch_starts if b[0] <= state["first_prompt"]), key=lambda b: b[0])
+        with open(os.path.join(staging, STREAM_STATE), "w") as f:
+            json.dump({"stream": state, "loader_index": index, "loader": loader}, f)
+
+    def _maybe_resume(self) -> None:
+        super()._maybe_resume()
+        if self.last_checkpoint is None or self.step == 0:
+            return
+        path = os.path.join(self.last_checkpoint, STREAM_STATE)
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint {self.last_checkpoint} has no {STREAM_STATE} (the stream's buffer and "
+                             "in-flight responses): a streaming run resumes from a checkpoint of "
+                             "async_training.deterministic=true")
+        if not self.config.async_training.deterministic:
+            raise ValueError(f"checkpoint {self.last_checkpoint} holds a deterministic stream's state: resume it "
+                             "with async_training.deterministic=true")
+        with open(path) as f:
+            self._resume_stream = json.load(f)
 
     def generate_validation(self, prompts: Batch, index: int) -> Batch:
         """The validation rollout on the streaming engines (called from a thread while the stream's event loop
@@ -203,10 +273,19 @@ class StreamTrainer(Trainer):
         ids = prompt_token_lists(prompts["input_ids"], prompts["attention_mask"],
                                  max_prompt_length=data.max_prompt_length, truncation=data.truncation)
         clients = [e.client for e in self.stream.engines]
-        gens = await asyncio.gather(*[
-            clients[(i * n + j) % len(clients)].generate(p, self.val_sampling, sample_seed(seed, i, j),
-                                                         request_id=f"val-{self.step}-{seed}-{i}-{j}")
-            for i, p in enumerate(ids) for j in range(n)])
+        if isinstance(self.stream, StreamRounds):  # each engine's share as one batch (no training request beside it)
+            mine = [[(i, j) for i in range(len(ids)) for j in range(n) if (i * n + j) % len(clients) == c]
+                    for c in range(len(clients))]
+            rounds = await asyncio.gather(*[client.generate_round([
+                RoundRequest(ids[i], self.val_sampling, sample_seed(seed, i, j), f"val-{self.step}-{seed}-{i}-{j}")
+                for i, j in pairs]) for client, pairs in zip(clients, mine)])
+            got = {pair: g for pairs, gens in zip(mine, rounds) for pair, g in zip(pairs, gens)}
+            gens = [got[(i, j)] for i in range(len(ids)) for j in range(n)]
+        else:
+            gens = await asyncio.gather(*[
+                clients[(i * n + j) % len(clients)].generate(p, self.val_sampling, sample_seed(seed, i, j),
+                                                             request_id=f"val-{self.step}-{seed}-{i}-{j}")
+                for i, p in enumerate(ids) for j in range(n)])
         versions = {v for g in gens for v in g.versions}
         if versions - {self.step}:
             raise RuntimeError(f"validation at step {self.step}: tokens of versions {sorted(versions)} (expected "

@@ -458,8 +458,12 @@ class Trainer:
         if self.ahead is not None:  # the batches generated for later steps are part of the state
             self.ahead.save(staging)
             state["max_off_policy_steps"] = self.ahead.k
+        self.save_extra(staging)
         self.last_checkpoint = self.checkpoints.publish(self.step, state)
         return self.last_checkpoint
+
+    def save_extra(self, staging: str) -> None:
+        """A subclass's part of the checkpoint being written in ``staging`` (published with the rest)."""
 
     def _maybe_resume(self) -> None:
         mode = self.config.trainer.resume_mode
