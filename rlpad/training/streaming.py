@@ -106,7 +106,8 @@ class StreamTrainer(Trainer):
         number of the loader's next prompt)."""
         seed, data = self.config.actor_rollout_ref.rollout.seed, self.config.data
         while True:
-            self._batch_starts.append((index, self.train_loader.state_dict()))
+            if self.config.async_training.deterministic:  # save_extra's loader positions
+                self._batch_starts.append((index, self.train_loader.state_dict()))
             batch = self.train_loader.next_batch()
             ids = prompt_token_lists(batch["input_ids"], batch["attention_mask"],
                                      max_prompt_length=data.max_prompt_length, truncation=data.truncation)
@@ -144,14 +145,6 @@ class StreamTrainer(Trainer):
 
     def _loop(self, logger: MetricsLogger) -> None:
         asyncio.run(self._stream_loop(logger))
-
-    def _validating(self, step: int) -> bool:
-        t = self.config.trainer
-        return self.val_dataset is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or step == self.total_steps)
-
-    def _saving(self, step: int) -> bool:
-        t = self.config.trainer
-        return t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
 
     def _loads_after(self, step: int) -> bool:
         """Step ``step``'s weights load into the engines: every trigger_parameter_sync_step steps but the last, and
@@ -242,6 +235,7 @@ class StreamTrainer(Trainer):
             return
         state = self.stream.snapshots[self.step]
         index, loader = max((b for b in self._batch_starts if b[0] <= state["first_prompt"]), key=lambda b: b[0])
+        self._batch_starts = [b for b in self._batch_starts if b[0] >= index]  # a later save never reaches further back
         with open(os.path.join(staging, STREAM_STATE), "w") as f:
             json.dump({"stream": state, "loader_index": index, "loader": loader}, f)
 

@@ -197,16 +197,26 @@ class Trainer:
                 self.ahead.submit_ahead(self.step)  # the generations of the next k steps, then batch t
             metrics = self.train_step(None if self.ahead is not None else self.train_loader.next_batch())
             last = self.step == self.total_steps
-            if self.val_dataset is not None and ((cfg.test_freq > 0 and self.step % cfg.test_freq == 0) or last):
+            if self._validating(self.step):
                 metrics.update(self.validate())
             self.history.append({"step": self.step, **metrics})
             logger.log(self.step, metrics)
             self._flush_warnings(logger)
-            checkpointed = cfg.save_freq > 0 and (self.step % cfg.save_freq == 0 or last)
+            checkpointed = self._saving(self.step)
             if checkpointed:
                 self.save_checkpoint()
             if self.hf_folders.roles and (checkpointed or last):
                 self.hf_folders.save(self.workers, self.step)
+
+    def _validating(self, step: int) -> bool:
+        """Step ``step`` validates: every ``trainer.test_freq`` steps and the last (with validation data)."""
+        t = self.config.trainer
+        return self.val_dataset is not None and ((t.test_freq > 0 and step % t.test_freq == 0) or step == self.total_steps)
+
+    def _saving(self, step: int) -> bool:
+        """Step ``step`` is checkpointed: every ``trainer.save_freq`` steps and the last (save_freq > 0)."""
+        t = self.config.trainer
+        return t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
 
     def train_step(self, prompts: Batch | None) -> dict[str, float]:
         """One GRPO/PPO step on a batch of prompts (None: the batch the asynchronous schedule generated
