@@ -140,31 +140,42 @@ def trained(trainer) -> dict[int, list]:
 
 
 class Interrupt(Observed):
-    """Ctrl-C: SIGINT to this process as step 2 starts training (its handler runs in the main thread, where the
+    """Ctrl-C: SIGINT to this process as step ``at`` starts training (its handler runs in the main thread, where the
     stream's event loop is: asyncio cancels the loop, the stream closes, KeyboardInterrupt)."""
+    at = 2
 
     def train_groups(self, groups, wait_s):
-        if self.step == 2:
+        if self.step == self.at:
             signal.raise_signal(signal.SIGINT)
         return super().train_groups(groups, wait_s)
 
 
-def deterministic_runs(workers, root) -> dict:
-    """Runs A and B (3 steps from one start checkpoint), I (A interrupted by SIGINT in step 2), C (I's command
-    again, resume_mode=auto: from its step-1 checkpoint), D (1 step, round_tokens=8): each run's records by step,
-    its trained responses, and A's step-1 stream state."""
-    checkpoints = CheckpointDir(str(root / "init"))
-    workers.save_checkpoint(checkpoints.staging(0))
-    init = checkpoints.publish(0, {"step": 0, "loader": {"epoch": 0, "position": 0}, "history": []})
+def stream_state(folder, step: int) -> bytes:
+    return (folder / "checkpoints" / f"global_step_{step}" / STREAM_STATE).read_bytes()
+
+
+def in_flight(state: bytes) -> int:
+    """The partial responses (>= 1 token) a saved stream state holds."""
+    return sum(bool(r["response"]["tokens"]) for engine in json.loads(state)["stream"]["live"] for r in engine)
+
+
+def deterministic_runs(workers, root, init: str) -> dict:
+    """Runs A and B (3 steps from one start checkpoint), I (A interrupted by SIGINT in step s + 1), C (I's command
+    again, resume_mode=auto: from its step-s checkpoint), D (1 step, round_tokens=8): each run's records by step,
+    its trained responses, and A's step-s stream state. s: the first of A's steps 1 and 2 whose checkpoint holds a
+    partial response in flight (which one does depends on the sampled lengths, so on the CPU's float results)."""
     out = {}
     for name, resume, extra in (("A", init, ()), ("B", init, ()), ("I", init, ()), ("C", "auto", ()),
                                 ("D", init, ("async_training.round_tokens=8", "trainer.total_training_steps=1"))):
         clock = time.monotonic()
         folder = root / ("I" if name == "C" else name)  # C reruns I's command: its folder, the latest checkpoint
         prep = prepare(load_config(recipe("grpo_tiny_stream"), deterministic(str(folder), resume, *extra)))
+        if name == "I":  # resume from the first checkpoint with partial responses in flight
+            out["resumed_at"] = next((s for s in (1, 2) if in_flight(stream_state(root / "A", s))), 1)
         cls = Interrupt if name == "I" else Observed
         trainer = cls(prep.config, workers, prep.tokenizer, prep.train_loader, prep.val_dataset, prep.reward_fn)
         if name == "I":
+            trainer.at = out["resumed_at"] + 1
             previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the shell ignores it
             try:
                 with pytest.raises(KeyboardInterrupt):
@@ -176,10 +187,9 @@ def deterministic_runs(workers, root) -> dict:
             history = trainer.fit()
             out[name] = ({r["step"]: r for r in history}, trained(trainer))
         print(f"deterministic run {name}: {time.monotonic() - clock:.0f} s")
-    with open(root / "A" / "checkpoints" / "global_step_1" / STREAM_STATE) as f:
-        out["state"] = json.load(f)
+    out["in_flight"] = {s: in_flight(stream_state(root / "A", s)) for s in (1, 2, 3)}
     for name in ("A", "I"):
-        out[f"{name}_state"] = (root / name / "checkpoints" / "global_step_1" / STREAM_STATE).read_bytes()
+        out[f"{name}_state"] = stream_state(root / name, out["resumed_at"])
     out["init"] = init
     return out
 
@@ -188,7 +198,7 @@ def deterministic_runs(workers, root) -> dict:
 def runs(tmp_path_factory):
     out = {}
     workers = None
-    rm_dir = tmp_path_factory.mktemp("rm")
+    rm_dir, det_root = tmp_path_factory.mktemp("rm"), tmp_path_factory.mktemp("d")
     tiny_reward_model("qwen2", seed=4).save_pretrained(rm_dir)
     build_tokenizer(rm_dir)  # the policy's tokenizer: the rollout's own rows are scored
     preps = {partial: prepare(load_config(recipe("grpo_tiny_stream"),
@@ -203,6 +213,11 @@ def runs(tmp_path_factory):
                 stack = copy.deepcopy(preps[False].config)
                 stack.async_training.deterministic = True  # engines without a prefix cache: the deterministic runs'
                 workers = launch_workers(stack)
+                # the deterministic runs' start: the stack as launched (after the timing-driven runs below, which
+                # sampled lengths a step's checkpoint holds would differ from one test run to the next)
+                checkpoints = CheckpointDir(str(det_root / "init"))
+                workers.save_checkpoint(checkpoints.staging(0))
+                init = checkpoints.publish(0, {"step": 0, "loader": {"epoch": 0, "position": 0}, "history": []})
                 print(f"stack launched: {time.monotonic() - clock:.0f} s")
                 clock = time.monotonic()
             else:  # the second run starts its versions at 0 again: the actor's weights as version 0
@@ -214,9 +229,7 @@ def runs(tmp_path_factory):
             out[partial] = (trainer.fit(), trainer)
             print(f"run partial_rollout={partial}: {time.monotonic() - clock:.0f} s")
             clock = time.monotonic()
-        workers.sync_weights()
-        det_root = tmp_path_factory.mktemp("d")
-        out["deterministic"] = det = deterministic_runs(workers, det_root)
+        out["deterministic"] = det = deterministic_runs(workers, det_root, init)
         clock = time.monotonic()
         # last, on the same stack: run A again, rollout replica 1 killed while step 2 trains (the replicas are gone
         # after it); its step-1 checkpoint is A's (so C, resumed from that, is its exact resume)
@@ -373,23 +386,23 @@ def alive(pids):
 def test_the_deterministic_stream_is_equal_bit_for_bit_and_resumes_exactly(runs):
     det = runs["deterministic"]
     (a, a_trained), (b, b_trained), (c, c_trained), (d, _) = (det[name] for name in "ABCD")
-    assert sorted(a) == sorted(b) == [1, 2, 3] and sorted(c) == [1, 2, 3]  # C: step 1 from the checkpoint's history
+    assert sorted(a) == sorted(b) == [1, 2, 3] and sorted(c) == [1, 2, 3]  # C: steps <= s from the checkpoint's history
     for step in (1, 2, 3):
         assert numbers(a[step]) == numbers(b[step]), step  # two runs of one command: every number
     assert a_trained == b_trained  # every trained token, version and behaviour log-prob
     crossed = [r for step in a_trained for r in a_trained[step] if len(set(r[3])) > 1]
     assert crossed, "no trained response crossed a weight load: the schedule was not exercised"
     assert "val/reward" in a[2] and "val/reward" in a[3]
-    # interrupted in step 2: its step-1 checkpoint is the latest, its stream state A's byte for byte; rerun
-    # (resume_mode=auto), steps 2 and 3 equal the uninterrupted run's
-    assert det["I"] == ["global_step_1", "latest"], det["I"]
+    # interrupted in step s + 1: its step-s checkpoint is the latest, its stream state A's byte for byte, with
+    # partial responses in flight; rerun (resume_mode=auto), the later steps equal the uninterrupted run's
+    s = det["resumed_at"]
+    print("deterministic: crossed responses", len(crossed), "partial responses in flight at A's checkpoints",
+          det["in_flight"], "resumed at step", s)
+    assert det["in_flight"][s] > 0, "neither step 1's nor step 2's checkpoint held a partial response in flight"
+    assert det["I"] == [f"global_step_{i}" for i in range(1, s + 1)] + ["latest"], det["I"]
     assert det["I_state"] == det["A_state"]
-    for step in (2, 3):
+    for step in range(s + 1, 4):
         assert numbers(c[step]) == numbers(a[step]), step
         assert c_trained[step] == a_trained[step], step
-    live = [r for engine in det["state"]["stream"]["live"] for r in engine]
-    assert any(r["response"]["tokens"] for r in live), "the checkpoint held no in-flight partial response"
     # negative control: another round_tokens moves the numbers
     assert numbers(d[1]) != numbers(a[1])
-    print("deterministic: crossed responses", len(crossed), "in flight at step 1's checkpoint",
-          sum(bool(r["response"]["tokens"]) for r in live), "ready groups", len(det["state"]["stream"]["ready"]))
