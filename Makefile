@@ -24,17 +24,17 @@ demo: $(STAMP)
 # The exactness tests again on another vector unit: ATen, MKL and oneDNN kernels held to AVX2, so a
 # bound that holds only for one CPU's rounding fails here, whatever CPU CI lands on. The 15 that launch Ray
 # worker stacks (~5 of the suite's ~80 minutes) run once: their bounds are run_compare's, checked on both units.
-# A CPU without AVX-512 (no avx512f flag: AMX needs it too) ran the first pass on AVX2 kernels already, so
-# the second would repeat it kernel for kernel: it is skipped there, with a line saying so.
+# A CPU without AVX-512 or AVX-VNNI (neither avx512f nor avx_vnni flag; AMX needs AVX-512 too) ran the first
+# pass on AVX2 kernels already, so the second would repeat it kernel for kernel: skipped there, a line says so.
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 
 test: $(STAMP)
 	$(VPY) -m pytest -q --durations=40 tests
-	@if grep -qw avx512f /proc/cpuinfo; then \
+	@if grep -qwE 'avx512f|avx_vnni' /proc/cpuinfo; then \
 		echo "$(AVX2_ONLY) $(VPY) -m pytest -q -m 'exactness and not ray' tests"; \
 		$(AVX2_ONLY) $(VPY) -m pytest -q -m "exactness and not ray" tests; \
 	else \
-		echo "make test: this CPU has no AVX-512, so the pass above ran on AVX2 kernels: the AVX2-only exactness pass would repeat it"; \
+		echo "make test: this CPU has no AVX-512 (nor AVX-VNNI), so the pass above ran on AVX2 kernels: the AVX2-only exactness pass would repeat it"; \
 	fi
 
 test-gpu:
