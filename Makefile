@@ -27,12 +27,16 @@ demo: $(STAMP)
 # A CPU without AVX-512 or AVX-VNNI (neither avx512f nor avx_vnni flag; AMX needs AVX-512 too) ran the first
 # pass on AVX2 kernels already, so the second would repeat it kernel for kernel: skipped there, a line says so.
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+# Two pytest processes (pytest-xdist), whole files to each (a module's Ray stack and fixtures stay in one
+# process): one process alone leaves the 2 cores ~30% idle while Ray and vLLM start. TEST_WORKERS=1: serial.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(VPY) -m pytest -q --durations=40 tests
+	$(VPY) -m pytest -q $(XDIST) --durations=40 tests
 	@if grep -qwE 'avx512f|avx_vnni' /proc/cpuinfo; then \
-		echo "$(AVX2_ONLY) $(VPY) -m pytest -q -m 'exactness and not ray' tests"; \
-		$(AVX2_ONLY) $(VPY) -m pytest -q -m "exactness and not ray" tests; \
+		echo "$(AVX2_ONLY) $(VPY) -m pytest -q $(XDIST) -m 'exactness and not ray' tests"; \
+		$(AVX2_ONLY) $(VPY) -m pytest -q $(XDIST) -m "exactness and not ray" tests; \
 	else \
 		echo "make test: this CPU has no AVX-512 (nor AVX-VNNI), so the pass above ran on AVX2 kernels: the AVX2-only exactness pass would repeat it"; \
 	fi
