@@ -151,6 +151,7 @@ def test_engine_actor_streams_pauses_and_loads_from_the_stash(ray_session, tmp_p
             order.append(refs.index(ready[0]))
         gens = ray.get(refs)
         assert sorted(order) == list(range(12)) and all(g.versions == [0] * len(g.token_ids) for g in gens)
+        check_remote_client(actor, prompts, sampling, gens)
 
         ray.get(actor.start.remote("chunked", prompts[0], sampling, 500))
         deltas = []
@@ -185,3 +186,37 @@ def test_engine_actor_streams_pauses_and_loads_from_the_stash(ray_session, tmp_p
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
         ray.kill(stash)
+
+
+def check_remote_client(actor, prompts, sampling, gens):
+    """RemoteEngineClient over the actor: 12 generate()s of one event-loop turn are one submit call and come back
+    as the actor's per-request generate gave them; an abort right after a generate finds the request (sent after
+    it is in the engine; the engine paused, so nothing is sampled) and a request refused fails by name."""
+    import asyncio
+
+    from workers.engine_actor import RemoteEngineClient
+
+    async def run():
+        client = RemoteEngineClient(actor, name="replica 0")
+        sent = []
+        real_send = client._send
+        client._send = lambda: (sent.append(len(client._unsent)), real_send())
+        got = await asyncio.gather(*[client.generate(p, sampling, 500 + i) for i, p in enumerate(prompts)])
+        longest = max(range(12), key=lambda i: len(gens[i].token_ids))
+        await client.pause(clear_cache=False)  # the request waits in the engine: the abort must find it there
+        task = asyncio.ensure_future(client.generate(prompts[longest], sampling, 500 + longest, request_id="cut"))
+        await asyncio.sleep(0)
+        await client.abort("cut")  # sends the pending submit first and waits until it is in
+        await client.resume()
+        cut = await task
+        with pytest.raises(RuntimeError, match="replica 0: request 'bad' failed: ValueError"):
+            await client.generate(prompts[0], sampling, True, request_id="bad")  # a bool seed: refused by name
+        return got, cut, sent, client._waiting
+
+    got, cut, sent, waiting = asyncio.run(run())
+    assert [g.token_ids for g in got] == [g.token_ids for g in gens]
+    assert [g.log_probs for g in got] == [g.log_probs for g in gens]
+    assert sent[0] == 12 and waiting == {}
+    assert cut.finish_reason == "abort" and cut.token_ids == []
+
+

@@ -2,18 +2,23 @@
 
 :class:`EngineActor` is an async actor (Ray runs its methods as coroutines of one event loop, up to
 ``max_concurrency`` at once) owning one :class:`rlpad.rollout.async_vllm.AsyncVLLMClient`. The driver
-(streaming rollouts' trainer, or an agent-loop manager) sends one ``generate`` per request and takes the
-finished ones with ``ray.wait`` while the engine goes on with the rest; ``start`` + ``chunk`` stream one
-request in pieces; ``pause`` / ``load_from_stash`` / ``resume`` put a policy version from the weight stash
+(streaming rollouts' trainer, or an agent-loop manager) sends requests with ``submit`` (many per call) and takes
+the finished ones with ``collect`` (all that ended since its last call) while the engine goes on with the rest;
+``generate`` is one request per call (``ray.wait`` on its ObjectRef); ``start`` + ``chunk`` stream one request in
+pieces; ``pause`` / ``load_from_stash`` / ``resume`` put a policy version from the weight stash
 (:mod:`workers.weight_stash`) into the paused engine, the requests in flight kept: their later tokens carry
 the new version. Start it with :func:`start_engine_actor`. :class:`RemoteEngineClient` is the driver's
-:class:`rlpad.rollout.engine_client.EngineClient` over one such actor (the streaming trainer's engines); its weights
-come from the stash (:class:`StashWeights`).
+:class:`rlpad.rollout.engine_client.EngineClient` over one such actor (the streaming trainer's engines: the
+generate()s of one event-loop turn go as one ``submit``, so a group is one Ray call, not n); its weights come from
+the stash (:class:`StashWeights`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +31,21 @@ from rlpad.errors import WorkerFailed
 from rlpad.rollout.base import Sampling
 from rlpad.rollout.engine_client import Delta, EngineClient, Generation, RoundRequest
 
-__all__ = ["EngineActor", "RemoteEngineClient", "StashWeights", "start_engine_actor"]
+__all__ = ["EngineActor", "RemoteEngineClient", "StashWeights", "Submitted", "start_engine_actor"]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One request of :meth:`EngineActor.submit` (the arguments of EngineClient.generate)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    seed: int | None
+    partial: Generation | None = None
+
+
+Finished = tuple[str, Generation | str]  # a request id and its Generation, or why it failed
 
 
 class EngineActor:
@@ -39,6 +58,8 @@ class EngineActor:
         self._build = (model_path, rollout, data, client_kwargs)
         self.name, self.client = name, None
         self._streams: dict[str, asyncio.Queue[Delta | Exception]] = {}  # start()ed requests: their deltas not taken yet
+        self._finished: dict[str, list[Finished]] = {}  # submit()ted requests that ended, per caller, not collected yet
+        self._any_finished: dict[str, asyncio.Event] = {}
 
     async def ready(self) -> bool:
         if self.client is None:
@@ -55,6 +76,43 @@ class EngineActor:
                        request_id: str | None = None, partial: Generation | None = None) -> Generation:
         """One sample (EngineClient.generate); the ObjectRef is ready when it has finished or was aborted."""
         return await self.client.generate(prompt_ids, sampling, seed, request_id=request_id, partial=partial)
+
+    async def submit(self, caller: str, requests: Sequence[Submitted]) -> None:
+        """Add ``requests`` to the engine in order (each in it when this returns); each one's end goes to ``caller``'s
+        :meth:`collect`. One Ray call for many requests (a group's n samples)."""
+        finished = self._finished.setdefault(caller, [])
+        event = self._any_finished.setdefault(caller, asyncio.Event())
+
+        def ended(rid: str, task: asyncio.Task) -> None:
+            if task.cancelled():
+                finished.append((rid, "cancelled"))
+            elif task.exception() is not None:
+                finished.append((rid, f"{type(task.exception()).__name__}: {task.exception()}"))
+            else:
+                finished.append((rid, task.result()))
+            event.set()
+
+        for r in requests:
+            try:
+                task = await self.client.submit(r.prompt_ids, r.sampling, r.seed, request_id=r.request_id,
+                                                partial=r.partial)
+            except Exception as e:  # refused before it reached the engine: the caller hears it by collect()
+                finished.append((r.request_id, f"{type(e).__name__}: {e}"))
+                event.set()
+                continue
+            task.add_done_callback(functools.partial(ended, r.request_id))
+
+    async def collect(self, caller: str) -> list[Finished]:
+        """``caller``'s submitted requests that ended since the last call (waits for at least one): (request id,
+        its Generation or why it failed)."""
+        event = self._any_finished.setdefault(caller, asyncio.Event())
+        finished = self._finished.setdefault(caller, [])
+        while not finished:
+            event.clear()
+            await event.wait()
+        out = list(finished)
+        finished.clear()
+        return out
 
     async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
         """A round of the deterministic stream as one batch (EngineClient.generate_round): one Ray call per round."""
@@ -148,22 +206,89 @@ class RemoteEngineClient(EngineClient):
     def __init__(self, actor: Any, version: int = 0, name: str = "a rollout replica"):
         self.actor, self.version, self.name = actor, int(version), name
         self.eos_token_ids = frozenset()  # the engine ends responses at its own EOS ids
+        self._key = uuid.uuid4().hex  # this client's share of the actor's finished requests
+        self._ids = itertools.count()
+        self._unsent: list[Submitted] = []  # generate()s of this event-loop turn, sent as one submit
+        self._waiting: dict[str, asyncio.Future[Generation]] = {}  # submitted, not collected yet
+        self._collector: asyncio.Task | None = None
+        self._last_submit: asyncio.Task | None = None  # the latest submit call, done when its requests are in
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             return await getattr(self.actor, method).remote(*args)
         except RayActorError as e:
-            raise WorkerFailed(f"{self.name} died or is unreachable: {e}") from e
+            raise self._error(e) from e
 
     async def generate(self, prompt_ids, sampling, seed, *, request_id=None, images=None, partial=None):
+        """One sample; the generate()s of one event-loop turn go to the actor as one ``submit`` call and finished
+        samples come back many per ``collect`` call (two Ray calls for a group, not one per sample)."""
         if images is not None:
             raise NotImplementedError("RemoteEngineClient: prompts with images are not streamed")
-        return await self._call("generate", list(prompt_ids), sampling, seed, request_id, partial)
+        rid = request_id or f"remote-{self._key[:8]}-{next(self._ids)}"
+        if rid in self._waiting:
+            raise ValueError(f"{self.name}: request {rid!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        future = self._waiting[rid] = loop.create_future()
+        if not self._unsent:
+            loop.call_soon(self._send)
+        self._unsent.append(Submitted(rid, list(prompt_ids), sampling, seed, partial))
+        try:
+            return await future
+        finally:
+            if self._waiting.get(rid) is future and future.done():
+                del self._waiting[rid]
+
+    def _send(self) -> None:
+        """Submit the pending generate()s as one call; start the collector if none runs."""
+        batch, self._unsent = self._unsent, []
+        if not batch:
+            return
+        ref = self.actor.submit.remote(self._key, batch)
+        self._last_submit = asyncio.ensure_future(self._submitted(ref, [r.request_id for r in batch]))
+        if self._collector is None or self._collector.done():
+            self._collector = asyncio.ensure_future(self._collect())
+
+    async def _submitted(self, ref: Any, request_ids: list[str]) -> None:
+        try:
+            await ref
+        except Exception as e:  # every request of the call fails with it
+            self._fail(request_ids, self._error(e))
+
+    async def _collect(self) -> None:
+        """Hand each finished sample to its generate() while any is waiting."""
+        while self._waiting:
+            try:
+                finished = await self.actor.collect.remote(self._key)
+            except Exception as e:
+                self._fail(list(self._waiting), self._error(e))
+                return
+            for rid, out in finished:
+                future = self._waiting.pop(rid, None)
+                if future is None or future.done():
+                    continue
+                if isinstance(out, Generation):
+                    future.set_result(out)
+                else:
+                    future.set_exception(RuntimeError(f"{self.name}: request {rid!r} failed: {out}"))
+
+    def _error(self, e: BaseException) -> BaseException:
+        if isinstance(e, RayActorError):
+            return WorkerFailed(f"{self.name} died or is unreachable: {e}")
+        return e
+
+    def _fail(self, request_ids: Sequence[str], error: BaseException) -> None:
+        for rid in request_ids:
+            future = self._waiting.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
 
     async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
         return await self._call("generate_round", list(requests))
 
     async def abort(self, request_id: str) -> None:
+        self._send()  # a generate() of this turn is in the engine before its abort is sent
+        if self._last_submit is not None:
+            await asyncio.wait([self._last_submit])
         await self._call("abort", request_id)
 
     async def pause(self, *, clear_cache: bool = True) -> None:

@@ -15,6 +15,7 @@ batches them the same way whatever the timing (the deterministic stream, docs/st
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -77,21 +78,37 @@ class AsyncVLLMClient(EngineClient):
     async def generate(self, prompt_ids, sampling, seed, *, request_id=None, images=None, partial=None):
         """The whole response in one output (vLLM's FINAL_ONLY: no per-step output objects; an abort's output
         holds every token sampled before it)."""
-        final = None
-        async for delta in self._request(prompt_ids, sampling, seed, request_id, images, partial, final_only=True):
-            final = delta.generation
-        assert final is not None
-        return final
+        return await (await self.submit(prompt_ids, sampling, seed, request_id=request_id, images=images,
+                                        partial=partial))
+
+    async def submit(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, *,
+                     request_id: str | None = None, images: Any = None,
+                     partial: Generation | None = None) -> asyncio.Task[Generation]:
+        """:meth:`generate` in two halves: the request is in the engine when this returns (requests submitted one
+        after another reach the engine in that order, and an abort sent afterwards finds it); the task's result is
+        the Generation."""
+        outputs = await self._add(prompt_ids, sampling, seed, request_id, images, partial, final_only=True)
+
+        async def last() -> Generation:
+            final = None
+            async for delta in outputs:
+                final = delta.generation
+            assert final is not None
+            return final
+
+        return asyncio.ensure_future(last())
 
     async def stream(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, *,
                      request_id: str | None = None, images: Any = None,
                      partial: Generation | None = None) -> AsyncIterator[Delta]:
-        async for delta in self._request(prompt_ids, sampling, seed, request_id, images, partial, final_only=False):
+        async for delta in await self._add(prompt_ids, sampling, seed, request_id, images, partial, final_only=False):
             yield delta
 
-    async def _request(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, request_id: str | None,
-                       images: Any, partial: Generation | None, final_only: bool) -> AsyncIterator[Delta]:
-        """One request's deltas (each step's new tokens; ``final_only``: one delta with all of them)."""
+    async def _add(self, prompt_ids: Sequence[int], sampling: Sampling, seed: int | None, request_id: str | None,
+                   images: Any, partial: Generation | None, final_only: bool) -> AsyncIterator[Delta]:
+        """Add one request to the engine; returns the iterator of its deltas (each step's new tokens; ``final_only``:
+        one delta with all of them). The request is aborted if that iterator is cancelled or fails."""
+        from vllm.outputs import STREAM_FINISHED
         from vllm.sampling_params import RequestOutputKind
 
         who = type(self).__name__
@@ -104,28 +121,39 @@ class AsyncVLLMClient(EngineClient):
         budget = sampling.max_tokens - len(done.token_ids)
         resubmits = done.resubmits + (partial is not None)
         if budget <= 0:  # the partial already holds the whole budget
-            yield Delta(rid, [], [], replace(done, request_id=rid, finish_reason="length", resubmits=resubmits))
-            return
+            return _one(Delta(rid, [], [], replace(done, request_id=rid, finish_reason="length", resubmits=resubmits)))
         if partial is not None and seed is not None:
             seed = continuation_seed(seed, resubmits)
         kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
         params = sampling_params(replace(sampling, max_tokens=budget), self.eos_token_ids, seed, output_kind=kind)
         prompt = {"prompt_token_ids": list(prompt_ids) + list(done.token_ids), "cache_salt": f"rlpad-v{self.version}"}
-        all_tokens, all_log_probs = list(done.token_ids), list(done.log_probs)  # the partial's first
-        async for out in self.engine.generate(prompt, params, rid):
-            sample = out.outputs[0]
-            tokens = list(sample.token_ids)
-            log_probs = [step[t].logprob for t, step in zip(tokens, sample.logprobs or [])]
-            all_tokens += tokens
-            all_log_probs += log_probs
-            generation = None
-            if out.finished:
-                versions = self._versions(sample.weight_versions, len(all_tokens) - len(done.token_ids), rid)
-                generation = Generation(rid, all_tokens, all_log_probs, list(done.versions) + versions,
-                                        str(sample.finish_reason), resubmits)
-            yield Delta(rid, tokens, log_probs, generation)
-            if generation is not None:
-                break
+        queue = await self.engine.add_request(rid, prompt, params)
+
+        async def deltas() -> AsyncIterator[Delta]:
+            all_tokens, all_log_probs = list(done.token_ids), list(done.log_probs)  # the partial's first
+            finished = False
+            try:
+                while not finished:
+                    out = queue.get_nowait() or await queue.get()  # vLLM's own drain: no task switch when ready
+                    if out is STREAM_FINISHED:
+                        raise RuntimeError(f"{who}: request {rid} ended without a final output")
+                    sample = out.outputs[0]
+                    tokens = list(sample.token_ids)
+                    log_probs = [step[t].logprob for t, step in zip(tokens, sample.logprobs or [])]
+                    all_tokens += tokens
+                    all_log_probs += log_probs
+                    generation = None
+                    if out.finished:
+                        finished = True
+                        versions = self._versions(sample.weight_versions, len(all_tokens) - len(done.token_ids), rid)
+                        generation = Generation(rid, all_tokens, all_log_probs, list(done.versions) + versions,
+                                                str(sample.finish_reason), resubmits)
+                    yield Delta(rid, tokens, log_probs, generation)
+            finally:  # cancelled, failed, or the consumer stopped early: nothing of it stays on the engine
+                if not finished:
+                    await self.engine.abort(rid)
+
+        return deltas()
 
     async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
         """The requests as one batch: added in order while the scheduler is paused (vLLM queues them), then resumed;
@@ -226,3 +254,7 @@ class AsyncVLLMClient(EngineClient):
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+async def _one(delta: Delta) -> AsyncIterator[Delta]:
+    yield delta
