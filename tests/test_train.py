@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from rlpad.embedded.exactness import FP32_LOGPROB_TOL
 from rlpad.recipe.load import load_config
 from rlpad.train import run
 from paths import CACHE, ROOT, recipe
@@ -105,8 +106,8 @@ def test_ppo_recipe_trains_critic_padded_path(tmp_path):
 def test_grpo_with_rollout_correction_still_learns(tmp_path, mode, threshold):
     """The tiny recipe (full batch size) with the rollout in bf16 against the fp32 actor, so the
     mismatch is real and the correction acts, for 8 steps: the training reward rises; every step
-    logs the mismatch and the correction, and its first mini-batch is exactly on-policy through
-    the real launcher (old log-probs in the update's layout)."""
+    logs the mismatch and the correction, and its first mini-batch is on-policy (to fp32 noise; 0.0 in every
+    run but one) through the real launcher (old log-probs in the update's layout)."""
     out = str(tmp_path / mode)
     run(load_config(GRPO, [f"trainer.default_local_dir={out}", f"sft.cache_dir={CACHE}", "trainer.logger=[jsonl]",
                            "trainer.total_training_steps=8", "trainer.test_freq=-1", "trainer.val_before_train=false",
@@ -115,7 +116,10 @@ def test_grpo_with_rollout_correction_still_learns(tmp_path, mode, threshold):
     steps = [r for s, r in sorted(records(out).items()) if s > 0]
     assert len(steps) == 8
     for r in steps:
-        assert r["actor/first_mini_batch/ppo_kl"] == 0.0 and r["actor/first_mini_batch/log_ratio_abs_max"] == 0.0
+        # exactly 0 in every run but one (ppo_kl 2.3e-7 beside another test file on an Intel Xeon: docs/development.md,
+        # "Seen once, not explained"); old log-probs of another layout or other weights are >= 1e-2 off
+        assert r["actor/first_mini_batch/log_ratio_abs_max"] <= FP32_LOGPROB_TOL
+        assert abs(r["actor/first_mini_batch/ppo_kl"]) <= FP32_LOGPROB_TOL
         assert 1e-4 < r["mismatch/abs_diff_mean"] < 0.1 and r["mismatch/pearson"] > 0.99  # bf16 vs fp32
         assert r["actor/log_ratio_abs_max"] > 0  # later mini-batches see the moved policy
     acted = "rollout_corr/clipped_token_frac" if mode == "token_tis" else "rollout_corr/masked_seq_frac"
