@@ -48,6 +48,33 @@ class Submitted:
 Finished = tuple[str, Generation | str]  # a request id and its Generation, or why it failed
 
 
+class _Inbox:
+    """One caller's ended requests, taken by :meth:`EngineActor.collect`."""
+
+    def __init__(self) -> None:
+        self.items: list[Finished] = []
+        self.event = asyncio.Event()
+
+    def put(self, request_id: str, result: Generation | BaseException) -> None:
+        why = result if isinstance(result, Generation) else f"{type(result).__name__}: {result}"
+        self.items.append((request_id, why))
+        self.event.set()
+
+    def ended(self, request_id: str, task: asyncio.Task) -> None:
+        """A submitted request's task is done: its Generation, or why not."""
+        if task.cancelled():
+            self.put(request_id, asyncio.CancelledError("cancelled"))
+        else:
+            self.put(request_id, task.exception() or task.result())
+
+    async def take(self) -> list[Finished]:
+        while not self.items:
+            self.event.clear()
+            await self.event.wait()
+        out, self.items = self.items, []
+        return out
+
+
 class EngineActor:
     """One ``AsyncLLM`` engine behind async Ray methods (built by :meth:`ready`, in the actor's event loop)."""
 
@@ -58,8 +85,7 @@ class EngineActor:
         self._build = (model_path, rollout, data, client_kwargs)
         self.name, self.client = name, None
         self._streams: dict[str, asyncio.Queue[Delta | Exception]] = {}  # start()ed requests: their deltas not taken yet
-        self._finished: dict[str, list[Finished]] = {}  # submit()ted requests that ended, per caller, not collected yet
-        self._any_finished: dict[str, asyncio.Event] = {}
+        self._inboxes: dict[str, _Inbox] = {}  # per caller: its submit()ted requests that ended, not collected yet
 
     async def ready(self) -> bool:
         if self.client is None:
@@ -80,39 +106,20 @@ class EngineActor:
     async def submit(self, caller: str, requests: Sequence[Submitted]) -> None:
         """Add ``requests`` to the engine in order (each in it when this returns); each one's end goes to ``caller``'s
         :meth:`collect`. One Ray call for many requests (a group's n samples)."""
-        finished = self._finished.setdefault(caller, [])
-        event = self._any_finished.setdefault(caller, asyncio.Event())
-
-        def ended(rid: str, task: asyncio.Task) -> None:
-            if task.cancelled():
-                finished.append((rid, "cancelled"))
-            elif task.exception() is not None:
-                finished.append((rid, f"{type(task.exception()).__name__}: {task.exception()}"))
-            else:
-                finished.append((rid, task.result()))
-            event.set()
-
+        inbox = self._inboxes.setdefault(caller, _Inbox())
         for r in requests:
             try:
                 task = await self.client.submit(r.prompt_ids, r.sampling, r.seed, request_id=r.request_id,
                                                 partial=r.partial)
             except Exception as e:  # refused before it reached the engine: the caller hears it by collect()
-                finished.append((r.request_id, f"{type(e).__name__}: {e}"))
-                event.set()
+                inbox.put(r.request_id, e)
                 continue
-            task.add_done_callback(functools.partial(ended, r.request_id))
+            task.add_done_callback(functools.partial(inbox.ended, r.request_id))
 
     async def collect(self, caller: str) -> list[Finished]:
         """``caller``'s submitted requests that ended since the last call (waits for at least one): (request id,
         its Generation or why it failed)."""
-        event = self._any_finished.setdefault(caller, asyncio.Event())
-        finished = self._finished.setdefault(caller, [])
-        while not finished:
-            event.clear()
-            await event.wait()
-        out = list(finished)
-        finished.clear()
-        return out
+        return await self._inboxes.setdefault(caller, _Inbox()).take()
 
     async def generate_round(self, requests: Sequence[RoundRequest]) -> list[Generation]:
         """A round of the deterministic stream as one batch (EngineClient.generate_round): one Ray call per round."""
